@@ -1,0 +1,144 @@
+//! Compute backends: where a tensor's numbers live and where local math runs.
+//!
+//! A tensor holds a [`Storage`]; every op matches on it and runs the kernel of that backend. The CPU
+//! backend ([`cpu`]) is the reference every other backend is tested against. A GPU backend adds a
+//! variant here (its buffers stay on the device; bytes are read back only at the transport boundary or
+//! when the user asks), and the compiler then points at every op that must learn about it.
+
+pub mod cpu;
+
+use std::sync::Arc;
+
+/// The backend a tensor lives on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Device {
+    /// Host memory, plain Rust loops. The reference backend.
+    Cpu,
+}
+
+impl Device {
+    /// Short name used in messages and tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+        }
+    }
+}
+
+/// The numbers of one tensor, contiguous and row-major, on one backend. Cheap to clone (shared).
+#[derive(Debug, Clone)]
+pub enum Storage {
+    /// Host memory shared by reference count: clones, reshapes and zero-copy sends share it.
+    Cpu(Arc<Vec<f32>>),
+}
+
+impl Storage {
+    /// The device this storage lives on.
+    pub fn device(&self) -> Device {
+        match self {
+            Storage::Cpu(_) => Device::Cpu,
+        }
+    }
+}
+
+/// Elementwise binary operations (with NumPy broadcasting at the tensor level).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BinaryOp {
+    /// `a + b`
+    Add,
+    /// `a - b`
+    Sub,
+    /// `a * b`
+    Mul,
+    /// `a / b`
+    Div,
+    /// `max(a, b)` (NaN-propagating)
+    Max,
+    /// `min(a, b)` (NaN-propagating)
+    Min,
+    /// `1.0` where `a == b`, else `0.0`
+    Eq,
+}
+
+impl BinaryOp {
+    /// Apply to one pair of numbers. Every backend must agree with this bit for bit.
+    #[inline(always)]
+    pub fn apply(self, a: f32, b: f32) -> f32 {
+        match self {
+            BinaryOp::Add => a + b,
+            BinaryOp::Sub => a - b,
+            BinaryOp::Mul => a * b,
+            BinaryOp::Div => a / b,
+            // f32::max ignores NaN; a reduction must not silently drop one.
+            BinaryOp::Max => {
+                if a.is_nan() || b.is_nan() {
+                    f32::NAN
+                } else if a >= b {
+                    a
+                } else {
+                    b
+                }
+            }
+            BinaryOp::Min => {
+                if a.is_nan() || b.is_nan() {
+                    f32::NAN
+                } else if a <= b {
+                    a
+                } else {
+                    b
+                }
+            }
+            BinaryOp::Eq => {
+                if a == b {
+                    1.0
+                } else {
+                    0.0
+                }
+            }
+        }
+    }
+}
+
+/// Elementwise unary operations.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum UnaryOp {
+    /// `-x`
+    Neg,
+    /// `c * x`
+    Scale(f32),
+    /// `max(x, 0)`
+    Relu,
+    /// `1.0` where `x > 0`, else `0.0` (relu's derivative)
+    Step,
+    /// `tanh(x)`
+    Tanh,
+    /// `x * x`
+    Square,
+}
+
+impl UnaryOp {
+    /// Apply to one number. Every backend must agree with this bit for bit (tanh within 1 ulp).
+    #[inline(always)]
+    pub fn apply(self, x: f32) -> f32 {
+        match self {
+            UnaryOp::Neg => -x,
+            UnaryOp::Scale(c) => c * x,
+            UnaryOp::Relu => {
+                if x > 0.0 {
+                    x
+                } else {
+                    0.0
+                }
+            }
+            UnaryOp::Step => {
+                if x > 0.0 {
+                    1.0
+                } else {
+                    0.0
+                }
+            }
+            UnaryOp::Tanh => x.tanh(),
+            UnaryOp::Square => x * x,
+        }
+    }
+}

@@ -1,0 +1,184 @@
+//! Benchmarks behind `distgrad bench` (figures to read, never asserted): an nccl-tests-style table
+//! of collectives on in-process ranks with a memcpy baseline measured in the same run, and the tape's
+//! overhead per local op.
+//!
+//! Bus bandwidth uses nccl-tests' factors: all_reduce `2(n-1)/n`, all_gather `(n-1)/n` (size = the
+//! gathered total), broadcast `1`.
+
+use std::time::{Duration, Instant};
+
+use crate::autograd::Tape;
+use crate::collective::{CommOptions, Communicator, ReduceOp};
+use crate::error::{Error, Result};
+use crate::run::run_local;
+use crate::tensor::Tensor;
+
+/// A benchmarked collective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BenchOp {
+    /// all_reduce(SUM)
+    AllReduce,
+    /// all_gather
+    AllGather,
+    /// broadcast from rank 0
+    Broadcast,
+}
+
+impl BenchOp {
+    /// Name.
+    pub fn name(self) -> &'static str {
+        match self {
+            BenchOp::AllReduce => "all_reduce",
+            BenchOp::AllGather => "all_gather",
+            BenchOp::Broadcast => "broadcast",
+        }
+    }
+
+    /// Parse a name.
+    pub fn parse(s: &str) -> Result<Self> {
+        [BenchOp::AllReduce, BenchOp::AllGather, BenchOp::Broadcast]
+            .into_iter()
+            .find(|o| o.name() == s)
+            .ok_or_else(|| {
+                Error::Input(format!(
+                    "unknown bench op {s:?} (all_reduce, all_gather, broadcast)"
+                ))
+            })
+    }
+
+    /// nccl-tests bus bandwidth factor.
+    pub fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            BenchOp::AllReduce => 2.0 * (n - 1.0) / n,
+            BenchOp::AllGather => (n - 1.0) / n,
+            BenchOp::Broadcast => 1.0,
+        }
+    }
+}
+
+/// One row of the table.
+#[derive(Debug, Clone)]
+pub struct Row {
+    /// The collective.
+    pub op: BenchOp,
+    /// Bytes (all_gather: the gathered total, as nccl-tests).
+    pub bytes: usize,
+    /// Mean time per call.
+    pub time: Duration,
+    /// Algorithm bandwidth, GB/s.
+    pub algbw: f64,
+    /// Bus bandwidth, GB/s.
+    pub busbw: f64,
+}
+
+/// Iterations for a payload: enough to amortize timer noise, bounded for big sizes.
+fn iters_for(bytes: usize) -> usize {
+    ((256usize << 20) / bytes.max(1)).clamp(5, 500)
+}
+
+/// Time `op` on `world` in-process ranks for one size (bytes per rank's input).
+pub fn bench_one(op: BenchOp, world: usize, bytes_per_rank: usize) -> Result<Row> {
+    let numel = (bytes_per_rank / 4).max(1);
+    let iters = iters_for(numel * 4);
+    let results = run_local(world, CommOptions::default(), |comm| async move {
+        let g = comm.world();
+        let x = Tensor::full(&[numel], comm.rank() as f32 + 1.0);
+        let run = async || -> Result<()> {
+            match op {
+                BenchOp::AllReduce => drop(comm.all_reduce(&x, ReduceOp::Sum, &g).await?),
+                BenchOp::AllGather => drop(comm.all_gather(&x, &g).await?),
+                BenchOp::Broadcast => drop(comm.broadcast(&x, 0, &g).await?),
+            }
+            Ok(())
+        };
+        run().await?; // warm-up
+        comm.barrier(&g).await?;
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            run().await?;
+        }
+        comm.barrier(&g).await?;
+        Ok(t0.elapsed())
+    });
+    let mut worst = Duration::ZERO;
+    for r in results {
+        worst = worst.max(r?);
+    }
+    let time = worst / iters as u32;
+    let bytes = match op {
+        BenchOp::AllGather => numel * 4 * world,
+        _ => numel * 4,
+    };
+    let algbw = bytes as f64 / time.as_secs_f64() / 1e9;
+    Ok(Row {
+        op,
+        bytes,
+        time,
+        algbw,
+        busbw: algbw * op.bus_factor(world),
+    })
+}
+
+/// Single-thread memcpy bandwidth (GB/s of bytes copied) for `bytes`-sized buffers.
+pub fn memcpy_gbps(bytes: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    dst.copy_from_slice(&src); // fault pages in
+    let iters = iters_for(bytes).min(20);
+    let t0 = Instant::now();
+    for i in 0..iters {
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&mut dst);
+        std::hint::black_box(i);
+    }
+    bytes as f64 * iters as f64 / t0.elapsed().as_secs_f64() / 1e9
+}
+
+/// Human-readable size.
+pub fn fmt_bytes(b: usize) -> String {
+    if b >= 1 << 20 {
+        format!("{} MiB", b >> 20)
+    } else if b >= 1 << 10 {
+        format!("{} KiB", b >> 10)
+    } else {
+        format!("{b} B")
+    }
+}
+
+/// Sizes from `min` to `max` bytes, ×4 each step (nccl-tests' -f 4).
+pub fn sizes(min: usize, max: usize) -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut s = min.max(4);
+    while s <= max {
+        v.push(s);
+        s *= 4;
+    }
+    v
+}
+
+/// Tape overhead: µs per recorded local op on 1-element tensors, and µs per raw tensor op, measured
+/// side by side. Returns `(taped_us, raw_us)`.
+pub fn tape_overhead(ops: usize) -> Result<(f64, f64)> {
+    let a = Tensor::vector(&[1.5]);
+    let b = Tensor::vector(&[0.5]);
+    let t0 = Instant::now();
+    let mut acc = a.clone();
+    for _ in 0..ops {
+        acc = acc.mul(&b)?.add(&a)?;
+    }
+    std::hint::black_box(&acc);
+    let raw = t0.elapsed().as_secs_f64() * 1e6 / (2 * ops) as f64;
+
+    let tape = Tape::new();
+    let va = tape.var(a);
+    let vb = tape.constant(b);
+    let t0 = Instant::now();
+    let mut v = va.clone();
+    for _ in 0..ops {
+        v = v.mul(&vb)?.add(&va)?;
+    }
+    std::hint::black_box(&v);
+    let taped = t0.elapsed().as_secs_f64() * 1e6 / (2 * ops) as f64;
+    Ok((taped, raw))
+}

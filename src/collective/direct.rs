@@ -1,0 +1,257 @@
+//! Direct exchange: every message goes straight from its source to its destination. Used for small
+//! payloads (one round instead of `2(n-1)` ring steps) and for the collectives whose data has no ring
+//! structure (gather, scatter, all_to_all, permute, barrier).
+//!
+//! Reductions fold the ranks' contributions in group-rank order on every rank, so all_reduce results
+//! are bitwise identical everywhere.
+
+use bytes::Bytes;
+
+use super::ReduceOp;
+use super::p2p::{Call, decode_tensor, encode_tensor};
+use crate::backend::cpu;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+use crate::transport::Transport;
+
+/// Receive from `src` and check the byte length.
+async fn recv_len<T: Transport>(call: &Call<'_, T>, src: usize, want: usize) -> Result<Bytes> {
+    let got = call.recv(src).await?;
+    if got.len() != want {
+        return Err(call.protocol(src, format!("expected {want} bytes, got {}", got.len())));
+    }
+    Ok(got)
+}
+
+/// Fold `parts` (index = group rank, `None` = use `own`) in rank order; scale for Avg.
+fn fold<T: Transport>(
+    call: &Call<'_, T>,
+    own: &[f32],
+    parts: &[Option<Bytes>],
+    op: ReduceOp,
+) -> Vec<f32> {
+    let mut acc: Option<Vec<f32>> = None;
+    for p in parts {
+        match (&mut acc, p) {
+            (None, None) => acc = Some(own.to_vec()),
+            (None, Some(b)) => acc = Some(cpu::f32s_from_le_bytes(b)),
+            (Some(a), None) => cpu::reduce_into(op.combine(), a, own),
+            (Some(a), Some(b)) => cpu::reduce_into_le_bytes(op.combine(), a, b),
+        }
+    }
+    let mut acc = acc.unwrap_or_default();
+    if let Some(k) = call.avg_scale(op) {
+        acc.iter_mut().for_each(|v| *v *= k);
+    }
+    acc
+}
+
+/// Everyone sends `x` to everyone and folds in rank order.
+pub(crate) async fn all_reduce<T: Transport>(
+    call: &Call<'_, T>,
+    x: &Tensor,
+    op: ReduceOp,
+) -> Result<Tensor> {
+    let parts = exchange_all(call, x).await?;
+    Tensor::from_vec(fold(call, x.cpu(), &parts, op), x.shape())
+}
+
+/// Send `x` to every other rank, receive every other rank's equal-size tensor (`None` at our index).
+async fn exchange_all<T: Transport>(call: &Call<'_, T>, x: &Tensor) -> Result<Vec<Option<Bytes>>> {
+    let xb = x.to_le_bytes();
+    for k in 1..call.n {
+        call.send((call.me + k) % call.n, xb.clone()).await?;
+    }
+    let mut parts = vec![None; call.n];
+    for (j, p) in parts.iter_mut().enumerate() {
+        if j != call.me {
+            *p = Some(recv_len(call, j, xb.len()).await?);
+        }
+    }
+    Ok(parts)
+}
+
+/// Everyone gets everyone's `x`.
+pub(crate) async fn all_gather<T: Transport>(
+    call: &Call<'_, T>,
+    x: &Tensor,
+) -> Result<Vec<Tensor>> {
+    let parts = exchange_all(call, x).await?;
+    parts
+        .iter()
+        .map(|p| match p {
+            None => Ok(x.clone()),
+            Some(b) => Tensor::from_le_bytes(b, x.shape()),
+        })
+        .collect()
+}
+
+/// Rank `j` gets the fold of everyone's `xs[j]`.
+pub(crate) async fn reduce_scatter<T: Transport>(
+    call: &Call<'_, T>,
+    xs: &[Tensor],
+    op: ReduceOp,
+) -> Result<Tensor> {
+    for k in 1..call.n {
+        let j = (call.me + k) % call.n;
+        call.send(j, xs[j].to_le_bytes()).await?;
+    }
+    let want = xs[call.me].numel() * 4;
+    let mut parts = vec![None; call.n];
+    for (j, p) in parts.iter_mut().enumerate() {
+        if j != call.me {
+            *p = Some(recv_len(call, j, want).await?);
+        }
+    }
+    Tensor::from_vec(
+        fold(call, xs[call.me].cpu(), &parts, op),
+        xs[call.me].shape(),
+    )
+}
+
+/// Everyone sends `x` to the root.
+pub(crate) async fn gather<T: Transport>(
+    call: &Call<'_, T>,
+    x: &Tensor,
+    root: usize,
+) -> Result<Option<Vec<Tensor>>> {
+    if call.me != root {
+        call.send(root, x.to_le_bytes()).await?;
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(call.n);
+    for j in 0..call.n {
+        if j == root {
+            out.push(x.clone());
+        } else {
+            let b = recv_len(call, j, x.numel() * 4).await?;
+            out.push(Tensor::from_le_bytes(&b, x.shape())?);
+        }
+    }
+    Ok(Some(out))
+}
+
+/// The root sends `xs[j]` to rank `j` (with its shape: receivers do not know it).
+pub(crate) async fn scatter<T: Transport>(
+    call: &Call<'_, T>,
+    xs: Option<&[Tensor]>,
+    root: usize,
+) -> Result<Tensor> {
+    if call.me == root {
+        let xs =
+            xs.ok_or_else(|| Error::invalid("scatter", "the root must pass the list to scatter"))?;
+        for k in 1..call.n {
+            let j = (root + k) % call.n;
+            call.send(j, encode_tensor(&xs[j])).await?;
+        }
+        return Ok(xs[root].clone());
+    }
+    let b = call.recv(root).await?;
+    decode_tensor(b).ok_or_else(|| call.protocol(root, "malformed tensor"))
+}
+
+/// List all_to_all: `xs[j]` goes to rank `j`; output `i` comes from rank `i`. Shapes may differ.
+pub(crate) async fn all_to_all<T: Transport>(
+    call: &Call<'_, T>,
+    xs: &[Tensor],
+) -> Result<Vec<Tensor>> {
+    for k in 1..call.n {
+        let j = (call.me + k) % call.n;
+        call.send(j, encode_tensor(&xs[j])).await?;
+    }
+    let mut out = Vec::with_capacity(call.n);
+    for (i, x) in xs.iter().enumerate() {
+        if i == call.me {
+            out.push(x.clone());
+        } else {
+            let b = call.recv(i).await?;
+            out.push(decode_tensor(b).ok_or_else(|| call.protocol(i, "malformed tensor"))?);
+        }
+    }
+    Ok(out)
+}
+
+/// Single-tensor all_to_all with split sizes along dim 0.
+pub(crate) async fn all_to_all_single<T: Transport>(
+    call: &Call<'_, T>,
+    x: &Tensor,
+    in_splits: &[usize],
+    out_splits: &[usize],
+) -> Result<Tensor> {
+    let rest: Vec<usize> = x.shape()[1..].to_vec();
+    let row: usize = rest.iter().product();
+    let mut starts = Vec::with_capacity(call.n);
+    let mut s = 0;
+    for &k in in_splits {
+        starts.push(s);
+        s += k;
+    }
+    let piece = |j: usize| x.slice(0, starts[j], in_splits[j]);
+    for k in 1..call.n {
+        let j = (call.me + k) % call.n;
+        call.send(j, piece(j)?.to_le_bytes()).await?;
+    }
+    let mut parts = Vec::with_capacity(call.n);
+    for (i, &rows) in out_splits.iter().enumerate() {
+        let shape: Vec<usize> = std::iter::once(rows).chain(rest.iter().copied()).collect();
+        if i == call.me {
+            if in_splits[i] != rows {
+                return Err(Error::invalid(
+                    "all_to_all_single",
+                    format!(
+                        "this rank ({i}) sends itself {} rows but out_splits expects {rows}",
+                        in_splits[i]
+                    ),
+                ));
+            }
+            parts.push(piece(i)?);
+            continue;
+        }
+        let b = call.recv(i).await?;
+        if b.len() != rows * row * 4 {
+            return Err(Error::invalid(
+                "all_to_all_single",
+                format!(
+                    "group rank {} expects {rows} rows from group rank {i} (its out_splits) but got {} (the sender's in_splits)",
+                    call.me,
+                    b.len() / 4 / row.max(1)
+                ),
+            ));
+        }
+        parts.push(Tensor::from_le_bytes(&b, &shape)?);
+    }
+    let nonempty: Vec<Tensor> = parts.into_iter().collect();
+    Tensor::concat(&nonempty, 0)
+}
+
+/// `dst` gets `src`'s `x` for each pair; ranks that receive nothing get zeros.
+pub(crate) async fn permute<T: Transport>(
+    call: &Call<'_, T>,
+    x: &Tensor,
+    pairs: &[(usize, usize)],
+) -> Result<Tensor> {
+    let me = call.me;
+    if let Some(&(_, d)) = pairs.iter().find(|(s, d)| *s == me && *d != me) {
+        call.send(d, x.to_le_bytes()).await?;
+    }
+    match pairs.iter().find(|(_, d)| *d == me) {
+        Some(&(s, _)) if s == me => Ok(x.clone()),
+        Some(&(s, _)) => {
+            let b = recv_len(call, s, x.numel() * 4).await?;
+            Tensor::from_le_bytes(&b, x.shape())
+        }
+        None => Ok(x.zeros_like()),
+    }
+}
+
+/// Dissemination barrier: in round `k` send to `me + 2^k`, receive from `me - 2^k`.
+pub(crate) async fn barrier<T: Transport>(call: &Call<'_, T>) -> Result<()> {
+    let n = call.n;
+    let mut d = 1;
+    while d < n {
+        call.send((call.me + d) % n, Bytes::new()).await?;
+        recv_len(call, (call.me + n - d) % n, 0).await?;
+        d <<= 1;
+    }
+    Ok(())
+}

@@ -1,0 +1,757 @@
+//! [`P2p`]: every collective built from a [`Transport`]'s point-to-point messages.
+//!
+//! A call runs in three steps: [`P2p::begin`] numbers it in its group and sends this rank's
+//! [`CallSig`] to the ring successor; the algorithm exchanges data through [`Call::send`] /
+//! [`Call::recv`], which check signatures before any byte is used and bound every wait by the
+//! timeout; [`P2p::finish`] waits for the predecessor's signature if it has not come yet, and on any
+//! error aborts the transport so that every other rank fails too (never a hang, never garbage).
+//!
+//! Signature checks: the message from the ring predecessor is verified by its signature message
+//! (sent first, so checked before the data); messages from any other rank carry the sender's
+//! signature as a prefix. Because every rank checks its predecessor, any disagreement anywhere in the
+//! group is seen by at least one rank, which aborts the rest.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use futures::future::{Either, select};
+use futures::pin_mut;
+
+use super::sig::{CallSig, Kind};
+use super::{Communicator, Group, ReduceOp, chunk_bounds, direct, ring, tree};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+use crate::transport::{Channel, Tag, Transport};
+
+/// Tuning and safety knobs of a [`P2p`] communicator.
+#[derive(Debug, Clone)]
+pub struct CommOptions {
+    /// Longest wait for any single message before the call fails with [`Error::Timeout`].
+    pub timeout: Duration,
+    /// Payloads (bytes per rank) below this use direct exchange instead of the ring.
+    pub ring_threshold: usize,
+    /// Large ring all_reduces are pipelined in segments of this many bytes per rank chunk.
+    pub segment_bytes: usize,
+    /// Collectives in which a rank can finish without hearing from every other rank (broadcast,
+    /// reduce, gather, scatter, permute), or whose arguments only the receiver can check
+    /// (all_to_all_single's split sizes), end with a dissemination round (`ceil(log2 n)` empty
+    /// messages), so that every rank learns of a mismatch before returning. Off: saves those rounds;
+    /// a mismatch then fails the ranks that see it at once and the others at their next call.
+    pub confirm: bool,
+    /// Record every call's signature (see [`P2p::take_calls`]); used by `distgrad vjp` to show duals.
+    pub record_calls: bool,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        CommOptions {
+            timeout: Duration::from_secs(60),
+            ring_threshold: 64 * 1024,
+            segment_bytes: 256 * 1024,
+            confirm: true,
+            record_calls: false,
+        }
+    }
+}
+
+/// A communicator over a point-to-point transport.
+pub struct P2p<T: Transport> {
+    transport: T,
+    opts: CommOptions,
+    next_group: Cell<u32>,
+    seqs: RefCell<HashMap<u32, u64>>,
+    p2p_seqs: RefCell<HashMap<(u32, usize, usize), u64>>,
+    calls: RefCell<Vec<(u32, CallSig)>>,
+}
+
+impl<T: Transport> P2p<T> {
+    /// Wrap a transport.
+    pub fn new(transport: T, opts: CommOptions) -> Self {
+        P2p {
+            transport,
+            opts,
+            next_group: Cell::new(1),
+            seqs: RefCell::default(),
+            p2p_seqs: RefCell::default(),
+            calls: RefCell::default(),
+        }
+    }
+
+    /// The transport underneath.
+    pub fn transport(&self) -> &T {
+        &self.transport
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &CommOptions {
+        &self.opts
+    }
+
+    /// The calls made since the last `take_calls` as `(group id, signature)`, if recording is on.
+    pub fn take_calls(&self) -> Vec<(u32, CallSig)> {
+        std::mem::take(&mut self.calls.borrow_mut())
+    }
+
+    /// Start a collective on `group`: number it, announce the signature to the ring successor.
+    pub(crate) async fn begin<'a>(&'a self, group: &'a Group, sig: CallSig) -> Result<Call<'a, T>> {
+        let me = group.require_member(sig.kind.name())?;
+        let seq = {
+            let mut seqs = self.seqs.borrow_mut();
+            let s = seqs.entry(group.id()).or_insert(0);
+            *s += 1;
+            *s - 1
+        };
+        if self.opts.record_calls {
+            self.calls.borrow_mut().push((group.id(), sig.clone()));
+        }
+        let n = group.size();
+        let sig_bytes = sig.encode();
+        let call = Call {
+            comm: self,
+            group,
+            me,
+            n,
+            seq,
+            sig,
+            sig_bytes,
+            pred_ok: Cell::new(n == 1),
+        };
+        if n > 1 {
+            let tag = call.tag(Channel::Sig);
+            let r = self
+                .transport
+                .send(group.global(call.succ()), tag, call.sig_bytes.clone())
+                .await;
+            if let Err(e) = r {
+                return Err(self.fail(e).await);
+            }
+        }
+        Ok(call)
+    }
+
+    /// End a call: on success make sure the predecessor's signature was checked; on failure abort.
+    pub(crate) async fn finish<R>(&self, call: Call<'_, T>, r: Result<R>) -> Result<R> {
+        let r = match r {
+            Ok(v) => call.check_pred().await.map(|()| v),
+            Err(e) => Err(e),
+        };
+        match r {
+            Ok(v) => Ok(v),
+            Err(e) => Err(self.fail(e).await),
+        }
+    }
+
+    /// For collectives whose data does not reach every rank from every other rank: confirm agreement.
+    /// (With two ranks each checks the other's signature anyway: `min_n` = 3 skips that case.)
+    async fn agree<R>(&self, call: &Call<'_, T>, r: Result<R>, min_n: usize) -> Result<R> {
+        match r {
+            Ok(v) if self.opts.confirm && call.n >= min_n => {
+                direct::barrier(call).await.map(|()| v)
+            }
+            r => r,
+        }
+    }
+
+    /// Tell every peer this communicator is dead (unless the error came from a peer's abort).
+    async fn fail(&self, e: Error) -> Error {
+        if !matches!(e, Error::Aborted { .. }) {
+            self.transport.abort(&e.to_string()).await;
+        }
+        e
+    }
+
+    fn next_p2p_seq(&self, group: u32, from: usize, to: usize) -> u64 {
+        let mut m = self.p2p_seqs.borrow_mut();
+        let s = m.entry((group, from, to)).or_insert(0);
+        *s += 1;
+        *s - 1
+    }
+}
+
+/// Wait for `fut` at most `timeout`.
+pub(crate) async fn with_timeout<F: Future>(timeout: Duration, fut: F) -> Option<F::Output> {
+    let delay = futures_timer::Delay::new(timeout);
+    pin_mut!(fut);
+    match select(fut, delay).await {
+        Either::Left((v, _)) => Some(v),
+        Either::Right(((), _)) => None,
+    }
+}
+
+/// One collective call in progress on this rank.
+pub(crate) struct Call<'a, T: Transport> {
+    comm: &'a P2p<T>,
+    group: &'a Group,
+    /// This rank's group rank.
+    pub me: usize,
+    /// Group size.
+    pub n: usize,
+    seq: u64,
+    sig: CallSig,
+    sig_bytes: Bytes,
+    pred_ok: Cell<bool>,
+}
+
+impl<T: Transport> Call<'_, T> {
+    fn tag(&self, channel: Channel) -> Tag {
+        Tag {
+            group: self.group.id(),
+            seq: self.seq,
+            channel,
+        }
+    }
+
+    /// Ring successor (group rank).
+    pub fn succ(&self) -> usize {
+        (self.me + 1) % self.n
+    }
+
+    /// Ring predecessor (group rank).
+    pub fn pred(&self) -> usize {
+        (self.me + self.n - 1) % self.n
+    }
+
+    /// The signature as text, for errors.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} (group {}, call #{})",
+            self.sig,
+            self.group.id(),
+            self.seq
+        )
+    }
+
+    fn my_global(&self) -> usize {
+        self.group.global(self.me)
+    }
+
+    fn mismatch(&self, peer: usize, theirs: &CallSig) -> Error {
+        Error::Mismatch {
+            group: self.group.id(),
+            seq: self.seq,
+            rank: self.my_global(),
+            call: self.sig.to_string(),
+            peer: self.group.global(peer),
+            peer_call: theirs.to_string(),
+        }
+    }
+
+    /// Error for bytes from `peer` that cannot be what the protocol says.
+    pub fn protocol(&self, peer: usize, detail: impl Into<String>) -> Error {
+        Error::Protocol {
+            rank: self.my_global(),
+            peer: self.group.global(peer),
+            call: self.describe(),
+            detail: detail.into(),
+        }
+    }
+
+    fn add_context(&self, e: Error) -> Error {
+        match e {
+            Error::PeerLost { rank, peer, call } if call.is_empty() => Error::PeerLost {
+                rank,
+                peer,
+                call: self.describe(),
+            },
+            e => e,
+        }
+    }
+
+    async fn wait<F: Future<Output = Result<Bytes>>>(&self, peer: usize, fut: F) -> Result<Bytes> {
+        match with_timeout(self.comm.opts.timeout, fut).await {
+            Some(r) => r.map_err(|e| self.add_context(e)),
+            None => Err(Error::Timeout {
+                rank: self.my_global(),
+                peer: self.group.global(peer),
+                call: self.describe(),
+                timeout: self.comm.opts.timeout,
+            }),
+        }
+    }
+
+    fn verify(&self, peer: usize, sig_bytes: &[u8]) -> Result<()> {
+        let theirs = CallSig::decode(sig_bytes)
+            .ok_or_else(|| self.protocol(peer, "undecodable call signature"))?;
+        if theirs.agrees(&self.sig) {
+            Ok(())
+        } else {
+            Err(self.mismatch(peer, &theirs))
+        }
+    }
+
+    /// Wait for and verify the ring predecessor's signature (once per call).
+    async fn check_pred(&self) -> Result<()> {
+        if self.pred_ok.get() {
+            return Ok(());
+        }
+        let pred = self.pred();
+        let t = self
+            .comm
+            .transport
+            .recv(self.group.global(pred), self.tag(Channel::Sig));
+        let s = self.wait(pred, t).await?;
+        self.verify(pred, &s)?;
+        self.pred_ok.set(true);
+        Ok(())
+    }
+
+    /// Send `payload` to group rank `dst`. Messages to the successor go raw (it checks the signature
+    /// message); to anyone else they carry this rank's signature first.
+    pub async fn send(&self, dst: usize, payload: Bytes) -> Result<()> {
+        let msg = if dst == self.succ() {
+            payload
+        } else {
+            let mut b = BytesMut::with_capacity(4 + self.sig_bytes.len() + payload.len());
+            b.put_u32_le(self.sig_bytes.len() as u32);
+            b.put_slice(&self.sig_bytes);
+            b.put_slice(&payload);
+            b.freeze()
+        };
+        self.comm
+            .transport
+            .send(self.group.global(dst), self.tag(Channel::Data), msg)
+            .await
+    }
+
+    /// The next data message from group rank `src`, its sender's call verified to agree with ours.
+    pub async fn recv(&self, src: usize) -> Result<Bytes> {
+        let t = &self.comm.transport;
+        let data = t.recv(self.group.global(src), self.tag(Channel::Data));
+        if src == self.pred() {
+            self.check_pred().await?;
+            return self.wait(src, data).await;
+        }
+        let msg = if self.pred_ok.get() {
+            self.wait(src, data).await?
+        } else {
+            // Race the predecessor's signature against the data: whichever comes first, a mismatch
+            // anywhere ends the wait instead of leaving this rank blocked on a peer in another call.
+            let pred = self.pred();
+            let sig = t.recv(self.group.global(pred), self.tag(Channel::Sig));
+            pin_mut!(sig, data);
+            let both = async {
+                match select(sig, data).await {
+                    Either::Left((s, data)) => {
+                        let s = s.map_err(|e| self.add_context(e))?;
+                        self.verify(pred, &s)?;
+                        self.pred_ok.set(true);
+                        data.await
+                    }
+                    Either::Right((d, _)) => d,
+                }
+            };
+            self.wait(src, both).await?
+        };
+        self.strip_sig(src, msg)
+    }
+
+    fn strip_sig(&self, src: usize, mut msg: Bytes) -> Result<Bytes> {
+        if msg.len() < 4 {
+            return Err(self.protocol(src, "message shorter than its signature prefix"));
+        }
+        let n = msg.get_u32_le() as usize;
+        if msg.len() < n {
+            return Err(self.protocol(src, "signature prefix longer than the message"));
+        }
+        let sig = msg.split_to(n);
+        self.verify(src, &sig)?;
+        Ok(msg)
+    }
+
+    /// The combine op and divisor handling for reducing collectives live in the algorithms; this is
+    /// the group size they divide by for `Avg`.
+    pub fn avg_scale(&self, op: ReduceOp) -> Option<f32> {
+        (op == ReduceOp::Avg).then(|| 1.0 / self.n as f32)
+    }
+}
+
+/// Whole-tensor wire form: `[u32 ndim][u64 dim]*[f32 LE data]`.
+pub(crate) fn encode_tensor(t: &Tensor) -> Bytes {
+    let data = t.to_le_bytes();
+    let mut b = BytesMut::with_capacity(4 + 8 * t.shape().len() + data.len());
+    b.put_u32_le(t.shape().len() as u32);
+    for &d in t.shape() {
+        b.put_u64_le(d as u64);
+    }
+    b.put_slice(&data);
+    b.freeze()
+}
+
+/// Parse [`encode_tensor`]'s output; `None` if malformed.
+pub(crate) fn decode_tensor(mut b: Bytes) -> Option<Tensor> {
+    if b.len() < 4 {
+        return None;
+    }
+    let nd = b.get_u32_le() as usize;
+    if nd > 64 || b.len() < nd * 8 {
+        return None;
+    }
+    let mut shape = Vec::with_capacity(nd);
+    let mut n: usize = 1;
+    for _ in 0..nd {
+        let d = usize::try_from(b.get_u64_le()).ok()?;
+        n = n.checked_mul(d)?;
+        shape.push(d);
+    }
+    if n.checked_mul(4)? != b.len() {
+        return None;
+    }
+    Tensor::from_le_bytes(&b, &shape).ok()
+}
+
+fn list_shape(op: &'static str, xs: &[Tensor], n: usize) -> Result<Vec<usize>> {
+    if xs.len() != n {
+        return Err(Error::invalid(
+            op,
+            format!("need one tensor per group rank ({n}), got {}", xs.len()),
+        ));
+    }
+    let shape = xs[0].shape().to_vec();
+    if let Some(bad) = xs.iter().find(|x| x.shape() != shape.as_slice()) {
+        return Err(Error::shape(
+            op,
+            &shape,
+            bad.shape(),
+            "all tensors of the list must have one shape",
+        ));
+    }
+    Ok(shape)
+}
+
+impl<T: Transport> Communicator for P2p<T> {
+    fn rank(&self) -> usize {
+        self.transport.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.transport.world()
+    }
+
+    fn world(&self) -> Group {
+        let w = self.transport.world();
+        Group::new(0, (0..w).collect(), w, self.transport.rank())
+            .expect("0..world is a valid group")
+    }
+
+    fn new_group(&self, ranks: &[usize]) -> Result<Group> {
+        let id = self.next_group.get();
+        let g = Group::new(
+            id,
+            ranks.to_vec(),
+            self.transport.world(),
+            self.transport.rank(),
+        )?;
+        self.next_group.set(id + 1);
+        Ok(g)
+    }
+
+    async fn broadcast(&self, x: &Tensor, root: usize, group: &Group) -> Result<Tensor> {
+        group.check_rank("broadcast", "root", root)?;
+        let call = self
+            .begin(
+                group,
+                CallSig::new(Kind::Broadcast).root(root).shape(x.shape()),
+            )
+            .await?;
+        let r = tree::broadcast(&call, x, root).await;
+        let r = self.agree(&call, r, 3).await;
+        self.finish(call, r).await
+    }
+
+    async fn reduce(
+        &self,
+        x: &Tensor,
+        root: usize,
+        op: ReduceOp,
+        group: &Group,
+    ) -> Result<Option<Tensor>> {
+        group.check_rank("reduce", "root", root)?;
+        let call = self
+            .begin(
+                group,
+                CallSig::new(Kind::Reduce)
+                    .op(op)
+                    .root(root)
+                    .shape(x.shape()),
+            )
+            .await?;
+        let r = tree::reduce(&call, x, root, op).await;
+        let r = self.agree(&call, r, 3).await;
+        self.finish(call, r).await
+    }
+
+    async fn all_reduce(&self, x: &Tensor, op: ReduceOp, group: &Group) -> Result<Tensor> {
+        let call = self
+            .begin(group, CallSig::new(Kind::AllReduce).op(op).shape(x.shape()))
+            .await?;
+        let r = if x.numel() * 4 >= self.opts.ring_threshold && x.numel() >= call.n {
+            ring::all_reduce(&call, x, op, self.opts.segment_bytes).await
+        } else {
+            direct::all_reduce(&call, x, op).await
+        };
+        self.finish(call, r).await
+    }
+
+    async fn gather(&self, x: &Tensor, root: usize, group: &Group) -> Result<Option<Vec<Tensor>>> {
+        group.check_rank("gather", "root", root)?;
+        let call = self
+            .begin(
+                group,
+                CallSig::new(Kind::Gather).root(root).shape(x.shape()),
+            )
+            .await?;
+        let r = direct::gather(&call, x, root).await;
+        let r = self.agree(&call, r, 3).await;
+        self.finish(call, r).await
+    }
+
+    async fn scatter(&self, xs: Option<&[Tensor]>, root: usize, group: &Group) -> Result<Tensor> {
+        group.check_rank("scatter", "root", root)?;
+        let me = group.require_member("scatter")?;
+        let mut sig = CallSig::new(Kind::Scatter).root(root);
+        match (me == root, xs) {
+            (true, Some(xs)) => sig = sig.shape(&list_shape("scatter", xs, group.size())?),
+            (true, None) => {
+                return Err(Error::invalid(
+                    "scatter",
+                    "the root must pass the list to scatter",
+                ));
+            }
+            (false, Some(_)) => {
+                return Err(Error::invalid(
+                    "scatter",
+                    format!("only the root ({root}) passes a list; this is rank {me}"),
+                ));
+            }
+            (false, None) => {}
+        }
+        let call = self.begin(group, sig).await?;
+        let r = direct::scatter(&call, xs, root).await;
+        let r = self.agree(&call, r, 3).await;
+        self.finish(call, r).await
+    }
+
+    async fn all_gather(&self, x: &Tensor, group: &Group) -> Result<Vec<Tensor>> {
+        let call = self
+            .begin(group, CallSig::new(Kind::AllGather).shape(x.shape()))
+            .await?;
+        let r = if x.numel() * 4 >= self.opts.ring_threshold {
+            ring::all_gather(&call, x).await
+        } else {
+            direct::all_gather(&call, x).await
+        };
+        self.finish(call, r).await
+    }
+
+    async fn reduce_scatter(&self, xs: &[Tensor], op: ReduceOp, group: &Group) -> Result<Tensor> {
+        let shape = list_shape("reduce_scatter", xs, group.size())?;
+        let call = self
+            .begin(
+                group,
+                CallSig::new(Kind::ReduceScatter).op(op).shape(&shape),
+            )
+            .await?;
+        let r = if xs[0].numel() * 4 >= self.opts.ring_threshold {
+            ring::reduce_scatter(&call, xs, op).await
+        } else {
+            direct::reduce_scatter(&call, xs, op).await
+        };
+        self.finish(call, r).await
+    }
+
+    async fn all_to_all(&self, xs: &[Tensor], group: &Group) -> Result<Vec<Tensor>> {
+        if xs.len() != group.size() {
+            return Err(Error::invalid(
+                "all_to_all",
+                format!(
+                    "need one tensor per group rank ({}), got {}",
+                    group.size(),
+                    xs.len()
+                ),
+            ));
+        }
+        let call = self.begin(group, CallSig::new(Kind::AllToAll)).await?;
+        let r = direct::all_to_all(&call, xs).await;
+        self.finish(call, r).await
+    }
+
+    async fn all_to_all_single(
+        &self,
+        x: &Tensor,
+        in_splits: &[usize],
+        out_splits: &[usize],
+        group: &Group,
+    ) -> Result<Tensor> {
+        let n = group.size();
+        let op = "all_to_all_single";
+        if x.shape().is_empty() {
+            return Err(Error::invalid(op, "input must have at least one dimension"));
+        }
+        if in_splits.len() != n || out_splits.len() != n {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "split lists must have group size {n} entries: in {in_splits:?}, out {out_splits:?}"
+                ),
+            ));
+        }
+        if in_splits.iter().sum::<usize>() != x.shape()[0] {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "in_splits {in_splits:?} do not sum to dim 0 of shape {:?}",
+                    x.shape()
+                ),
+            ));
+        }
+        let call = self
+            .begin(
+                group,
+                CallSig::new(Kind::AllToAllSingle).shape(&x.shape()[1..]),
+            )
+            .await?;
+        let r = direct::all_to_all_single(&call, x, in_splits, out_splits).await;
+        let r = self.agree(&call, r, 2).await;
+        self.finish(call, r).await
+    }
+
+    async fn send(&self, x: &Tensor, dst: usize, group: &Group) -> Result<()> {
+        let me = group.require_member("send")?;
+        group.check_rank("send", "destination", dst)?;
+        if dst == me {
+            return Err(Error::invalid("send", "a rank cannot send to itself"));
+        }
+        let sig = CallSig::new(Kind::Send).shape(x.shape());
+        if self.opts.record_calls {
+            self.calls.borrow_mut().push((group.id(), sig.clone()));
+        }
+        let seq = self.next_p2p_seq(group.id(), me, dst);
+        let sb = sig.encode();
+        let data = encode_tensor(x);
+        let mut b = BytesMut::with_capacity(4 + sb.len() + data.len());
+        b.put_u32_le(sb.len() as u32);
+        b.put_slice(&sb);
+        b.put_slice(&data);
+        let tag = Tag {
+            group: group.id(),
+            seq,
+            channel: Channel::P2p,
+        };
+        match self
+            .transport
+            .send(group.global(dst), tag, b.freeze())
+            .await
+        {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.fail(e).await),
+        }
+    }
+
+    async fn recv(&self, shape: &[usize], src: usize, group: &Group) -> Result<Tensor> {
+        let me = group.require_member("recv")?;
+        group.check_rank("recv", "source", src)?;
+        if src == me {
+            return Err(Error::invalid("recv", "a rank cannot receive from itself"));
+        }
+        let sig = CallSig::new(Kind::Send).shape(shape);
+        if self.opts.record_calls {
+            self.calls.borrow_mut().push((group.id(), sig.clone()));
+        }
+        let seq = self.next_p2p_seq(group.id(), src, me);
+        let tag = Tag {
+            group: group.id(),
+            seq,
+            channel: Channel::P2p,
+        };
+        let describe = || {
+            format!(
+                "recv(from={src}, shape={shape:?}) (group {}, message #{seq})",
+                group.id()
+            )
+        };
+        let peer = group.global(src);
+        let r = async {
+            let got = with_timeout(self.opts.timeout, self.transport.recv(peer, tag)).await;
+            let mut msg = match got {
+                None => {
+                    return Err(Error::Timeout {
+                        rank: self.rank(),
+                        peer,
+                        call: describe(),
+                        timeout: self.opts.timeout,
+                    });
+                }
+                Some(Err(Error::PeerLost { rank, peer, .. })) => {
+                    return Err(Error::PeerLost {
+                        rank,
+                        peer,
+                        call: describe(),
+                    });
+                }
+                Some(r) => r?,
+            };
+            let protocol = |d: &str| Error::Protocol {
+                rank: self.rank(),
+                peer,
+                call: describe(),
+                detail: d.to_string(),
+            };
+            if msg.len() < 4 {
+                return Err(protocol("short message"));
+            }
+            let n = msg.get_u32_le() as usize;
+            if msg.len() < n {
+                return Err(protocol("signature prefix longer than the message"));
+            }
+            let theirs = CallSig::decode(&msg.split_to(n))
+                .ok_or_else(|| protocol("undecodable signature"))?;
+            if !theirs.agrees(&sig) {
+                return Err(Error::Mismatch {
+                    group: group.id(),
+                    seq,
+                    rank: self.rank(),
+                    call: format!("recv(from={src}, shape={shape:?})"),
+                    peer,
+                    peer_call: format!("{theirs}"),
+                });
+            }
+            decode_tensor(msg).ok_or_else(|| protocol("malformed tensor"))
+        }
+        .await;
+        match r {
+            Ok(t) => Ok(t),
+            Err(e) => Err(self.fail(e).await),
+        }
+    }
+
+    async fn permute(&self, x: &Tensor, pairs: &[(usize, usize)], group: &Group) -> Result<Tensor> {
+        super::check_pairs("permute", pairs, group.size())?;
+        let extra = pairs
+            .iter()
+            .flat_map(|&(s, d)| [s as u64, d as u64])
+            .collect();
+        let call = self
+            .begin(
+                group,
+                CallSig::new(Kind::Permute).shape(x.shape()).extra(extra),
+            )
+            .await?;
+        let r = direct::permute(&call, x, pairs).await;
+        let r = self.agree(&call, r, 3).await;
+        self.finish(call, r).await
+    }
+
+    async fn barrier(&self, group: &Group) -> Result<()> {
+        let call = self.begin(group, CallSig::new(Kind::Barrier)).await?;
+        let r = direct::barrier(&call).await;
+        self.finish(call, r).await
+    }
+}
+
+/// Chunk bounds in elements for a ring over `n` ranks (re-exported for the algorithms).
+pub(crate) fn ring_chunks(numel: usize, n: usize) -> Vec<(usize, usize)> {
+    chunk_bounds(numel, n)
+}

@@ -1,0 +1,146 @@
+//! Ring algorithms, bandwidth-optimal for large payloads: each rank sends and receives `(n-1)/n` of
+//! the data per phase, always to its successor and from its predecessor.
+//!
+//! all_reduce = reduce-scatter then all-gather over `n` chunks. Each chunk is reduced exactly once,
+//! along one path (starting at the rank after its owner), then the finished chunk is passed around
+//! unchanged, so every rank ends with bitwise identical results. On the CPU backend sends share the
+//! chunk's memory (no copy); the only copies are the reduction itself and the final assembly.
+
+use bytes::Bytes;
+use futures::future::join;
+
+use super::ReduceOp;
+use super::p2p::{Call, ring_chunks};
+use crate::backend::cpu;
+use crate::error::Result;
+use crate::tensor::{Tensor, f32_bytes};
+use crate::transport::Transport;
+
+/// Send `out` to the successor while receiving from the predecessor; check the received length.
+async fn step<T: Transport>(call: &Call<'_, T>, out: Bytes, want_bytes: usize) -> Result<Bytes> {
+    let (sent, got) = join(call.send(call.succ(), out), call.recv(call.pred())).await;
+    sent?;
+    let got = got?;
+    if got.len() != want_bytes {
+        return Err(call.protocol(
+            call.pred(),
+            format!("expected {want_bytes} bytes, got {}", got.len()),
+        ));
+    }
+    Ok(got)
+}
+
+/// Ring all_reduce of `x` (group size ≥ 2), pipelined in segments of `n * segment` elements so the
+/// chunks in flight stay in cache instead of streaming through memory twice.
+pub(crate) async fn all_reduce<T: Transport>(
+    call: &Call<'_, T>,
+    x: &Tensor,
+    op: ReduceOp,
+    segment_bytes: usize,
+) -> Result<Tensor> {
+    let seg = (segment_bytes / 4).max(1) * call.n;
+    let mut out = Vec::with_capacity(x.numel());
+    let mut start = 0;
+    while start < x.numel() {
+        let len = seg.min(x.numel() - start);
+        all_reduce_range(call, x, start, len, op, &mut out).await?;
+        start += len;
+    }
+    Tensor::from_vec(out, x.shape())
+}
+
+/// One ring pass over elements `base..base+len` of `x`, appending the result to `out`.
+async fn all_reduce_range<T: Transport>(
+    call: &Call<'_, T>,
+    x: &Tensor,
+    base: usize,
+    len: usize,
+    op: ReduceOp,
+    out: &mut Vec<f32>,
+) -> Result<()> {
+    let (n, me) = (call.n, call.me);
+    let chunks: Vec<(usize, usize)> = ring_chunks(len, n)
+        .into_iter()
+        .map(|(s, l)| (base + s, l))
+        .collect();
+    let xs = x.cpu();
+    let xb = x.to_le_bytes();
+    let mine = |c: usize| &xs[chunks[c].0..chunks[c].0 + chunks[c].1];
+
+    // Reduce-scatter: at step s send chunk me-s, receive chunk me-s-1 and fold in our part of it.
+    let (s0, l0) = chunks[me];
+    let mut msg = xb.slice(s0 * 4..(s0 + l0) * 4);
+    for s in 0..n - 1 {
+        let c = (me + 2 * n - s - 1) % n;
+        let got = step(call, msg, chunks[c].1 * 4).await?;
+        let mut acc = cpu::combine_le_bytes(op.combine(), mine(c), &got);
+        if s == n - 2
+            && let Some(k) = call.avg_scale(op)
+        {
+            acc.iter_mut().for_each(|v| *v *= k);
+        }
+        msg = f32_bytes(acc);
+    }
+
+    // All-gather: we own chunk me+1; pass finished chunks around unchanged.
+    let mut parts: Vec<Bytes> = vec![Bytes::new(); n];
+    parts[(me + 1) % n] = msg.clone();
+    for s in 0..n - 1 {
+        let c = (me + n - s) % n;
+        let got = step(call, msg, chunks[c].1 * 4).await?;
+        parts[c] = got.clone();
+        msg = got;
+    }
+    for p in &parts {
+        cpu::extend_from_le_bytes(out, p);
+    }
+    Ok(())
+}
+
+/// Ring all_gather of equal-shape tensors (group size ≥ 1).
+pub(crate) async fn all_gather<T: Transport>(
+    call: &Call<'_, T>,
+    x: &Tensor,
+) -> Result<Vec<Tensor>> {
+    let (n, me) = (call.n, call.me);
+    let mut parts: Vec<Bytes> = vec![Bytes::new(); n];
+    let mut out = x.to_le_bytes();
+    parts[me] = out.clone();
+    for s in 0..n - 1 {
+        let c = (me + 2 * n - s - 1) % n;
+        let got = step(call, out, x.numel() * 4).await?;
+        parts[c] = got.clone();
+        out = got;
+    }
+    parts
+        .iter()
+        .map(|p| Tensor::from_le_bytes(p, x.shape()))
+        .collect()
+}
+
+/// Ring reduce_scatter: rank `j` ends with `op` over every rank's `xs[j]` (group size ≥ 2).
+pub(crate) async fn reduce_scatter<T: Transport>(
+    call: &Call<'_, T>,
+    xs: &[Tensor],
+    op: ReduceOp,
+) -> Result<Tensor> {
+    let (n, me) = (call.n, call.me);
+    let bytes = xs[0].numel() * 4;
+    // Block b starts at rank b+1 and ends, fully reduced, at rank b after n-1 steps.
+    let mut out = xs[(me + n - 1) % n].to_le_bytes();
+    let mut last = Vec::new();
+    for s in 0..n - 1 {
+        let b = (me + 2 * n - 2 - s) % n;
+        let got = step(call, out, bytes).await?;
+        let mut acc = cpu::combine_le_bytes(op.combine(), xs[b].cpu(), &got);
+        if s == n - 2 {
+            if let Some(k) = call.avg_scale(op) {
+                acc.iter_mut().for_each(|v| *v *= k);
+            }
+            last = acc;
+            break;
+        }
+        out = f32_bytes(acc);
+    }
+    Tensor::from_vec(last, xs[0].shape())
+}

@@ -1,0 +1,86 @@
+//! Binomial trees for rooted collectives: `ceil(log2 n)` rounds. Ranks are renumbered relative to
+//! the root (`v = (me - root) mod n`); in round `k` the ranks `v < 2^k` send to `v + 2^k`.
+
+use super::ReduceOp;
+use super::p2p::Call;
+use crate::backend::cpu;
+use crate::error::Result;
+use crate::tensor::Tensor;
+use crate::transport::Transport;
+
+/// Broadcast `root`'s `x`; every rank passed a tensor of the same shape (checked by the signature).
+pub(crate) async fn broadcast<T: Transport>(
+    call: &Call<'_, T>,
+    x: &Tensor,
+    root: usize,
+) -> Result<Tensor> {
+    let n = call.n;
+    let v = (call.me + n - root) % n;
+    let real = |vr: usize| (vr + root) % n;
+    let mut data = x.to_le_bytes();
+    let mut mask = 1;
+    while mask < n {
+        if v & mask != 0 {
+            let parent = real(v - mask);
+            data = call.recv(parent).await?;
+            if data.len() != x.numel() * 4 {
+                return Err(call.protocol(
+                    parent,
+                    format!("expected {} bytes, got {}", x.numel() * 4, data.len()),
+                ));
+            }
+            break;
+        }
+        mask <<= 1;
+    }
+    mask >>= 1;
+    while mask > 0 {
+        if v + mask < n {
+            call.send(real(v + mask), data.clone()).await?;
+        }
+        mask >>= 1;
+    }
+    if v == 0 {
+        Ok(x.clone())
+    } else {
+        Tensor::from_le_bytes(&data, x.shape())
+    }
+}
+
+/// Reduce to `root`: children fold into their parents up the tree.
+pub(crate) async fn reduce<T: Transport>(
+    call: &Call<'_, T>,
+    x: &Tensor,
+    root: usize,
+    op: ReduceOp,
+) -> Result<Option<Tensor>> {
+    let n = call.n;
+    let v = (call.me + n - root) % n;
+    let real = |vr: usize| (vr + root) % n;
+    let mut acc = x.cpu().to_vec();
+    let mut mask = 1;
+    while mask < n {
+        if v & mask == 0 {
+            let child = v | mask;
+            if child < n {
+                let got = call.recv(real(child)).await?;
+                if got.len() != acc.len() * 4 {
+                    return Err(call.protocol(
+                        real(child),
+                        format!("expected {} bytes, got {}", acc.len() * 4, got.len()),
+                    ));
+                }
+                cpu::reduce_into_le_bytes(op.combine(), &mut acc, &got);
+            }
+        } else {
+            call.send(real(v & !mask), crate::tensor::f32_bytes(acc))
+                .await?;
+            return Ok(None);
+        }
+        mask <<= 1;
+    }
+    if let Some(k) = call.avg_scale(op) {
+        acc.iter_mut().for_each(|a| *a *= k);
+    }
+    Tensor::from_vec(acc, x.shape()).map(Some)
+}

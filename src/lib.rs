@@ -1,0 +1,62 @@
+//! # distgrad — distributed autograd through collectives
+//!
+//! Each rank records a [`Tape`] of local ops and collectives; [`Tape::backward`] walks it in reverse
+//! and runs, for every collective, its **dual** collective (broadcast ↔ reduce, gather ↔ scatter,
+//! all_gather ↔ reduce_scatter, all_to_all ↔ all_to_all, all_reduce ↔ all_reduce, send ↔ recv), so
+//! gradients flow across ranks. Gradients are right for every reduce op (MAX/MIN split among tied
+//! ranks, PROD exact with zeros), on subgroups, and under two explicit objective conventions
+//! ([`Objective`]).
+//!
+//! ```
+//! use distgrad::{CommOptions, Communicator, ReduceOp, Tape, Tensor, dist, run_local};
+//!
+//! // 3 ranks; rank r holds x = [r+1]; y = all_reduce(SUM, x * x); each rank's loss = y.
+//! let results = run_local(3, CommOptions::default(), |comm| async move {
+//!     let tape = Tape::new();
+//!     let x = tape.var(Tensor::vector(&[comm.rank() as f32 + 1.0]));
+//!     let y = dist::all_reduce(&comm, &x.mul(&x)?, ReduceOp::Sum, &comm.world()).await?;
+//!     let grads = tape.backward(&y.sum(), &comm).await?;
+//!     Ok((y.value().to_vec(), grads.wrt(&x).to_vec()))
+//! });
+//! for (r, res) in results.into_iter().enumerate() {
+//!     let (y, gx) = res.unwrap();
+//!     assert_eq!(y, vec![14.0]); // 1 + 4 + 9
+//!     // objective = sum over 3 ranks of y, so d/dx_r = 3 * 2 x_r
+//!     assert_eq!(gx, vec![6.0 * (r as f32 + 1.0)]);
+//! }
+//! ```
+//!
+//! # Layout
+//! - [`tensor`]: [`Tensor`], an immutable f32 array of any shape; shape checks live here.
+//! - [`backend`]: where numbers live and local kernels run ([`backend::cpu`] is the reference).
+//! - [`autograd`]: [`Tape`], [`Var`], local differentiable ops and backward; **the dual table** is
+//!   [`autograd::dual`], one exhaustive match.
+//! - [`dist`]: differentiable collectives on vars (record on the tape).
+//! - [`collective`]: the [`Communicator`] trait, [`Group`] (the one global↔group rank mapping),
+//!   [`ReduceOp`], call signatures, and [`P2p`]: every collective from point-to-point messages
+//!   (ring, tree, direct algorithms).
+//! - [`transport`]: the [`transport::Transport`] trait (async, tag-matched bytes), the shared
+//!   [`transport::Mailbox`], and the in-process transport.
+//! - [`run`]: run N ranks as threads ([`run_local`]).
+//! - [`vjp`]: the JSON case format and runner behind `distgrad vjp`.
+//! - [`bench`]: the benchmarks behind `distgrad bench`.
+//! - [`error`]: the one error enum.
+
+#![warn(missing_docs)]
+
+pub mod autograd;
+pub mod backend;
+pub mod bench;
+pub mod collective;
+pub mod dist;
+pub mod error;
+pub mod run;
+pub mod tensor;
+pub mod transport;
+pub mod vjp;
+
+pub use autograd::{Grads, Objective, Tape, Var};
+pub use collective::{CommOptions, Communicator, Group, P2p, ReduceOp};
+pub use error::{Error, Result};
+pub use run::{LocalComm, run_local};
+pub use tensor::Tensor;

@@ -1,0 +1,85 @@
+//! In-process transport: N ranks as threads (or tasks) of one process, delivering straight into each
+//! other's [`Mailbox`]. Payloads move by reference count, so sending a chunk of a CPU tensor copies
+//! nothing.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use super::{Mailbox, Tag, Transport};
+use crate::error::{Error, Result};
+
+/// One rank's end of an in-process world. Dropping it tells every peer this rank is gone.
+pub struct LocalTransport {
+    rank: usize,
+    boxes: Arc<Vec<Mailbox>>,
+}
+
+impl LocalTransport {
+    /// The transports of a world of `world` ranks, index = rank.
+    pub fn world(world: usize) -> Vec<LocalTransport> {
+        let boxes = Arc::new(
+            (0..world)
+                .map(|r| Mailbox::new(r, world))
+                .collect::<Vec<_>>(),
+        );
+        (0..world)
+            .map(|rank| LocalTransport {
+                rank,
+                boxes: boxes.clone(),
+            })
+            .collect()
+    }
+}
+
+impl Drop for LocalTransport {
+    fn drop(&mut self) {
+        for (r, b) in self.boxes.iter().enumerate() {
+            if r != self.rank {
+                b.peer_gone(self.rank);
+            }
+        }
+    }
+}
+
+impl Transport for LocalTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.boxes.len()
+    }
+
+    async fn send(&self, dst: usize, tag: Tag, payload: Bytes) -> Result<()> {
+        let mb = self.boxes.get(dst).ok_or_else(|| Error::Transport {
+            rank: self.rank,
+            detail: format!("send to rank {dst} outside world of {}", self.boxes.len()),
+        })?;
+        mb.deliver(self.rank, tag, payload);
+        Ok(())
+    }
+
+    async fn recv(&self, src: usize, tag: Tag) -> Result<Bytes> {
+        if src >= self.boxes.len() {
+            return Err(Error::Transport {
+                rank: self.rank,
+                detail: format!("recv from rank {src} outside world of {}", self.boxes.len()),
+            });
+        }
+        self.boxes[self.rank].recv(src, tag).await
+    }
+
+    async fn abort(&self, reason: &str) {
+        for (r, b) in self.boxes.iter().enumerate() {
+            if r != self.rank {
+                b.deliver(
+                    self.rank,
+                    Tag::ABORT,
+                    Bytes::copy_from_slice(reason.as_bytes()),
+                );
+            }
+        }
+        self.boxes[self.rank].abort_local(reason);
+    }
+}

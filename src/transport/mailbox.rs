@@ -1,0 +1,149 @@
+//! Tag matching for every transport: incoming messages are delivered here by whatever reads the wire
+//! (a sender thread in-process, a socket reader natively, an `onmessage` callback in a browser), and
+//! receivers wait here for the next message of one (source, tag).
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Mutex;
+use std::task::{Context, Poll, Waker};
+
+use bytes::Bytes;
+
+use super::{Channel, Tag};
+use crate::error::{Error, Result};
+
+#[derive(Default)]
+struct Inner {
+    queues: HashMap<(usize, Tag), VecDeque<Bytes>>,
+    waiters: HashMap<(usize, Tag), Waker>,
+    gone: Vec<bool>,
+    aborted: Option<(usize, String)>,
+}
+
+/// The incoming side of one rank: per-(source, tag) FIFO queues plus the peer-lost and abort state.
+pub struct Mailbox {
+    rank: usize,
+    inner: Mutex<Inner>,
+}
+
+impl Mailbox {
+    /// An empty mailbox for `rank` in a world of `world` ranks.
+    pub fn new(rank: usize, world: usize) -> Self {
+        Mailbox {
+            rank,
+            inner: Mutex::new(Inner {
+                gone: vec![false; world],
+                ..Inner::default()
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding this lock cannot leave the maps inconsistent (no multi-step edits).
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A message arrived from `src`. Abort messages poison the mailbox (payload = UTF-8 reason).
+    pub fn deliver(&self, src: usize, tag: Tag, payload: Bytes) {
+        let mut inner = self.lock();
+        if tag.channel == Channel::Abort {
+            if inner.aborted.is_none() {
+                inner.aborted = Some((src, String::from_utf8_lossy(&payload).into_owned()));
+            }
+            for (_, w) in inner.waiters.drain() {
+                w.wake();
+            }
+            return;
+        }
+        inner
+            .queues
+            .entry((src, tag))
+            .or_default()
+            .push_back(payload);
+        if let Some(w) = inner.waiters.remove(&(src, tag)) {
+            w.wake();
+        }
+    }
+
+    /// `src` has left: receives from it that find no queued message fail with [`Error::PeerLost`].
+    pub fn peer_gone(&self, src: usize) {
+        let mut inner = self.lock();
+        if let Some(g) = inner.gone.get_mut(src) {
+            *g = true;
+        }
+        let keys: Vec<_> = inner
+            .waiters
+            .keys()
+            .filter(|(s, _)| *s == src)
+            .copied()
+            .collect();
+        for k in keys {
+            if let Some(w) = inner.waiters.remove(&k) {
+                w.wake();
+            }
+        }
+    }
+
+    /// Poison this mailbox locally (this rank aborts): every pending and later receive fails.
+    pub fn abort_local(&self, reason: &str) {
+        self.deliver(
+            self.rank,
+            Tag::ABORT,
+            Bytes::copy_from_slice(reason.as_bytes()),
+        );
+    }
+
+    /// Whether an abort was seen.
+    pub fn is_aborted(&self) -> bool {
+        self.lock().aborted.is_some()
+    }
+
+    /// Wait for the next message from `src` under `tag`.
+    pub fn recv(&self, src: usize, tag: Tag) -> Recv<'_> {
+        Recv {
+            mailbox: self,
+            key: (src, tag),
+        }
+    }
+}
+
+/// Future of [`Mailbox::recv`]. Dropping it consumes nothing.
+pub struct Recv<'a> {
+    mailbox: &'a Mailbox,
+    key: (usize, Tag),
+}
+
+impl Future for Recv<'_> {
+    type Output = Result<Bytes>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mb = self.mailbox;
+        let mut inner = mb.lock();
+        if let Some((by, reason)) = &inner.aborted {
+            return Poll::Ready(Err(Error::Aborted {
+                rank: mb.rank,
+                by: *by,
+                reason: reason.clone(),
+            }));
+        }
+        if let Some(q) = inner.queues.get_mut(&self.key)
+            && let Some(msg) = q.pop_front()
+        {
+            if q.is_empty() {
+                inner.queues.remove(&self.key);
+            }
+            return Poll::Ready(Ok(msg));
+        }
+        let src = self.key.0;
+        if inner.gone.get(src).copied().unwrap_or(true) {
+            return Poll::Ready(Err(Error::PeerLost {
+                rank: mb.rank,
+                peer: src,
+                call: String::new(),
+            }));
+        }
+        inner.waiters.insert(self.key, cx.waker().clone());
+        Poll::Pending
+    }
+}

@@ -1,0 +1,699 @@
+//! `distgrad vjp`: one collective, forward and backward, on N in-process ranks, from a JSON case.
+//!
+//! Input schema (one list per GLOBAL rank; ranks outside `group` pass and get empty lists):
+//! ```text
+//! {"collective": "broadcast|reduce|gather|scatter|all_gather|reduce_scatter|all_to_all|all_reduce|permute|all_to_all_single",
+//!  "world": N, "op": "sum|avg|prod|min|max" (reduce, all_reduce, reduce_scatter; default sum),
+//!  "root": group rank (broadcast, reduce, gather, scatter; default 0),
+//!  "perm": [[src,dst],...] (permute, group ranks),
+//!  "in_splits": [[..],...], "out_splits": [[..],...] (all_to_all_single: one list per global rank),
+//!  "group": [global ranks] (optional subgroup),
+//!  "inputs":     [[T,...], ...]  one T per input tensor,
+//!  "cotangents": [[T,...], ...]  one T per output tensor (optional: ones)}
+//! T = {"shape": [..], "data": [.. row-major ..]}
+//! ```
+//! Output: `{"dual": "...", "outputs": [[T,...],...], "grads": [[T,...],...]}`; `dual` names the
+//! collectives the backward pass actually ran (recorded by the communicator, not looked up).
+//!
+//! List conventions: scatter, all_to_all and reduce_scatter take group-size lists; gather,
+//! all_gather and all_to_all return them. gather's and reduce's outputs exist only on the root,
+//! scatter's input only on the root. permute: one tensor in, one out; a rank receiving nothing gets
+//! zeros. NaN: JSON has no NaN, so inputs are finite numbers (`null` is rejected); a non-finite
+//! result is written as `null`.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::autograd::{Tape, Var};
+use crate::collective::{CommOptions, Communicator, ReduceOp};
+use crate::dist;
+use crate::error::{Error, Result};
+use crate::run::run_local;
+use crate::tensor::Tensor;
+
+/// Largest world a case may ask for (ranks are threads).
+pub const MAX_WORLD: usize = 64;
+
+/// A tensor in JSON.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorJson {
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Row-major values (`null` in output = non-finite).
+    pub data: Vec<Option<f32>>,
+}
+
+impl TensorJson {
+    fn to_tensor(&self, what: &str) -> Result<Tensor> {
+        let data = self
+            .data
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                x.ok_or_else(|| {
+                    Error::Input(format!(
+                        "{what}: element {i} is null (JSON has no NaN; inputs must be finite)"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<f32>>>()?;
+        Tensor::from_vec(data, &self.shape).map_err(|e| Error::Input(format!("{what}: {e}")))
+    }
+
+    /// From a tensor (non-finite values become `null`).
+    pub fn from_tensor(t: &Tensor) -> Self {
+        TensorJson {
+            shape: t.shape().to_vec(),
+            data: t
+                .to_vec()
+                .into_iter()
+                .map(|x| x.is_finite().then_some(x))
+                .collect(),
+        }
+    }
+}
+
+/// One case: see the module docs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Case {
+    /// Collective name.
+    pub collective: String,
+    /// Number of ranks.
+    pub world: usize,
+    /// Reduce op name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<String>,
+    /// Root (group rank).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root: Option<usize>,
+    /// Permute pairs (group ranks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub perm: Option<Vec<(usize, usize)>>,
+    /// all_to_all_single: rows sent to each group rank, per global rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_splits: Option<Vec<Vec<usize>>>,
+    /// all_to_all_single: rows received from each group rank, per global rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub out_splits: Option<Vec<Vec<usize>>>,
+    /// Subgroup (global ranks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<Vec<usize>>,
+    /// Inputs per global rank.
+    pub inputs: Vec<Vec<TensorJson>>,
+    /// Output cotangents per global rank (default: ones).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cotangents: Option<Vec<Vec<TensorJson>>>,
+}
+
+/// The answer to a case.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CaseOutput {
+    /// The collective(s) the backward pass ran.
+    pub dual: String,
+    /// Outputs per global rank.
+    pub outputs: Vec<Vec<TensorJson>>,
+    /// Input gradients per global rank.
+    pub grads: Vec<Vec<TensorJson>>,
+}
+
+/// The collectives `vjp` knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Which {
+    /// broadcast
+    Broadcast,
+    /// reduce
+    Reduce,
+    /// gather
+    Gather,
+    /// scatter
+    Scatter,
+    /// all_gather
+    AllGather,
+    /// reduce_scatter
+    ReduceScatter,
+    /// all_to_all (list)
+    AllToAll,
+    /// all_to_all_single
+    AllToAllSingle,
+    /// all_reduce
+    AllReduce,
+    /// permute
+    Permute,
+}
+
+impl Which {
+    /// Every collective, in schema order.
+    pub const ALL: [Which; 10] = [
+        Which::Broadcast,
+        Which::Reduce,
+        Which::Gather,
+        Which::Scatter,
+        Which::AllGather,
+        Which::ReduceScatter,
+        Which::AllToAll,
+        Which::AllReduce,
+        Which::Permute,
+        Which::AllToAllSingle,
+    ];
+
+    /// Schema name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Which::Broadcast => "broadcast",
+            Which::Reduce => "reduce",
+            Which::Gather => "gather",
+            Which::Scatter => "scatter",
+            Which::AllGather => "all_gather",
+            Which::ReduceScatter => "reduce_scatter",
+            Which::AllToAll => "all_to_all",
+            Which::AllToAllSingle => "all_to_all_single",
+            Which::AllReduce => "all_reduce",
+            Which::Permute => "permute",
+        }
+    }
+
+    /// Parse a schema name.
+    pub fn parse(s: &str) -> Result<Self> {
+        Which::ALL
+            .into_iter()
+            .find(|w| w.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<_> = Which::ALL.iter().map(|w| w.name()).collect();
+                Error::Input(format!(
+                    "unknown collective {s:?}; expected one of {}",
+                    names.join(", ")
+                ))
+            })
+    }
+
+    fn uses_op(self) -> bool {
+        matches!(
+            self,
+            Which::Reduce | Which::AllReduce | Which::ReduceScatter
+        )
+    }
+
+    fn uses_root(self) -> bool {
+        matches!(
+            self,
+            Which::Broadcast | Which::Reduce | Which::Gather | Which::Scatter
+        )
+    }
+
+    /// Number of input tensors of group rank `r` (group size `n`).
+    fn n_inputs(self, r: usize, n: usize, root: usize) -> usize {
+        match self {
+            Which::Scatter => usize::from(r == root) * n,
+            Which::ReduceScatter | Which::AllToAll => n,
+            _ => 1,
+        }
+    }
+}
+
+/// A case validated and decoded.
+struct Plan {
+    which: Which,
+    world: usize,
+    op: ReduceOp,
+    root: usize,
+    perm: Vec<(usize, usize)>,
+    splits: Vec<(Vec<usize>, Vec<usize>)>,
+    group: Vec<usize>,
+    inputs: Vec<Vec<Tensor>>,
+    cotangents: Option<Vec<Vec<Tensor>>>,
+}
+
+fn plan(case: &Case) -> Result<Plan> {
+    let which = Which::parse(&case.collective)?;
+    let world = case.world;
+    if world == 0 || world > MAX_WORLD {
+        return Err(Error::Input(format!(
+            "world must be 1..={MAX_WORLD}, got {world}"
+        )));
+    }
+    let op = match (&case.op, which.uses_op()) {
+        (Some(s), true) => ReduceOp::parse(s)?,
+        (None, true) => ReduceOp::Sum,
+        (Some(_), false) => return Err(Error::Input(format!("{} takes no \"op\"", which.name()))),
+        (None, false) => ReduceOp::Sum,
+    };
+    let group = case.group.clone().unwrap_or_else(|| (0..world).collect());
+    let mut seen = vec![false; world];
+    for &g in &group {
+        if g >= world || std::mem::replace(&mut seen[g], true) {
+            return Err(Error::Input(format!(
+                "group {group:?}: ranks must be distinct and below world {world}"
+            )));
+        }
+    }
+    if group.is_empty() {
+        return Err(Error::Input("group must not be empty".into()));
+    }
+    let n = group.len();
+    let root = match (case.root, which.uses_root()) {
+        (Some(r), true) if r >= n => {
+            return Err(Error::Input(format!(
+                "root {r} is not a group rank (group size {n}; roots are group ranks)"
+            )));
+        }
+        (Some(r), true) => r,
+        (None, true) => 0,
+        (Some(_), false) => {
+            return Err(Error::Input(format!("{} takes no \"root\"", which.name())));
+        }
+        (None, false) => 0,
+    };
+    let perm = match (which, &case.perm) {
+        (Which::Permute, Some(p)) => {
+            crate::collective::check_pairs("permute", p, n)
+                .map_err(|e| Error::Input(e.to_string()))?;
+            p.clone()
+        }
+        (Which::Permute, None) => {
+            return Err(Error::Input(
+                "permute needs \"perm\": [[src,dst],...]".into(),
+            ));
+        }
+        (_, Some(_)) => return Err(Error::Input(format!("{} takes no \"perm\"", which.name()))),
+        (_, None) => Vec::new(),
+    };
+    let splits = match (which, &case.in_splits, &case.out_splits) {
+        (Which::AllToAllSingle, Some(i), Some(o)) if i.len() == world && o.len() == world => {
+            i.iter().cloned().zip(o.iter().cloned()).collect()
+        }
+        (Which::AllToAllSingle, _, _) => {
+            return Err(Error::Input(
+                "all_to_all_single needs \"in_splits\" and \"out_splits\", one list per global rank".into(),
+            ));
+        }
+        (_, None, None) => Vec::new(),
+        _ => {
+            return Err(Error::Input(format!(
+                "{} takes no split sizes",
+                which.name()
+            )));
+        }
+    };
+    let per_rank = |what: &str,
+                    lists: &[Vec<TensorJson>],
+                    count: &dyn Fn(usize) -> usize|
+     -> Result<Vec<Vec<Tensor>>> {
+        if lists.len() != world {
+            return Err(Error::Input(format!(
+                "\"{what}\" needs one list per global rank ({world}), got {}",
+                lists.len()
+            )));
+        }
+        lists
+            .iter()
+            .enumerate()
+            .map(|(g, l)| {
+                let want = count(g);
+                if l.len() != want {
+                    return Err(Error::Input(format!(
+                        "{what} of rank {g}: {} takes {want} tensor(s) here, got {}",
+                        which.name(),
+                        l.len()
+                    )));
+                }
+                l.iter()
+                    .enumerate()
+                    .map(|(i, t)| t.to_tensor(&format!("{what}[{g}][{i}]")))
+                    .collect()
+            })
+            .collect()
+    };
+    let group_rank = |g: usize| group.iter().position(|&x| x == g);
+    let inputs = per_rank("inputs", &case.inputs, &|g| {
+        group_rank(g).map_or(0, |r| which.n_inputs(r, n, root))
+    })?;
+    let n_outputs = |g: usize| match group_rank(g) {
+        None => 0,
+        Some(r) => match which {
+            Which::Gather => usize::from(r == root) * n,
+            Which::Reduce => usize::from(r == root),
+            Which::AllGather | Which::AllToAll => n,
+            _ => 1,
+        },
+    };
+    let cotangents = case
+        .cotangents
+        .as_ref()
+        .map(|c| per_rank("cotangents", c, &n_outputs))
+        .transpose()?;
+    Ok(Plan {
+        which,
+        world,
+        op,
+        root,
+        perm,
+        splits,
+        group,
+        inputs,
+        cotangents,
+    })
+}
+
+/// Parse a case from JSON text.
+pub fn parse_case(json: &str) -> Result<Case> {
+    serde_json::from_str(json).map_err(|e| Error::Input(format!("case JSON: {e}")))
+}
+
+/// Run a case on `world` in-process ranks.
+pub fn run_case(case: &Case) -> Result<CaseOutput> {
+    let p = plan(case)?;
+    let opts = CommOptions {
+        timeout: Duration::from_secs(10),
+        record_calls: true,
+        ..CommOptions::default()
+    };
+    let results = run_local(p.world, opts, |comm| {
+        let p = &p;
+        async move {
+            let me = comm.rank();
+            let group = if p.group.len() == p.world {
+                comm.world()
+            } else {
+                comm.new_group(&p.group)?
+            };
+            if group.rank().is_none() {
+                return Ok((Vec::new(), Vec::new(), Vec::new()));
+            }
+            let tape = Tape::new();
+            let xs: Vec<Var> = p.inputs[me].iter().map(|t| tape.var(t.clone())).collect();
+            let ys = forward(&comm, &tape, p, &xs, me, &group).await?;
+            comm.take_calls();
+            let seeds: Vec<(Var, Tensor)> = match &p.cotangents {
+                Some(c) => ys.iter().cloned().zip(c[me].iter().cloned()).collect(),
+                None => ys
+                    .iter()
+                    .map(|y| (y.clone(), y.value().full_like(1.0)))
+                    .collect(),
+            };
+            let grads = tape.backward_from(&seeds, &comm).await?;
+            let dual: Vec<String> = comm
+                .take_calls()
+                .iter()
+                .map(|(_, s)| short_sig(s))
+                .collect();
+            Ok((
+                ys.iter().map(Var::value).collect::<Vec<_>>(),
+                xs.iter().map(|x| grads.wrt(x)).collect::<Vec<_>>(),
+                dual,
+            ))
+        }
+    });
+    let mut outputs = Vec::with_capacity(p.world);
+    let mut grads = Vec::with_capacity(p.world);
+    let mut dual = None;
+    let mut errors = Vec::new();
+    for (r, res) in results.into_iter().enumerate() {
+        match res {
+            Ok((ys, gs, d)) => {
+                outputs.push(ys.iter().map(TensorJson::from_tensor).collect());
+                grads.push(gs.iter().map(TensorJson::from_tensor).collect());
+                if dual.is_none() && p.group.contains(&r) {
+                    dual = Some(d);
+                }
+            }
+            Err(e) => errors.push(format!("rank {r}: {e}")),
+        }
+    }
+    if !errors.is_empty() {
+        return Err(Error::Input(format!(
+            "{} failed:\n  {}",
+            p.which.name(),
+            errors.join("\n  ")
+        )));
+    }
+    let dual = dual.unwrap_or_default();
+    Ok(CaseOutput {
+        dual: if dual.is_empty() {
+            "nothing".into()
+        } else {
+            dual.join(" + ")
+        },
+        outputs,
+        grads,
+    })
+}
+
+fn short_sig(s: &crate::collective::CallSig) -> String {
+    let mut args = Vec::new();
+    if let Some(op) = s.op {
+        args.push(format!("op={}", op.name()));
+    }
+    if let Some(r) = s.root {
+        args.push(format!("root={r}"));
+    }
+    if args.is_empty() {
+        s.kind.name().to_string()
+    } else {
+        format!("{}({})", s.kind.name(), args.join(", "))
+    }
+}
+
+async fn forward<C: Communicator>(
+    comm: &C,
+    tape: &Tape,
+    p: &Plan,
+    xs: &[Var],
+    me: usize,
+    group: &crate::collective::Group,
+) -> Result<Vec<Var>> {
+    let one = || {
+        xs.first()
+            .ok_or_else(|| Error::Input("missing input".into()))
+    };
+    Ok(match p.which {
+        Which::Broadcast => vec![dist::broadcast(comm, one()?, p.root, group).await?],
+        Which::Reduce => dist::reduce(comm, one()?, p.root, p.op, group)
+            .await?
+            .into_iter()
+            .collect(),
+        Which::AllReduce => vec![dist::all_reduce(comm, one()?, p.op, group).await?],
+        Which::Gather => dist::gather(comm, one()?, p.root, group)
+            .await?
+            .unwrap_or_default(),
+        Which::Scatter => {
+            let list = (!xs.is_empty()).then_some(xs);
+            vec![dist::scatter(comm, tape, list, p.root, group).await?]
+        }
+        Which::AllGather => dist::all_gather(comm, one()?, group).await?,
+        Which::ReduceScatter => vec![dist::reduce_scatter(comm, xs, p.op, group).await?],
+        Which::AllToAll => dist::all_to_all(comm, xs, group).await?,
+        Which::AllToAllSingle => {
+            let (i, o) = &p.splits[me];
+            vec![dist::all_to_all_single(comm, one()?, i, o, group).await?]
+        }
+        Which::Permute => vec![dist::permute(comm, one()?, &p.perm, group).await?],
+    })
+}
+
+/// A built-in example case for `distgrad vjp <collective> --world N`: small integer inputs that make
+/// each collective's effect visible, cotangents `[1, r+1]` on rank `r`.
+pub fn example_case(
+    which: Which,
+    world: usize,
+    op: ReduceOp,
+    root: usize,
+    group: Option<Vec<usize>>,
+) -> Result<Case> {
+    if world == 0 || world > MAX_WORLD {
+        return Err(Error::Input(format!(
+            "world must be 1..={MAX_WORLD}, got {world}"
+        )));
+    }
+    let members = group.clone().unwrap_or_else(|| (0..world).collect());
+    let n = members.len();
+    let t = |a: f32, b: f32| TensorJson {
+        shape: vec![2],
+        data: vec![Some(a), Some(b)],
+    };
+    let gr = |g: usize| members.iter().position(|&x| x == g);
+    let inputs: Vec<Vec<TensorJson>> = (0..world)
+        .map(|g| match gr(g) {
+            None => Vec::new(),
+            Some(r) => {
+                let rf = r as f32;
+                match which {
+                    Which::Scatter if r == root => (0..n)
+                        .map(|j| t(j as f32 + 1.0, 10.0 * (j as f32 + 1.0)))
+                        .collect(),
+                    Which::Scatter => Vec::new(),
+                    Which::ReduceScatter | Which::AllToAll => (0..n)
+                        .map(|j| t(10.0 * rf + j as f32 + 1.0, -(10.0 * rf + j as f32 + 1.0)))
+                        .collect(),
+                    Which::AllToAllSingle => {
+                        let rows = n; // rank r sends one row to each rank
+                        vec![TensorJson {
+                            shape: vec![rows, 1],
+                            data: (0..rows)
+                                .map(|j| Some(10.0 * rf + j as f32 + 1.0))
+                                .collect(),
+                        }]
+                    }
+                    // distinct values, with the extreme on different ranks per element
+                    _ => vec![t(rf + 1.0, 2.0 * (n as f32 - rf))],
+                }
+            }
+        })
+        .collect();
+    let mut case = Case {
+        collective: which.name().to_string(),
+        world,
+        op: which.uses_op().then(|| op.name().to_string()),
+        root: which.uses_root().then_some(root),
+        perm: (which == Which::Permute).then(|| (0..n).map(|i| (i, (i + 1) % n)).collect()),
+        in_splits: None,
+        out_splits: None,
+        group: group.clone(),
+        inputs,
+        cotangents: None,
+    };
+    if which == Which::AllToAllSingle {
+        let s: Vec<Vec<usize>> = (0..world)
+            .map(|g| {
+                if gr(g).is_some() {
+                    vec![1; n]
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
+        case.in_splits = Some(s.clone());
+        case.out_splits = Some(s);
+    }
+    // Cotangents [1, r+1] (or [1] per row) for every output, shaped like the outputs: run forward once
+    // with default ones to learn the output shapes.
+    let probe = run_case(&case)?;
+    case.cotangents = Some(
+        probe
+            .outputs
+            .iter()
+            .enumerate()
+            .map(|(g, outs)| {
+                outs.iter()
+                    .map(|o| TensorJson {
+                        shape: o.shape.clone(),
+                        data: (0..o.data.len())
+                            .map(|i| Some(if i % 2 == 0 { 1.0 } else { g as f32 + 1.0 }))
+                            .collect(),
+                    })
+                    .collect()
+            })
+            .collect(),
+    );
+    Ok(case)
+}
+
+fn fmt_t(t: &TensorJson) -> String {
+    let vals: Vec<String> = t
+        .data
+        .iter()
+        .map(|x| match x {
+            Some(v) => format!("{v}"),
+            None => "nan".into(),
+        })
+        .collect();
+    if t.shape.len() == 1 {
+        format!("[{}]", vals.join(", "))
+    } else {
+        format!("{:?}:[{}]", t.shape, vals.join(", "))
+    }
+}
+
+fn fmt_list(l: &[TensorJson]) -> String {
+    if l.is_empty() {
+        "-".into()
+    } else {
+        l.iter().map(fmt_t).collect::<Vec<_>>().join(" ")
+    }
+}
+
+/// The per-rank table `distgrad vjp` prints.
+pub fn render_table(case: &Case, out: &CaseOutput) -> String {
+    let mut s = String::new();
+    let mut head = format!("forward: {}", case.collective);
+    if let Some(op) = &case.op {
+        let _ = write!(head, " op={op}");
+    }
+    if let Some(r) = case.root {
+        let _ = write!(head, " root={r}");
+    }
+    if let Some(p) = &case.perm {
+        let _ = write!(head, " perm={p:?}");
+    }
+    if let Some(g) = &case.group {
+        let _ = write!(head, " group={g:?}");
+    }
+    let _ = writeln!(s, "{head}   world={}", case.world);
+    let _ = writeln!(s, "backward (dual): {}", out.dual);
+    let cots: Vec<String> = (0..case.world)
+        .map(|g| match &case.cotangents {
+            Some(c) => fmt_list(&c[g]),
+            None => out.outputs[g]
+                .iter()
+                .map(|o| {
+                    fmt_t(&TensorJson {
+                        shape: o.shape.clone(),
+                        data: vec![Some(1.0); o.data.len()],
+                    })
+                })
+                .collect::<Vec<_>>()
+                .join(" "),
+        })
+        .collect();
+    let rows: Vec<[String; 5]> = (0..case.world)
+        .map(|g| {
+            [
+                g.to_string(),
+                fmt_list(&case.inputs[g]),
+                fmt_list(&out.outputs[g]),
+                if cots[g].is_empty() {
+                    "-".into()
+                } else {
+                    cots[g].clone()
+                },
+                fmt_list(&out.grads[g]),
+            ]
+        })
+        .collect();
+    let header = ["rank", "inputs", "outputs", "cotangents", "grads"];
+    let widths: Vec<usize> = (0..5)
+        .map(|c| {
+            rows.iter()
+                .map(|r| r[c].chars().count())
+                .chain([header[c].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |cells: &[&str]| {
+        cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    };
+    let _ = writeln!(s, "{}", line(&header));
+    let _ = writeln!(
+        s,
+        "{}",
+        widths
+            .iter()
+            .map(|w| "-".repeat(*w))
+            .collect::<Vec<_>>()
+            .join("-+-")
+    );
+    for r in &rows {
+        let cells: Vec<&str> = r.iter().map(String::as_str).collect();
+        let _ = writeln!(s, "{}", line(&cells).trim_end());
+    }
+    s
+}

@@ -1,0 +1,205 @@
+//! The `distgrad vjp` command: JSON round trip, hand-checked numbers, every built-in example, and
+//! clear errors (exit code 2, no panic) on bad input.
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+use serde_json::{Value, json};
+
+fn distgrad(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_distgrad"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn distgrad");
+    if let Some(s) = stdin {
+        child.stdin.take().unwrap().write_all(s.as_bytes()).unwrap();
+    }
+    drop(child.stdin.take());
+    child.wait_with_output().expect("wait distgrad")
+}
+
+fn ok_json(args: &[&str], stdin: Option<&str>) -> Value {
+    let out = distgrad(args, stdin);
+    assert!(
+        out.status.success(),
+        "distgrad {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON output")
+}
+
+fn data(v: &Value) -> Vec<f64> {
+    v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
+#[test]
+fn hand_checked_reduce_scatter_on_a_subgroup() {
+    // world 4, group [3, 0, 2] (group ranks 0,1,2 = global 3,0,2); global rank 1 takes no part.
+    // Group rank j's output = sum over group ranks r of input_r[j].
+    //   global 3 (gr 0): [1],[2],[3]; global 0 (gr 1): [10],[20],[30]; global 2 (gr 2): [100],[200],[300]
+    //   outputs: gr 0 (global 3) = 111, gr 1 (global 0) = 222, gr 2 (global 2) = 333
+    // Backward = all_gather of cotangents: d/d input_r[j] = cot of group rank j.
+    //   cotangents: global 3 -> 5, global 0 -> 7, global 2 -> 9, so every rank's grads = [5],[7],[9]
+    let t = |x: f64| json!({"shape": [1], "data": [x]});
+    let case = json!({
+        "collective": "reduce_scatter", "world": 4, "op": "sum", "group": [3, 0, 2],
+        "inputs": [[t(10.0), t(20.0), t(30.0)], [], [t(100.0), t(200.0), t(300.0)], [t(1.0), t(2.0), t(3.0)]],
+        "cotangents": [[t(7.0)], [], [t(9.0)], [t(5.0)]]
+    });
+    let out = ok_json(&["vjp", "-", "--json"], Some(&case.to_string()));
+    assert_eq!(out["dual"], "all_gather");
+    assert_eq!(data(&out["outputs"][3][0]), vec![111.0]);
+    assert_eq!(data(&out["outputs"][0][0]), vec![222.0]);
+    assert_eq!(data(&out["outputs"][2][0]), vec![333.0]);
+    assert_eq!(out["outputs"][1], json!([]));
+    for g in [0, 2, 3] {
+        let grads: Vec<f64> = (0..3).map(|j| data(&out["grads"][g][j])[0]).collect();
+        assert_eq!(grads, vec![5.0, 7.0, 9.0], "global rank {g}");
+    }
+    assert_eq!(out["grads"][1], json!([]));
+}
+
+#[test]
+fn hand_checked_all_reduce_max_with_tie() {
+    // x = [3, 7], [7, 1], [7, 2]: max = [7, 7]. Element 0: ranks 1 and 2 tie -> each gets half of the
+    // summed cotangent (1+2+3 = 6 -> 3). Element 1: rank 0 alone -> 6.
+    let t = |a: f64, b: f64| json!({"shape": [2], "data": [a, b]});
+    let case = json!({
+        "collective": "all_reduce", "world": 3, "op": "max",
+        "inputs": [[t(3.0, 7.0)], [t(7.0, 1.0)], [t(7.0, 2.0)]],
+        "cotangents": [[t(1.0, 1.0)], [t(2.0, 2.0)], [t(3.0, 3.0)]]
+    });
+    let out = ok_json(&["vjp", "-", "--json"], Some(&case.to_string()));
+    for r in 0..3 {
+        assert_eq!(data(&out["outputs"][r][0]), vec![7.0, 7.0]);
+    }
+    assert_eq!(data(&out["grads"][0][0]), vec![0.0, 6.0]);
+    assert_eq!(data(&out["grads"][1][0]), vec![3.0, 0.0]);
+    assert_eq!(data(&out["grads"][2][0]), vec![3.0, 0.0]);
+}
+
+#[test]
+fn printed_case_round_trips_through_a_file_and_stdin() {
+    let case = distgrad(&["vjp", "all_gather", "--world", "3", "--print-case"], None);
+    assert!(case.status.success());
+    let case_text = String::from_utf8(case.stdout).unwrap();
+    let direct = ok_json(&["vjp", "all_gather", "--world", "3", "--json"], None);
+    let via_stdin = ok_json(&["vjp", "-", "--json"], Some(&case_text));
+    assert_eq!(direct, via_stdin);
+    let dir = std::env::temp_dir().join(format!("distgrad-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("case.json");
+    std::fs::write(&path, &case_text).unwrap();
+    let via_file = ok_json(&["vjp", path.to_str().unwrap(), "--json"], None);
+    assert_eq!(direct, via_file);
+    assert_eq!(direct["dual"], "reduce_scatter(op=sum)");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn every_builtin_example_runs_for_every_op_and_odd_worlds() {
+    let collectives = [
+        "broadcast",
+        "reduce",
+        "gather",
+        "scatter",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "all_reduce",
+        "permute",
+        "all_to_all_single",
+    ];
+    for c in collectives {
+        for world in ["1", "3", "8"] {
+            let ops: &[&str] = if matches!(c, "reduce" | "all_reduce" | "reduce_scatter") {
+                &["sum", "avg", "prod", "min", "max"]
+            } else {
+                &["sum"]
+            };
+            for op in ops {
+                let root = if world == "1" { "0" } else { "1" };
+                let out = distgrad(
+                    &["vjp", c, "--world", world, "--op", op, "--root", root],
+                    None,
+                );
+                let text = String::from_utf8_lossy(&out.stdout);
+                assert!(
+                    out.status.success(),
+                    "{c} {op} world {world}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                assert!(text.contains("backward (dual):"), "{c}: {text}");
+                assert_eq!(
+                    text.lines().filter(|l| l.contains(" | ")).count(),
+                    world.parse::<usize>().unwrap() + 1
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_input_is_a_clear_error_with_exit_code_2() {
+    let cases: &[(&str, &str)] = &[
+        ("{", "case JSON"),
+        (
+            r#"{"collective":"all_sum","world":2,"inputs":[[],[]]}"#,
+            "unknown collective \"all_sum\"",
+        ),
+        (
+            r#"{"collective":"all_reduce","world":0,"inputs":[]}"#,
+            "world must be",
+        ),
+        (
+            r#"{"collective":"all_reduce","world":2,"inputs":[[{"shape":[2],"data":[1]}],[{"shape":[2],"data":[1,2]}]]}"#,
+            "needs 2 elements, got 1",
+        ),
+        (
+            r#"{"collective":"broadcast","world":2,"root":2,"inputs":[[{"shape":[1],"data":[1]}],[{"shape":[1],"data":[1]}]]}"#,
+            "root 2 is not a group rank",
+        ),
+        (
+            r#"{"collective":"all_reduce","world":2,"op":"mean","inputs":[[{"shape":[1],"data":[1]}],[{"shape":[1],"data":[1]}]]}"#,
+            "unknown reduce op",
+        ),
+        (
+            r#"{"collective":"all_reduce","world":2,"inputs":[[{"shape":[1],"data":[null]}],[{"shape":[1],"data":[1]}]]}"#,
+            "is null",
+        ),
+        (
+            r#"{"collective":"all_reduce","world":2,"inputs":[[{"shape":[1],"data":[1]}],[{"shape":[2],"data":[1,2]}]]}"#,
+            "collective mismatch",
+        ),
+        (
+            r#"{"collective":"scatter","world":2,"inputs":[[],[]]}"#,
+            "scatter takes 2 tensor(s) here, got 0",
+        ),
+        (
+            r#"{"collective":"permute","world":2,"perm":[[0,1],[1,1]],"inputs":[[{"shape":[1],"data":[1]}],[{"shape":[1],"data":[1]}]]}"#,
+            "destination twice",
+        ),
+        (
+            r#"{"collective":"all_reduce","world":2,"group":[0,0],"inputs":[[],[]]}"#,
+            "ranks must be distinct",
+        ),
+    ];
+    for (input, want) in cases {
+        let out = distgrad(&["vjp", "-"], Some(input));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{input}: {err}");
+        assert!(err.contains(want), "{input}: expected {want:?} in {err}");
+        assert!(!err.contains("panicked"), "{input}: {err}");
+    }
+    let out = distgrad(&["vjp", "no-such-thing"], None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not a file"));
+}

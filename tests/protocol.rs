@@ -1,0 +1,346 @@
+//! Never a hang, never silent garbage: mismatched calls, timeouts, lost peers, bad arguments, and
+//! bitwise determinism of all_reduce.
+
+use std::time::Duration;
+
+use distgrad::{CommOptions, Communicator, Error, ReduceOp, Tensor, run_local};
+
+fn opts(timeout_ms: u64) -> CommOptions {
+    CommOptions {
+        timeout: Duration::from_millis(timeout_ms),
+        ..CommOptions::default()
+    }
+}
+
+/// Every rank failed; at least one with a Mismatch naming both calls; the rest aborted by it.
+/// None timed out (the timeout is long, so a hang would show up as Timeout).
+fn assert_mismatch<T: std::fmt::Debug>(
+    results: &[distgrad::Result<T>],
+    call_a: &str,
+    call_b: &str,
+) {
+    let mut mismatches = 0;
+    for (r, res) in results.iter().enumerate() {
+        match res {
+            Ok(v) => panic!("rank {r} succeeded with {v:?} despite mismatched calls"),
+            Err(Error::Mismatch {
+                rank,
+                call,
+                peer,
+                peer_call,
+                ..
+            }) => {
+                mismatches += 1;
+                assert_eq!(*rank, r, "mismatch error names the detecting rank");
+                assert_ne!(rank, peer);
+                let both = format!("{call} | {peer_call}");
+                assert!(
+                    both.contains(call_a) && both.contains(call_b),
+                    "rank {r}: error should name both calls ({call_a}, {call_b}), got {both}"
+                );
+            }
+            Err(Error::Aborted { by, reason, .. }) => {
+                assert!(
+                    reason.contains("mismatch"),
+                    "rank {r}: aborted by {by} for {reason}"
+                );
+            }
+            Err(e) => panic!("rank {r}: expected a mismatch or abort, got {e}"),
+        }
+    }
+    assert!(
+        mismatches >= 1,
+        "some rank must detect the mismatch: {results:?}"
+    );
+}
+
+#[test]
+fn different_collectives_fail_everywhere() {
+    for world in [2, 3, 5] {
+        let res = run_local(world, opts(30_000), |comm| async move {
+            let x = Tensor::vector(&[1.0, 2.0]);
+            let g = comm.world();
+            if comm.rank() == world - 1 {
+                comm.broadcast(&x, 0, &g).await
+            } else {
+                comm.all_reduce(&x, ReduceOp::Sum, &g).await
+            }
+        });
+        assert_mismatch(&res, "broadcast(root=0", "all_reduce(op=sum");
+    }
+}
+
+#[test]
+fn different_shapes_fail_everywhere() {
+    let res = run_local(4, opts(30_000), |comm| async move {
+        let n = if comm.rank() == 2 { 3 } else { 4 };
+        comm.all_reduce(&Tensor::zeros(&[n]), ReduceOp::Sum, &comm.world())
+            .await
+    });
+    assert_mismatch(&res, "shape=[3]", "shape=[4]");
+}
+
+#[test]
+fn large_payload_shape_mismatch_between_ring_and_direct() {
+    // One rank's tensor is small (direct exchange), the others' large (ring): different algorithms.
+    let res = run_local(3, opts(30_000), |comm| async move {
+        let n = if comm.rank() == 1 { 10 } else { 100_000 };
+        comm.all_reduce(&Tensor::zeros(&[n]), ReduceOp::Sum, &comm.world())
+            .await
+    });
+    assert_mismatch(&res, "shape=[10]", "shape=[100000]");
+}
+
+#[test]
+fn different_roots_fail_instead_of_deadlocking() {
+    // Ranks 0 and 1 each believe they are the root of a gather: both would wait forever.
+    let res = run_local(3, opts(30_000), |comm| async move {
+        let root = if comm.rank() == 1 { 1 } else { 0 };
+        comm.gather(&Tensor::zeros(&[2]), root, &comm.world()).await
+    });
+    assert_mismatch(&res, "root=0", "root=1");
+    let res = run_local(4, opts(30_000), |comm| async move {
+        let root = if comm.rank() == 3 { 2 } else { 1 };
+        comm.broadcast(&Tensor::zeros(&[2]), root, &comm.world())
+            .await
+    });
+    assert_mismatch(&res, "root=1", "root=2");
+}
+
+#[test]
+fn different_ops_fail() {
+    let res = run_local(2, opts(30_000), |comm| async move {
+        let op = if comm.rank() == 0 {
+            ReduceOp::Sum
+        } else {
+            ReduceOp::Max
+        };
+        comm.all_reduce(&Tensor::zeros(&[2]), op, &comm.world())
+            .await
+    });
+    assert_mismatch(&res, "op=sum", "op=max");
+}
+
+#[test]
+fn different_order_fails() {
+    let res = run_local(3, opts(30_000), |comm| async move {
+        let g = comm.world();
+        let x = Tensor::zeros(&[2]);
+        if comm.rank() == 0 {
+            comm.all_gather(&x, &g).await?;
+            comm.all_reduce(&x, ReduceOp::Sum, &g).await?;
+        } else {
+            comm.all_reduce(&x, ReduceOp::Sum, &g).await?;
+            comm.all_gather(&x, &g).await?;
+        }
+        Ok(())
+    });
+    assert_mismatch(&res, "all_gather", "all_reduce");
+}
+
+#[test]
+fn p2p_shape_mismatch_fails_both_sides() {
+    let res = run_local(2, opts(30_000), |comm| async move {
+        let g = comm.world();
+        if comm.rank() == 0 {
+            comm.send(&Tensor::zeros(&[3]), 1, &g).await?;
+            // Wait for the peer's verdict instead of exiting (which would read as a lost peer).
+            comm.barrier(&g).await
+        } else {
+            comm.recv(&[4], 0, &g).await.map(|_| ())
+        }
+    });
+    match &res[1] {
+        Err(Error::Mismatch {
+            call, peer_call, ..
+        }) => {
+            assert!(
+                call.contains("[4]") && peer_call.contains("[3]"),
+                "{call} / {peer_call}"
+            );
+        }
+        other => panic!("receiver: expected mismatch, got {other:?}"),
+    }
+    assert!(
+        matches!(&res[0], Err(Error::Aborted { by: 1, .. })),
+        "sender: {:?}",
+        res[0]
+    );
+}
+
+#[test]
+fn all_to_all_single_split_disagreement_names_both_ranks() {
+    let res = run_local(2, opts(30_000), |comm| async move {
+        let g = comm.world();
+        // rank 0 sends 1 row to rank 1, but rank 1 expects 2 rows from rank 0.
+        let (x, ins, outs) = if comm.rank() == 0 {
+            (Tensor::zeros(&[2, 1]), vec![1, 1], vec![1, 1])
+        } else {
+            (Tensor::zeros(&[2, 1]), vec![1, 1], vec![2, 1])
+        };
+        comm.all_to_all_single(&x, &ins, &outs, &g).await
+    });
+    let texts: Vec<String> = res
+        .iter()
+        .map(|r| format!("{:?}", r.as_ref().err()))
+        .collect();
+    assert!(res.iter().all(|r| r.is_err()), "{texts:?}");
+    assert!(
+        texts
+            .iter()
+            .any(|t| t.contains("expects 2 rows from group rank 0") && t.contains("got 1")),
+        "{texts:?}"
+    );
+}
+
+#[test]
+fn silent_peer_times_out_with_context() {
+    let res = run_local(2, opts(200), |comm| async move {
+        if comm.rank() == 1 {
+            // Alive but never joins the collective.
+            std::thread::sleep(Duration::from_millis(1500));
+            return Ok(());
+        }
+        comm.all_reduce(&Tensor::zeros(&[2]), ReduceOp::Sum, &comm.world())
+            .await
+            .map(|_| ())
+    });
+    match &res[0] {
+        Err(Error::Timeout {
+            rank,
+            peer,
+            call,
+            timeout,
+        }) => {
+            assert_eq!((*rank, *peer), (0, 1));
+            assert_eq!(*timeout, Duration::from_millis(200));
+            assert!(call.contains("all_reduce"), "{call}");
+        }
+        other => panic!("expected timeout, got {other:?}"),
+    }
+}
+
+#[test]
+fn lost_peer_fails_pending_ops_on_every_rank() {
+    let res = run_local(4, opts(30_000), |comm| async move {
+        if comm.rank() == 2 {
+            return Ok(()); // leaves: its transport is dropped
+        }
+        comm.all_reduce(&Tensor::zeros(&[100_000]), ReduceOp::Sum, &comm.world())
+            .await
+            .map(|_| ())
+    });
+    for (r, res) in res.iter().enumerate() {
+        if r == 2 {
+            continue;
+        }
+        match res {
+            Err(Error::PeerLost { peer: 2, .. }) => {}
+            Err(Error::Aborted { reason, .. }) => {
+                assert!(reason.contains("rank 2 is gone"), "rank {r}: {reason}")
+            }
+            other => panic!("rank {r}: expected PeerLost/Aborted, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn after_an_abort_later_calls_fail_fast() {
+    let res = run_local(2, opts(30_000), |comm| async move {
+        let g = comm.world();
+        let op = if comm.rank() == 0 {
+            ReduceOp::Sum
+        } else {
+            ReduceOp::Min
+        };
+        let first = comm.all_reduce(&Tensor::zeros(&[1]), op, &g).await;
+        assert!(first.is_err());
+        comm.all_reduce(&Tensor::zeros(&[1]), ReduceOp::Sum, &g)
+            .await
+    });
+    for r in &res {
+        assert!(matches!(r, Err(Error::Aborted { .. })), "{r:?}");
+    }
+}
+
+#[test]
+fn non_member_and_bad_arguments_are_errors_not_panics() {
+    let res = run_local(3, opts(2_000), |comm| async move {
+        let g = comm.new_group(&[0, 2])?;
+        let x = Tensor::zeros(&[2]);
+        if comm.rank() == 1 {
+            let e = comm.all_reduce(&x, ReduceOp::Sum, &g).await.unwrap_err();
+            assert!(e.to_string().contains("not a member of group 1"), "{e}");
+            return Ok(());
+        }
+        let e = comm.broadcast(&x, 2, &g).await.unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("root 2 is not a rank of group 1 (size 2)"),
+            "{e}"
+        );
+        let e = comm
+            .scatter(None, comm.rank() / 2, &g)
+            .await
+            .map(|_| ())
+            .unwrap_err();
+        assert!(e.to_string().contains("root must pass the list"), "{e}");
+        let e = comm.permute(&x, &[(0, 1), (1, 1)], &g).await.unwrap_err();
+        assert!(e.to_string().contains("destination twice"), "{e}");
+        Ok(())
+    });
+    for (r, res) in res.into_iter().enumerate() {
+        res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+    let res = run_local(2, opts(1_000), |comm| async move {
+        let dup = comm.new_group(&[1, 1]).unwrap_err();
+        let out = comm.new_group(&[0, 7]).unwrap_err();
+        Ok((dup.to_string(), out.to_string()))
+    });
+    let (dup, out) = res[0].clone().unwrap();
+    assert!(dup.contains("listed twice"), "{dup}");
+    assert!(out.contains("outside world of 2"), "{out}");
+}
+
+/// Values whose float sum depends on the order of additions.
+fn order_sensitive(rank: usize, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let k = (i * 7 + rank * 13) % 11;
+            match k {
+                0 => 1.0e8,
+                1 => -1.0e8,
+                2 => 3.0e-3,
+                _ => (k as f32).powi(3) * 0.1 + rank as f32 * 1.0e-4,
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn all_reduce_is_bitwise_identical_on_every_rank() {
+    // Sanity: the chosen values really are order sensitive.
+    let a: f32 = 1.0e8 + 3.0e-3 - 1.0e8;
+    let b: f32 = 1.0e8 - 1.0e8 + 3.0e-3;
+    assert_ne!(a.to_bits(), b.to_bits());
+    for world in 1..=8 {
+        for n in [5, 40_000] {
+            // 40_000 floats = 160 KB: above the ring threshold
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Prod] {
+                let res = run_local(world, opts(30_000), |comm| async move {
+                    let x = Tensor::vector(&order_sensitive(comm.rank(), n));
+                    Ok(comm.all_reduce(&x, op, &comm.world()).await?.to_vec())
+                });
+                let outs: Vec<Vec<f32>> = res.into_iter().map(|r| r.unwrap()).collect();
+                for (r, o) in outs.iter().enumerate() {
+                    assert!(
+                        o.iter()
+                            .zip(&outs[0])
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "world {world}, n {n}, {op:?}: rank {r} differs from rank 0"
+                    );
+                }
+            }
+        }
+    }
+}
