@@ -487,7 +487,7 @@ impl<T: Transport> Communicator for P2p<T> {
         let call = self
             .begin(group, CallSig::new(Kind::AllReduce).op(op).shape(x.shape()))
             .await?;
-        let r = if x.numel() * 4 >= self.opts.ring_threshold && x.numel() >= call.n {
+        let r = if call.n > 1 && x.numel() * 4 >= self.opts.ring_threshold && x.numel() >= call.n {
             ring::all_reduce(&call, x, op, self.opts.segment_bytes).await
         } else {
             direct::all_reduce(&call, x, op).await
@@ -538,7 +538,7 @@ impl<T: Transport> Communicator for P2p<T> {
         let call = self
             .begin(group, CallSig::new(Kind::AllGather).shape(x.shape()))
             .await?;
-        let r = if x.numel() * 4 >= self.opts.ring_threshold {
+        let r = if call.n > 1 && x.numel() * 4 >= self.opts.ring_threshold {
             ring::all_gather(&call, x).await
         } else {
             direct::all_gather(&call, x).await
@@ -554,7 +554,7 @@ impl<T: Transport> Communicator for P2p<T> {
                 CallSig::new(Kind::ReduceScatter).op(op).shape(&shape),
             )
             .await?;
-        let r = if xs[0].numel() * 4 >= self.opts.ring_threshold {
+        let r = if call.n > 1 && xs[0].numel() * 4 >= self.opts.ring_threshold {
             ring::reduce_scatter(&call, xs, op).await
         } else {
             direct::reduce_scatter(&call, xs, op).await

@@ -1,0 +1,135 @@
+//! Property tests of the collective algorithms' forward results against a plain oracle, with the
+//! ring forced on for tiny tensors (threshold 0, segments of a few elements) so uneven chunks,
+//! empty chunks and multi-segment pipelines are all exercised. Inputs are small integers, so every
+//! sum and product is exact in f32 and results compare bit for bit whatever the reduction order.
+
+use std::time::Duration;
+
+use distgrad::{CommOptions, Communicator, ReduceOp, Tensor, run_local};
+use proptest::prelude::*;
+
+fn opts(segment_bytes: usize) -> CommOptions {
+    CommOptions {
+        timeout: Duration::from_secs(20),
+        ring_threshold: 0,
+        segment_bytes,
+        ..CommOptions::default()
+    }
+}
+
+/// Rank r's input: small integers from a seed.
+fn input(seed: u64, rank: usize, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((seed as usize).wrapping_mul(31) + rank * 7 + i * 3) % 5) as f32 - 2.0)
+        .collect()
+}
+
+fn oracle_reduce(op: ReduceOp, xs: &[Vec<f32>]) -> Vec<f32> {
+    let n = xs[0].len();
+    (0..n)
+        .map(|i| {
+            let col = xs.iter().map(|x| x[i]);
+            match op {
+                ReduceOp::Sum => col.sum(),
+                ReduceOp::Avg => col.sum::<f32>() * (1.0 / xs.len() as f32),
+                ReduceOp::Prod => col.product(),
+                ReduceOp::Min => col.fold(f32::INFINITY, f32::min),
+                ReduceOp::Max => col.fold(f32::NEG_INFINITY, f32::max),
+            }
+        })
+        .collect()
+}
+
+fn op_strategy() -> impl Strategy<Value = ReduceOp> {
+    prop::sample::select(ReduceOp::ALL.to_vec())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn all_reduce_matches_oracle(world in 1usize..8, numel in 0usize..40, seg in 1usize..5, op in op_strategy(), seed in 0u64..1000) {
+        let res = run_local(world, opts(seg * 4), |comm| async move {
+            let x = Tensor::vector(&input(seed, comm.rank(), numel));
+            Ok(comm.all_reduce(&x, op, &comm.world()).await?.to_vec())
+        });
+        let xs: Vec<Vec<f32>> = (0..world).map(|r| input(seed, r, numel)).collect();
+        let want = oracle_reduce(op, &xs);
+        for (r, got) in res.into_iter().enumerate() {
+            prop_assert_eq!(got.unwrap(), want.clone(), "rank {}", r);
+        }
+    }
+
+    #[test]
+    fn reduce_scatter_and_all_gather_match_oracle(world in 1usize..7, numel in 0usize..9, op in op_strategy(), seed in 0u64..1000) {
+        let res = run_local(world, opts(4), |comm| async move {
+            let g = comm.world();
+            let me = comm.rank();
+            let list: Vec<Tensor> = (0..world).map(|j| Tensor::vector(&input(seed + j as u64, me, numel))).collect();
+            let rs = comm.reduce_scatter(&list, op, &g).await?.to_vec();
+            let ag = comm.all_gather(&Tensor::vector(&input(seed, me, numel)), &g).await?;
+            Ok((rs, ag.iter().map(Tensor::to_vec).collect::<Vec<_>>()))
+        });
+        for (r, got) in res.into_iter().enumerate() {
+            let (rs, ag) = got.unwrap();
+            let col: Vec<Vec<f32>> = (0..world).map(|k| input(seed + r as u64, k, numel)).collect();
+            prop_assert_eq!(rs, oracle_reduce(op, &col), "reduce_scatter rank {}", r);
+            let all: Vec<Vec<f32>> = (0..world).map(|k| input(seed, k, numel)).collect();
+            prop_assert_eq!(ag, all, "all_gather rank {}", r);
+        }
+    }
+
+    #[test]
+    fn broadcast_and_reduce_trees_match_oracle(world in 1usize..9, root_pick in 0usize..8, numel in 0usize..6, op in op_strategy(), seed in 0u64..1000) {
+        let root = root_pick % world;
+        let res = run_local(world, opts(4), |comm| async move {
+            let g = comm.world();
+            let x = Tensor::vector(&input(seed, comm.rank(), numel));
+            let b = comm.broadcast(&x, root, &g).await?.to_vec();
+            let red = comm.reduce(&x, root, op, &g).await?.map(|t| t.to_vec());
+            Ok((b, red))
+        });
+        let xs: Vec<Vec<f32>> = (0..world).map(|r| input(seed, r, numel)).collect();
+        for (r, got) in res.into_iter().enumerate() {
+            let (b, red) = got.unwrap();
+            prop_assert_eq!(&b, &xs[root], "broadcast rank {}", r);
+            if r == root {
+                prop_assert_eq!(red, Some(oracle_reduce(op, &xs)), "reduce root {}", r);
+            } else {
+                prop_assert_eq!(red, None);
+            }
+        }
+    }
+
+    #[test]
+    fn all_to_all_single_matches_oracle(world in 1usize..6, seed in 0u64..1000) {
+        // splits[i][j] = rows rank i sends to rank j (0..3, zeros included); rows are [value, -value].
+        let splits: Vec<Vec<usize>> = (0..world).map(|i| (0..world).map(|j| ((seed as usize) + i * 5 + j * 3) % 3).collect()).collect();
+        let row_val = |i: usize, j: usize, k: usize| (100 * i + 10 * j + k) as f32;
+        let res = run_local(world, opts(4), |comm| {
+            let splits = splits.clone();
+            async move {
+                let me = comm.rank();
+                let mut data = Vec::new();
+                for (j, &count) in splits[me].iter().enumerate() {
+                    for k in 0..count {
+                        data.extend([row_val(me, j, k), -row_val(me, j, k)]);
+                    }
+                }
+                let rows = data.len() / 2;
+                let x = Tensor::from_vec(data, &[rows, 2])?;
+                let outs: Vec<usize> = (0..world).map(|i| splits[i][me]).collect();
+                Ok(comm.all_to_all_single(&x, &splits[me], &outs, &comm.world()).await?.to_vec())
+            }
+        });
+        for (me, got) in res.into_iter().enumerate() {
+            let mut want = Vec::new();
+            for (i, row) in splits.iter().enumerate() {
+                for k in 0..row[me] {
+                    want.extend([row_val(i, me, k), -row_val(i, me, k)]);
+                }
+            }
+            prop_assert_eq!(got.unwrap(), want, "rank {}", me);
+        }
+    }
+}
