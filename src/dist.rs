@@ -29,6 +29,14 @@ fn record(
     tape.record(Op::Collective(c), inputs, outputs, inv)
 }
 
+/// A local check before a collective: if it fails, abort so the other ranks do not wait for us.
+async fn checked<C: Communicator, R>(comm: &C, r: Result<R>) -> Result<R> {
+    if let Err(e) = &r {
+        comm.abort(&e.to_string()).await;
+    }
+    r
+}
+
 fn same_tape(op: &'static str, tape: &Tape, xs: &[Var]) -> Result<()> {
     xs.iter().try_for_each(|x| tape.check(op, x))
 }
@@ -125,14 +133,12 @@ pub async fn scatter<C: Communicator>(
     let xs: Vec<Var> = xs
         .map(|xs| xs.iter().map(varying).collect())
         .unwrap_or_default();
-    same_tape("scatter", tape, &xs)?;
+    checked(comm, same_tape("scatter", tape, &xs)).await?;
     let values: Vec<Tensor> = xs.iter().map(Var::value).collect();
     let list = (group.rank() == Some(root)).then_some(values.as_slice());
     if list.is_none() && !xs.is_empty() {
-        return Err(Error::invalid(
-            "scatter",
-            format!("only the root ({root}) passes a list"),
-        ));
+        let e = Error::invalid("scatter", format!("only the root ({root}) passes a list"));
+        return checked(comm, Err(e)).await;
     }
     let y = comm.scatter(list, root, group).await?;
     let c = Collective::Scatter {
@@ -162,9 +168,10 @@ pub async fn reduce_scatter<C: Communicator>(
 ) -> Result<Var> {
     let first = xs
         .first()
-        .ok_or_else(|| Error::invalid("reduce_scatter", "empty list"))?;
+        .ok_or_else(|| Error::invalid("reduce_scatter", "empty list"));
+    let first = checked(comm, first).await?;
     let tape = first.tape().clone();
-    same_tape("reduce_scatter", &tape, xs)?;
+    checked(comm, same_tape("reduce_scatter", &tape, xs)).await?;
     let xs: Vec<Var> = xs.iter().map(varying).collect();
     let values: Vec<Tensor> = xs.iter().map(Var::value).collect();
     let y = comm.reduce_scatter(&values, op, group).await?;
@@ -180,9 +187,10 @@ pub async fn reduce_scatter<C: Communicator>(
 pub async fn all_to_all<C: Communicator>(comm: &C, xs: &[Var], group: &Group) -> Result<Vec<Var>> {
     let first = xs
         .first()
-        .ok_or_else(|| Error::invalid("all_to_all", "empty list"))?;
+        .ok_or_else(|| Error::invalid("all_to_all", "empty list"));
+    let first = checked(comm, first).await?;
     let tape = first.tape().clone();
-    same_tape("all_to_all", &tape, xs)?;
+    checked(comm, same_tape("all_to_all", &tape, xs)).await?;
     let xs: Vec<Var> = xs.iter().map(varying).collect();
     let values: Vec<Tensor> = xs.iter().map(Var::value).collect();
     let ys = comm.all_to_all(&values, group).await?;

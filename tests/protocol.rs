@@ -263,35 +263,62 @@ fn after_an_abort_later_calls_fail_fast() {
     }
 }
 
-#[test]
-fn non_member_and_bad_arguments_are_errors_not_panics() {
-    let res = run_local(3, opts(2_000), |comm| async move {
-        let g = comm.new_group(&[0, 2])?;
-        let x = Tensor::zeros(&[2]);
-        if comm.rank() == 1 {
-            let e = comm.all_reduce(&x, ReduceOp::Sum, &g).await.unwrap_err();
-            assert!(e.to_string().contains("not a member of group 1"), "{e}");
-            return Ok(());
+/// One rank makes a bad call: it gets a clear error, and the others are aborted instead of waiting.
+fn bad_call_on_rank_0(
+    what: &str,
+    bad: impl AsyncFn(&distgrad::LocalComm) -> distgrad::Result<()> + Sync,
+) {
+    let res = run_local(3, opts(30_000), |comm| {
+        let bad = &bad;
+        async move {
+            let g = comm.world();
+            if comm.rank() == 0 {
+                return bad(&comm).await;
+            }
+            comm.all_reduce(&Tensor::zeros(&[2]), ReduceOp::Sum, &g)
+                .await
+                .map(|_| ())
         }
-        let e = comm.broadcast(&x, 2, &g).await.unwrap_err();
-        assert!(
-            e.to_string()
-                .contains("root 2 is not a rank of group 1 (size 2)"),
-            "{e}"
-        );
-        let e = comm
-            .scatter(None, comm.rank() / 2, &g)
+    });
+    let e = res[0].as_ref().unwrap_err().to_string();
+    assert!(e.contains(what), "rank 0: expected {what:?} in {e}");
+    for (r, res) in res.iter().enumerate().skip(1) {
+        match res {
+            Err(Error::Aborted { by: 0, reason, .. }) => {
+                assert!(reason.contains(what), "rank {r}: {reason}")
+            }
+            other => panic!("rank {r}: expected abort by rank 0, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn bad_arguments_are_errors_that_abort_the_others() {
+    let x = Tensor::zeros(&[2]);
+    bad_call_on_rank_0("not a member of group 1", async |c| {
+        let g = c.new_group(&[1, 2])?;
+        c.all_reduce(&x, ReduceOp::Sum, &g).await.map(|_| ())
+    });
+    bad_call_on_rank_0("root 3 is not a rank of group 0 (size 3)", async |c| {
+        c.broadcast(&x, 3, &c.world()).await.map(|_| ())
+    });
+    bad_call_on_rank_0("root must pass the list", async |c| {
+        c.scatter(None, 0, &c.world()).await.map(|_| ())
+    });
+    bad_call_on_rank_0("destination twice", async |c| {
+        c.permute(&x, &[(0, 1), (1, 1)], &c.world())
             .await
             .map(|_| ())
-            .unwrap_err();
-        assert!(e.to_string().contains("root must pass the list"), "{e}");
-        let e = comm.permute(&x, &[(0, 1), (1, 1)], &g).await.unwrap_err();
-        assert!(e.to_string().contains("destination twice"), "{e}");
-        Ok(())
     });
-    for (r, res) in res.into_iter().enumerate() {
-        res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
-    }
+    bad_call_on_rank_0("do not sum to dim 0", async |c| {
+        c.all_to_all_single(&x, &[1, 0, 0], &[1, 1, 1], &c.world())
+            .await
+            .map(|_| ())
+    });
+}
+
+#[test]
+fn bad_groups_are_errors() {
     let res = run_local(2, opts(1_000), |comm| async move {
         let dup = comm.new_group(&[1, 1]).unwrap_err();
         let out = comm.new_group(&[0, 7]).unwrap_err();

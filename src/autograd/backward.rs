@@ -25,7 +25,24 @@ impl Tape {
     }
 
     /// Differentiate with explicit cotangents `(output, d objective / d output)`.
+    ///
+    /// If anything fails, the communicator is aborted, so other ranks fail instead of waiting for
+    /// this rank's part of the backward pass.
     pub async fn backward_from<C: Communicator>(
+        &self,
+        seeds: &[(Var, Tensor)],
+        comm: &C,
+    ) -> Result<Grads> {
+        let r = self.backward_inner(seeds, comm).await;
+        if let Err(e) = &r
+            && !matches!(e, Error::Aborted { .. })
+        {
+            comm.abort(&e.to_string()).await;
+        }
+        r
+    }
+
+    async fn backward_inner<C: Communicator>(
         &self,
         seeds: &[(Var, Tensor)],
         comm: &C,

@@ -249,6 +249,9 @@ pub trait Communicator {
     async fn permute(&self, x: &Tensor, pairs: &[(usize, usize)], group: &Group) -> Result<Tensor>;
     /// Returns once every rank of the group has entered the barrier.
     async fn barrier(&self, group: &Group) -> Result<()>;
+    /// Give up: every pending and later operation here and on every peer fails with `reason`
+    /// (used when a rank cannot take part in what the others are waiting for).
+    async fn abort(&self, reason: &str);
 }
 
 /// Split `n` elements into `parts` contiguous chunks, sizes differing by at most one.

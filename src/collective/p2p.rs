@@ -121,24 +121,24 @@ impl<T: Transport> P2p<T> {
         };
         if n > 1 {
             let tag = call.tag(Channel::Sig);
-            let r = self
-                .transport
+            self.transport
                 .send(group.global(call.succ()), tag, call.sig_bytes.clone())
-                .await;
-            if let Err(e) = r {
-                return Err(self.fail(e).await);
-            }
+                .await?;
         }
         Ok(call)
     }
 
-    /// End a call: on success make sure the predecessor's signature was checked; on failure abort.
+    /// End a call: on success make sure the predecessor's signature was checked.
     pub(crate) async fn finish<R>(&self, call: Call<'_, T>, r: Result<R>) -> Result<R> {
-        let r = match r {
-            Ok(v) => call.check_pred().await.map(|()| v),
-            Err(e) => Err(e),
-        };
-        match r {
+        let v = r?;
+        call.check_pred().await?;
+        Ok(v)
+    }
+
+    /// Run one collective; if it fails in any way (bad argument, mismatch, timeout, lost peer), abort
+    /// the communicator so that no other rank is left waiting for this one.
+    async fn guarded<R>(&self, fut: impl Future<Output = Result<R>>) -> Result<R> {
+        match fut.await {
             Ok(v) => Ok(v),
             Err(e) => Err(self.fail(e).await),
         }
@@ -449,16 +449,19 @@ impl<T: Transport> Communicator for P2p<T> {
     }
 
     async fn broadcast(&self, x: &Tensor, root: usize, group: &Group) -> Result<Tensor> {
-        group.check_rank("broadcast", "root", root)?;
-        let call = self
-            .begin(
-                group,
-                CallSig::new(Kind::Broadcast).root(root).shape(x.shape()),
-            )
-            .await?;
-        let r = tree::broadcast(&call, x, root).await;
-        let r = self.agree(&call, r, 3).await;
-        self.finish(call, r).await
+        self.guarded(async {
+            group.check_rank("broadcast", "root", root)?;
+            let call = self
+                .begin(
+                    group,
+                    CallSig::new(Kind::Broadcast).root(root).shape(x.shape()),
+                )
+                .await?;
+            let r = tree::broadcast(&call, x, root).await;
+            let r = self.agree(&call, r, 3).await;
+            self.finish(call, r).await
+        })
+        .await
     }
 
     async fn reduce(
@@ -468,114 +471,136 @@ impl<T: Transport> Communicator for P2p<T> {
         op: ReduceOp,
         group: &Group,
     ) -> Result<Option<Tensor>> {
-        group.check_rank("reduce", "root", root)?;
-        let call = self
-            .begin(
-                group,
-                CallSig::new(Kind::Reduce)
-                    .op(op)
-                    .root(root)
-                    .shape(x.shape()),
-            )
-            .await?;
-        let r = tree::reduce(&call, x, root, op).await;
-        let r = self.agree(&call, r, 3).await;
-        self.finish(call, r).await
+        self.guarded(async {
+            group.check_rank("reduce", "root", root)?;
+            let call = self
+                .begin(
+                    group,
+                    CallSig::new(Kind::Reduce)
+                        .op(op)
+                        .root(root)
+                        .shape(x.shape()),
+                )
+                .await?;
+            let r = tree::reduce(&call, x, root, op).await;
+            let r = self.agree(&call, r, 3).await;
+            self.finish(call, r).await
+        })
+        .await
     }
 
     async fn all_reduce(&self, x: &Tensor, op: ReduceOp, group: &Group) -> Result<Tensor> {
-        let call = self
-            .begin(group, CallSig::new(Kind::AllReduce).op(op).shape(x.shape()))
-            .await?;
-        let r = if call.n > 1 && x.numel() * 4 >= self.opts.ring_threshold && x.numel() >= call.n {
-            ring::all_reduce(&call, x, op, self.opts.segment_bytes).await
-        } else {
-            direct::all_reduce(&call, x, op).await
-        };
-        self.finish(call, r).await
+        self.guarded(async {
+            let call = self
+                .begin(group, CallSig::new(Kind::AllReduce).op(op).shape(x.shape()))
+                .await?;
+            let r =
+                if call.n > 1 && x.numel() * 4 >= self.opts.ring_threshold && x.numel() >= call.n {
+                    ring::all_reduce(&call, x, op, self.opts.segment_bytes).await
+                } else {
+                    direct::all_reduce(&call, x, op).await
+                };
+            self.finish(call, r).await
+        })
+        .await
     }
 
     async fn gather(&self, x: &Tensor, root: usize, group: &Group) -> Result<Option<Vec<Tensor>>> {
-        group.check_rank("gather", "root", root)?;
-        let call = self
-            .begin(
-                group,
-                CallSig::new(Kind::Gather).root(root).shape(x.shape()),
-            )
-            .await?;
-        let r = direct::gather(&call, x, root).await;
-        let r = self.agree(&call, r, 3).await;
-        self.finish(call, r).await
+        self.guarded(async {
+            group.check_rank("gather", "root", root)?;
+            let call = self
+                .begin(
+                    group,
+                    CallSig::new(Kind::Gather).root(root).shape(x.shape()),
+                )
+                .await?;
+            let r = direct::gather(&call, x, root).await;
+            let r = self.agree(&call, r, 3).await;
+            self.finish(call, r).await
+        })
+        .await
     }
 
     async fn scatter(&self, xs: Option<&[Tensor]>, root: usize, group: &Group) -> Result<Tensor> {
-        group.check_rank("scatter", "root", root)?;
-        let me = group.require_member("scatter")?;
-        let mut sig = CallSig::new(Kind::Scatter).root(root);
-        match (me == root, xs) {
-            (true, Some(xs)) => sig = sig.shape(&list_shape("scatter", xs, group.size())?),
-            (true, None) => {
-                return Err(Error::invalid(
-                    "scatter",
-                    "the root must pass the list to scatter",
-                ));
+        self.guarded(async {
+            group.check_rank("scatter", "root", root)?;
+            let me = group.require_member("scatter")?;
+            let mut sig = CallSig::new(Kind::Scatter).root(root);
+            match (me == root, xs) {
+                (true, Some(xs)) => sig = sig.shape(&list_shape("scatter", xs, group.size())?),
+                (true, None) => {
+                    return Err(Error::invalid(
+                        "scatter",
+                        "the root must pass the list to scatter",
+                    ));
+                }
+                (false, Some(_)) => {
+                    return Err(Error::invalid(
+                        "scatter",
+                        format!("only the root ({root}) passes a list; this is rank {me}"),
+                    ));
+                }
+                (false, None) => {}
             }
-            (false, Some(_)) => {
-                return Err(Error::invalid(
-                    "scatter",
-                    format!("only the root ({root}) passes a list; this is rank {me}"),
-                ));
-            }
-            (false, None) => {}
-        }
-        let call = self.begin(group, sig).await?;
-        let r = direct::scatter(&call, xs, root).await;
-        let r = self.agree(&call, r, 3).await;
-        self.finish(call, r).await
+            let call = self.begin(group, sig).await?;
+            let r = direct::scatter(&call, xs, root).await;
+            let r = self.agree(&call, r, 3).await;
+            self.finish(call, r).await
+        })
+        .await
     }
 
     async fn all_gather(&self, x: &Tensor, group: &Group) -> Result<Vec<Tensor>> {
-        let call = self
-            .begin(group, CallSig::new(Kind::AllGather).shape(x.shape()))
-            .await?;
-        let r = if call.n > 1 && x.numel() * 4 >= self.opts.ring_threshold {
-            ring::all_gather(&call, x).await
-        } else {
-            direct::all_gather(&call, x).await
-        };
-        self.finish(call, r).await
+        self.guarded(async {
+            let call = self
+                .begin(group, CallSig::new(Kind::AllGather).shape(x.shape()))
+                .await?;
+            let r = if call.n > 1 && x.numel() * 4 >= self.opts.ring_threshold {
+                ring::all_gather(&call, x).await
+            } else {
+                direct::all_gather(&call, x).await
+            };
+            self.finish(call, r).await
+        })
+        .await
     }
 
     async fn reduce_scatter(&self, xs: &[Tensor], op: ReduceOp, group: &Group) -> Result<Tensor> {
-        let shape = list_shape("reduce_scatter", xs, group.size())?;
-        let call = self
-            .begin(
-                group,
-                CallSig::new(Kind::ReduceScatter).op(op).shape(&shape),
-            )
-            .await?;
-        let r = if call.n > 1 && xs[0].numel() * 4 >= self.opts.ring_threshold {
-            ring::reduce_scatter(&call, xs, op).await
-        } else {
-            direct::reduce_scatter(&call, xs, op).await
-        };
-        self.finish(call, r).await
+        self.guarded(async {
+            let shape = list_shape("reduce_scatter", xs, group.size())?;
+            let call = self
+                .begin(
+                    group,
+                    CallSig::new(Kind::ReduceScatter).op(op).shape(&shape),
+                )
+                .await?;
+            let r = if call.n > 1 && xs[0].numel() * 4 >= self.opts.ring_threshold {
+                ring::reduce_scatter(&call, xs, op).await
+            } else {
+                direct::reduce_scatter(&call, xs, op).await
+            };
+            self.finish(call, r).await
+        })
+        .await
     }
 
     async fn all_to_all(&self, xs: &[Tensor], group: &Group) -> Result<Vec<Tensor>> {
-        if xs.len() != group.size() {
-            return Err(Error::invalid(
-                "all_to_all",
-                format!(
-                    "need one tensor per group rank ({}), got {}",
-                    group.size(),
-                    xs.len()
-                ),
-            ));
-        }
-        let call = self.begin(group, CallSig::new(Kind::AllToAll)).await?;
-        let r = direct::all_to_all(&call, xs).await;
-        self.finish(call, r).await
+        self.guarded(async {
+            if xs.len() != group.size() {
+                return Err(Error::invalid(
+                    "all_to_all",
+                    format!(
+                        "need one tensor per group rank ({}), got {}",
+                        group.size(),
+                        xs.len()
+                    ),
+                ));
+            }
+            let call = self.begin(group, CallSig::new(Kind::AllToAll)).await?;
+            let r = direct::all_to_all(&call, xs).await;
+            self.finish(call, r).await
+        })
+        .await
     }
 
     async fn all_to_all_single(
@@ -585,169 +610,178 @@ impl<T: Transport> Communicator for P2p<T> {
         out_splits: &[usize],
         group: &Group,
     ) -> Result<Tensor> {
-        let n = group.size();
-        let op = "all_to_all_single";
-        if x.shape().is_empty() {
-            return Err(Error::invalid(op, "input must have at least one dimension"));
-        }
-        if in_splits.len() != n || out_splits.len() != n {
-            return Err(Error::invalid(
-                op,
-                format!(
-                    "split lists must have group size {n} entries: in {in_splits:?}, out {out_splits:?}"
-                ),
-            ));
-        }
-        if in_splits.iter().sum::<usize>() != x.shape()[0] {
-            return Err(Error::invalid(
-                op,
-                format!(
-                    "in_splits {in_splits:?} do not sum to dim 0 of shape {:?}",
-                    x.shape()
-                ),
-            ));
-        }
-        let call = self
-            .begin(
-                group,
-                CallSig::new(Kind::AllToAllSingle).shape(&x.shape()[1..]),
-            )
-            .await?;
-        let r = direct::all_to_all_single(&call, x, in_splits, out_splits).await;
-        let r = self.agree(&call, r, 2).await;
-        self.finish(call, r).await
+        self.guarded(async {
+            let n = group.size();
+            let op = "all_to_all_single";
+            if x.shape().is_empty() {
+                return Err(Error::invalid(op, "input must have at least one dimension"));
+            }
+            if in_splits.len() != n || out_splits.len() != n {
+                return Err(Error::invalid(
+                    op,
+                    format!(
+                        "split lists must have group size {n} entries: in {in_splits:?}, out {out_splits:?}"
+                    ),
+                ));
+            }
+            if in_splits.iter().sum::<usize>() != x.shape()[0] {
+                return Err(Error::invalid(
+                    op,
+                    format!(
+                        "in_splits {in_splits:?} do not sum to dim 0 of shape {:?}",
+                        x.shape()
+                    ),
+                ));
+            }
+            let call = self
+                .begin(
+                    group,
+                    CallSig::new(Kind::AllToAllSingle).shape(&x.shape()[1..]),
+                )
+                .await?;
+            let r = direct::all_to_all_single(&call, x, in_splits, out_splits).await;
+            let r = self.agree(&call, r, 2).await;
+            self.finish(call, r).await
+        })
+        .await
     }
 
     async fn send(&self, x: &Tensor, dst: usize, group: &Group) -> Result<()> {
-        let me = group.require_member("send")?;
-        group.check_rank("send", "destination", dst)?;
-        if dst == me {
-            return Err(Error::invalid("send", "a rank cannot send to itself"));
-        }
-        let sig = CallSig::new(Kind::Send).shape(x.shape());
-        if self.opts.record_calls {
-            self.calls.borrow_mut().push((group.id(), sig.clone()));
-        }
-        let seq = self.next_p2p_seq(group.id(), me, dst);
-        let sb = sig.encode();
-        let data = encode_tensor(x);
-        let mut b = BytesMut::with_capacity(4 + sb.len() + data.len());
-        b.put_u32_le(sb.len() as u32);
-        b.put_slice(&sb);
-        b.put_slice(&data);
-        let tag = Tag {
-            group: group.id(),
-            seq,
-            channel: Channel::P2p,
-        };
-        match self
-            .transport
-            .send(group.global(dst), tag, b.freeze())
-            .await
-        {
-            Ok(()) => Ok(()),
-            Err(e) => Err(self.fail(e).await),
-        }
+        self.guarded(async {
+            let me = group.require_member("send")?;
+            group.check_rank("send", "destination", dst)?;
+            if dst == me {
+                return Err(Error::invalid("send", "a rank cannot send to itself"));
+            }
+            let sig = CallSig::new(Kind::Send).shape(x.shape());
+            if self.opts.record_calls {
+                self.calls.borrow_mut().push((group.id(), sig.clone()));
+            }
+            let seq = self.next_p2p_seq(group.id(), me, dst);
+            let sb = sig.encode();
+            let data = encode_tensor(x);
+            let mut b = BytesMut::with_capacity(4 + sb.len() + data.len());
+            b.put_u32_le(sb.len() as u32);
+            b.put_slice(&sb);
+            b.put_slice(&data);
+            let tag = Tag {
+                group: group.id(),
+                seq,
+                channel: Channel::P2p,
+            };
+            self.transport
+                .send(group.global(dst), tag, b.freeze())
+                .await
+        })
+        .await
     }
 
     async fn recv(&self, shape: &[usize], src: usize, group: &Group) -> Result<Tensor> {
-        let me = group.require_member("recv")?;
-        group.check_rank("recv", "source", src)?;
-        if src == me {
-            return Err(Error::invalid("recv", "a rank cannot receive from itself"));
-        }
-        let sig = CallSig::new(Kind::Send).shape(shape);
-        if self.opts.record_calls {
-            self.calls.borrow_mut().push((group.id(), sig.clone()));
-        }
-        let seq = self.next_p2p_seq(group.id(), src, me);
-        let tag = Tag {
-            group: group.id(),
-            seq,
-            channel: Channel::P2p,
-        };
-        let describe = || {
-            format!(
-                "recv(from={src}, shape={shape:?}) (group {}, message #{seq})",
-                group.id()
-            )
-        };
-        let peer = group.global(src);
-        let r = async {
-            let got = with_timeout(self.opts.timeout, self.transport.recv(peer, tag)).await;
-            let mut msg = match got {
-                None => {
-                    return Err(Error::Timeout {
-                        rank: self.rank(),
-                        peer,
-                        call: describe(),
-                        timeout: self.opts.timeout,
-                    });
-                }
-                Some(Err(Error::PeerLost { rank, peer, .. })) => {
-                    return Err(Error::PeerLost {
-                        rank,
-                        peer,
-                        call: describe(),
-                    });
-                }
-                Some(r) => r?,
-            };
-            let protocol = |d: &str| Error::Protocol {
-                rank: self.rank(),
-                peer,
-                call: describe(),
-                detail: d.to_string(),
-            };
-            if msg.len() < 4 {
-                return Err(protocol("short message"));
+        self.guarded(async {
+            let me = group.require_member("recv")?;
+            group.check_rank("recv", "source", src)?;
+            if src == me {
+                return Err(Error::invalid("recv", "a rank cannot receive from itself"));
             }
-            let n = msg.get_u32_le() as usize;
-            if msg.len() < n {
-                return Err(protocol("signature prefix longer than the message"));
+            let sig = CallSig::new(Kind::Send).shape(shape);
+            if self.opts.record_calls {
+                self.calls.borrow_mut().push((group.id(), sig.clone()));
             }
-            let theirs = CallSig::decode(&msg.split_to(n))
-                .ok_or_else(|| protocol("undecodable signature"))?;
-            if !theirs.agrees(&sig) {
-                return Err(Error::Mismatch {
-                    group: group.id(),
-                    seq,
+            let seq = self.next_p2p_seq(group.id(), src, me);
+            let tag = Tag {
+                group: group.id(),
+                seq,
+                channel: Channel::P2p,
+            };
+            let describe = || {
+                format!(
+                    "recv(from={src}, shape={shape:?}) (group {}, message #{seq})",
+                    group.id()
+                )
+            };
+            let peer = group.global(src);
+            {
+                let got = with_timeout(self.opts.timeout, self.transport.recv(peer, tag)).await;
+                let mut msg = match got {
+                    None => {
+                        return Err(Error::Timeout {
+                            rank: self.rank(),
+                            peer,
+                            call: describe(),
+                            timeout: self.opts.timeout,
+                        });
+                    }
+                    Some(Err(Error::PeerLost { rank, peer, .. })) => {
+                        return Err(Error::PeerLost {
+                            rank,
+                            peer,
+                            call: describe(),
+                        });
+                    }
+                    Some(r) => r?,
+                };
+                let protocol = |d: &str| Error::Protocol {
                     rank: self.rank(),
-                    call: format!("recv(from={src}, shape={shape:?})"),
                     peer,
-                    peer_call: format!("{theirs}"),
-                });
+                    call: describe(),
+                    detail: d.to_string(),
+                };
+                if msg.len() < 4 {
+                    return Err(protocol("short message"));
+                }
+                let n = msg.get_u32_le() as usize;
+                if msg.len() < n {
+                    return Err(protocol("signature prefix longer than the message"));
+                }
+                let theirs = CallSig::decode(&msg.split_to(n))
+                    .ok_or_else(|| protocol("undecodable signature"))?;
+                if !theirs.agrees(&sig) {
+                    return Err(Error::Mismatch {
+                        group: group.id(),
+                        seq,
+                        rank: self.rank(),
+                        call: format!("recv(from={src}, shape={shape:?})"),
+                        peer,
+                        peer_call: format!("{theirs}"),
+                    });
+                }
+                decode_tensor(msg).ok_or_else(|| protocol("malformed tensor"))
             }
-            decode_tensor(msg).ok_or_else(|| protocol("malformed tensor"))
-        }
-        .await;
-        match r {
-            Ok(t) => Ok(t),
-            Err(e) => Err(self.fail(e).await),
-        }
+        })
+        .await
     }
 
     async fn permute(&self, x: &Tensor, pairs: &[(usize, usize)], group: &Group) -> Result<Tensor> {
-        super::check_pairs("permute", pairs, group.size())?;
-        let extra = pairs
-            .iter()
-            .flat_map(|&(s, d)| [s as u64, d as u64])
-            .collect();
-        let call = self
-            .begin(
-                group,
-                CallSig::new(Kind::Permute).shape(x.shape()).extra(extra),
-            )
-            .await?;
-        let r = direct::permute(&call, x, pairs).await;
-        let r = self.agree(&call, r, 3).await;
-        self.finish(call, r).await
+        self.guarded(async {
+            super::check_pairs("permute", pairs, group.size())?;
+            let extra = pairs
+                .iter()
+                .flat_map(|&(s, d)| [s as u64, d as u64])
+                .collect();
+            let call = self
+                .begin(
+                    group,
+                    CallSig::new(Kind::Permute).shape(x.shape()).extra(extra),
+                )
+                .await?;
+            let r = direct::permute(&call, x, pairs).await;
+            let r = self.agree(&call, r, 3).await;
+            self.finish(call, r).await
+        })
+        .await
     }
 
     async fn barrier(&self, group: &Group) -> Result<()> {
-        let call = self.begin(group, CallSig::new(Kind::Barrier)).await?;
-        let r = direct::barrier(&call).await;
-        self.finish(call, r).await
+        self.guarded(async {
+            let call = self.begin(group, CallSig::new(Kind::Barrier)).await?;
+            let r = direct::barrier(&call).await;
+            self.finish(call, r).await
+        })
+        .await
+    }
+
+    async fn abort(&self, reason: &str) {
+        self.transport.abort(reason).await;
     }
 }
 
