@@ -127,6 +127,12 @@ pub enum Error {
         /// What failed.
         detail: String,
     },
+    /// The relay refused us or the connection to it failed.
+    #[error("relay: {detail}")]
+    Relay {
+        /// What happened.
+        detail: String,
+    },
     /// Bad user input to the CLI or a case file.
     #[error("{0}")]
     Input(String),

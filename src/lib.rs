@@ -36,7 +36,9 @@
 //!   [`ReduceOp`], call signatures, and [`P2p`]: every collective from point-to-point messages
 //!   (ring, tree, direct algorithms).
 //! - [`transport`]: the [`transport::Transport`] trait (async, tag-matched bytes), the shared
-//!   [`transport::Mailbox`], and the in-process transport.
+//!   [`transport::Mailbox`], the in-process transport and (native) the WebSocket transport.
+//! - [`wire`]: the one wire format (data-frame header, JSON control messages) of relay and clients.
+//! - `relay` (native): the WebSocket relay server: rooms, ranks, routing, signaling, static files.
 //! - [`run`]: run N ranks as threads ([`run_local`]).
 //! - [`vjp`]: the JSON case format and runner behind `distgrad vjp`.
 //! - [`bench`]: the benchmarks behind `distgrad bench`.
@@ -50,10 +52,13 @@ pub mod bench;
 pub mod collective;
 pub mod dist;
 pub mod error;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod relay;
 pub mod run;
 pub mod tensor;
 pub mod transport;
 pub mod vjp;
+pub mod wire;
 
 pub use autograd::{Grads, Objective, Tape, Var};
 pub use collective::{CommOptions, Communicator, Group, P2p, ReduceOp};

@@ -1,5 +1,6 @@
-//! The `distgrad` command line: `vjp` (one collective forward + backward, per-rank table) and
-//! `bench` (collective bandwidth and tape overhead).
+//! The `distgrad` command line: `vjp` (one collective forward + backward, per-rank table), `bench`
+//! (collective bandwidth and tape overhead), `relay` (the WebSocket relay), `worker` (one rank
+//! through a relay) and `demo` (a relay plus N worker processes).
 
 use std::io::Read as _;
 use std::process::ExitCode;
@@ -53,6 +54,89 @@ enum Cmd {
         #[arg(long)]
         print_case: bool,
     },
+    /// Run the relay: rooms, rank assignment, routing of data frames, WebRTC signaling, and (with
+    /// --static) the web app's files, on one port.
+    Relay {
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        addr: String,
+        /// Serve this folder (the built web app) at `/`.
+        #[arg(long = "static")]
+        static_dir: Option<std::path::PathBuf>,
+        /// Largest data frame in bytes (clients split larger messages).
+        #[arg(long, default_value_t = 1 << 20)]
+        max_frame: usize,
+        /// Largest world size of a room.
+        #[arg(long, default_value_t = 64)]
+        max_members: u32,
+        /// Most rooms at once.
+        #[arg(long, default_value_t = 256)]
+        max_rooms: usize,
+        /// Bytes that may queue for one member before its senders are slowed down.
+        #[arg(long, default_value_t = 16 << 20)]
+        max_pending_bytes: usize,
+        /// Close connections silent for this many seconds.
+        #[arg(long, default_value_t = 30)]
+        idle_timeout_secs: u64,
+        /// Allowed browser origins (repeat or comma-separate); default: any.
+        #[arg(long, value_delimiter = ',')]
+        allowed_origin: Option<Vec<String>>,
+    },
+    /// Join a relay room as one rank and run a case (built-in example or file) forward and backward.
+    Worker {
+        /// Relay WebSocket URL.
+        #[arg(long, default_value = "ws://127.0.0.1:8080/ws")]
+        relay: String,
+        /// Room name.
+        #[arg(long)]
+        room: String,
+        /// World size.
+        #[arg(long)]
+        world: usize,
+        /// Wanted rank (default: any free rank).
+        #[arg(long)]
+        rank: Option<u32>,
+        /// Room token (default: create the room with a random token, printed).
+        #[arg(long)]
+        token: Option<String>,
+        /// Collective of the built-in example.
+        #[arg(long, default_value = "all_reduce")]
+        collective: String,
+        /// A case file instead of the built-in example.
+        #[arg(long)]
+        case: Option<std::path::PathBuf>,
+        /// Reduce op for the built-in example.
+        #[arg(long, default_value = "sum")]
+        op: String,
+        /// Root (group rank) for the built-in example.
+        #[arg(long, default_value_t = 0)]
+        root: usize,
+        /// Print this rank's result as one JSON line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Start a relay and N worker processes on this machine, run a collective forward and backward,
+    /// and print the same per-rank table as `vjp`.
+    Demo {
+        /// Number of ranks.
+        #[arg(long, default_value_t = 4)]
+        world: usize,
+        /// `relay` (processes through a local relay) or `local` (threads).
+        #[arg(long, default_value = "relay")]
+        transport: String,
+        /// Collective of the built-in example.
+        #[arg(long, default_value = "all_reduce")]
+        collective: String,
+        /// Reduce op.
+        #[arg(long, default_value = "sum")]
+        op: String,
+        /// Root (group rank).
+        #[arg(long, default_value_t = 0)]
+        root: usize,
+        /// Print the machine-readable JSON output (as `vjp --json`) instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Benchmarks: an nccl-tests-style table of collectives (with a memcpy line measured in the same
     /// run) and the tape's overhead per local op.
     Bench {
@@ -97,6 +181,57 @@ fn main() -> ExitCode {
             max_bytes,
             ops,
         } => run_bench(&transport, world, min_bytes, max_bytes, &ops),
+        Cmd::Relay {
+            addr,
+            static_dir,
+            max_frame,
+            max_members,
+            max_rooms,
+            max_pending_bytes,
+            idle_timeout_secs,
+            allowed_origin,
+        } => {
+            let cfg = distgrad::relay::RelayConfig {
+                max_frame,
+                max_members,
+                max_rooms,
+                max_pending_bytes,
+                idle_timeout: std::time::Duration::from_secs(idle_timeout_secs.max(1)),
+                allowed_origins: allowed_origin,
+                static_dir,
+                ..Default::default()
+            };
+            run_relay(&addr, cfg)
+        }
+        Cmd::Worker {
+            relay,
+            room,
+            world,
+            rank,
+            token,
+            collective,
+            case,
+            op,
+            root,
+            json,
+        } => {
+            let opts = WorkerOpts {
+                relay,
+                room,
+                world,
+                rank,
+                token,
+            };
+            run_worker(&opts, &collective, case.as_deref(), &op, root, json)
+        }
+        Cmd::Demo {
+            world,
+            transport,
+            collective,
+            op,
+            root,
+            json,
+        } => run_demo(world, &transport, &collective, &op, root, json),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -220,4 +355,223 @@ fn run_bench(
         taped - raw
     );
     Ok(())
+}
+
+fn runtime(multi: bool) -> distgrad::Result<tokio::runtime::Runtime> {
+    let b = if multi {
+        tokio::runtime::Builder::new_multi_thread()
+    } else {
+        tokio::runtime::Builder::new_current_thread()
+    }
+    .enable_all()
+    .build();
+    b.map_err(|e| distgrad::Error::Input(format!("cannot start the async runtime: {e}")))
+}
+
+fn run_relay(addr: &str, cfg: distgrad::relay::RelayConfig) -> distgrad::Result<()> {
+    runtime(true)?.block_on(async {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| distgrad::Error::Input(format!("cannot listen on {addr}: {e}")))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| distgrad::Error::Input(e.to_string()))?;
+        println!("distgrad relay listening on ws://{local}/ws");
+        if let Some(d) = &cfg.static_dir {
+            println!("serving {} at http://{local}/", d.display());
+        }
+        let shutdown = async {
+            let _ = tokio::signal::ctrl_c().await;
+            println!("distgrad relay: shutting down");
+        };
+        distgrad::relay::serve(listener, cfg, shutdown)
+            .await
+            .map_err(|e| distgrad::Error::Input(format!("relay failed: {e}")))
+    })
+}
+
+struct WorkerOpts {
+    relay: String,
+    room: String,
+    world: usize,
+    rank: Option<u32>,
+    token: Option<String>,
+}
+
+fn load_case(
+    collective: &str,
+    case: Option<&std::path::Path>,
+    world: usize,
+    op: &str,
+    root: usize,
+) -> distgrad::Result<vjp::Case> {
+    match case {
+        Some(path) => {
+            let s = std::fs::read_to_string(path)
+                .map_err(|e| distgrad::Error::Input(format!("reading {}: {e}", path.display())))?;
+            vjp::parse_case(&s)
+        }
+        None => vjp::example_case(
+            Which::parse(collective)?,
+            world,
+            ReduceOp::parse(op)?,
+            root,
+            None,
+        ),
+    }
+}
+
+fn run_worker(
+    o: &WorkerOpts,
+    collective: &str,
+    case: Option<&std::path::Path>,
+    op: &str,
+    root: usize,
+    json: bool,
+) -> distgrad::Result<()> {
+    let case = load_case(collective, case, o.world, op, root)?;
+    let prepared = vjp::Prepared::new(&case)?;
+    let world =
+        u32::try_from(o.world).map_err(|_| distgrad::Error::Input("world too large".into()))?;
+    let mut join = distgrad::transport::ws::JoinOptions::new(&o.room, world);
+    join.rank = o.rank;
+    join.token = o.token.clone();
+    let result = runtime(false)?.block_on(async {
+        let t = distgrad::transport::ws::WsTransport::connect(&o.relay, join).await?;
+        if o.token.is_none() {
+            eprintln!("room {:?} token: {}", o.room, t.token());
+        }
+        let comm = distgrad::P2p::new(t, vjp::case_options());
+        let r = vjp::run_rank(&comm, &prepared).await;
+        comm.into_transport().close().await;
+        r
+    })?;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string(&result).map_err(|e| distgrad::Error::Input(e.to_string()))?
+        );
+    } else {
+        println!("dual: {}", result.dual.join(" + "));
+        println!(
+            "outputs: {}",
+            serde_json::to_string(&result.outputs).unwrap_or_default()
+        );
+        println!(
+            "grads: {}",
+            serde_json::to_string(&result.grads).unwrap_or_default()
+        );
+    }
+    Ok(())
+}
+
+fn run_demo(
+    world: usize,
+    transport: &str,
+    collective: &str,
+    op: &str,
+    root: usize,
+    json: bool,
+) -> distgrad::Result<()> {
+    let case = load_case(collective, None, world, op, root)?;
+    let out = match transport {
+        "local" => vjp::run_case(&case)?,
+        "relay" => demo_over_relay(&case, collective, op, root)?,
+        other => {
+            return Err(distgrad::Error::Input(format!(
+                "unknown transport {other:?} (relay or local)"
+            )));
+        }
+    };
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string(&out).map_err(|e| distgrad::Error::Input(e.to_string()))?
+        );
+    } else {
+        print!("{}", vjp::render_table(&case, &out));
+    }
+    Ok(())
+}
+
+/// A relay on an ephemeral loopback port (its own thread and runtime) plus `world` worker processes.
+fn demo_over_relay(
+    case: &vjp::Case,
+    collective: &str,
+    op: &str,
+    root: usize,
+) -> distgrad::Result<vjp::CaseOutput> {
+    let world = case.world;
+    let prepared = vjp::Prepared::new(case)?;
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let rt = runtime(true)?;
+    let relay = std::thread::spawn(move || {
+        rt.block_on(async move {
+            let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
+                Ok(l) => l,
+                Err(e) => {
+                    let _ = addr_tx.send(Err(e.to_string()));
+                    return;
+                }
+            };
+            let _ = addr_tx.send(listener.local_addr().map_err(|e| e.to_string()));
+            let cfg = distgrad::relay::RelayConfig::default();
+            let _ = distgrad::relay::serve(listener, cfg, async {
+                let _ = stop_rx.await;
+            })
+            .await;
+        })
+    });
+    let addr = addr_rx
+        .recv()
+        .map_err(|_| distgrad::Error::Input("relay thread died".into()))?
+        .map_err(|e| distgrad::Error::Input(format!("relay: {e}")))?;
+    let url = format!("ws://{addr}/ws");
+    let token = distgrad::relay::random_token();
+    eprintln!("demo: relay at {url}, room \"demo\", {world} worker processes");
+    let exe = std::env::current_exe().map_err(|e| distgrad::Error::Input(e.to_string()))?;
+    let children: Vec<_> = (0..world)
+        .map(|r| {
+            std::process::Command::new(&exe)
+                .args([
+                    "worker", "--relay", &url, "--room", "demo", "--token", &token, "--json",
+                ])
+                .args(["--world", &world.to_string(), "--rank", &r.to_string()])
+                .args([
+                    "--collective",
+                    collective,
+                    "--op",
+                    op,
+                    "--root",
+                    &root.to_string(),
+                ])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+        })
+        .collect();
+    let mut results = Vec::with_capacity(world);
+    for (r, c) in children.into_iter().enumerate() {
+        let res = c
+            .map_err(|e| distgrad::Error::Input(format!("starting worker {r}: {e}")))
+            .and_then(|c| {
+                c.wait_with_output()
+                    .map_err(|e| distgrad::Error::Input(format!("worker {r}: {e}")))
+            })
+            .and_then(|out| {
+                if !out.status.success() {
+                    return Err(distgrad::Error::Input(format!(
+                        "worker {r} failed: {}",
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    )));
+                }
+                serde_json::from_slice::<vjp::RankResult>(&out.stdout)
+                    .map_err(|e| distgrad::Error::Input(format!("worker {r} output: {e}")))
+            });
+        results.push(res);
+    }
+    let _ = stop_tx.send(());
+    let _ = relay.join();
+    vjp::assemble(&prepared, results)
 }

@@ -27,11 +27,12 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::autograd::{Tape, Var};
-use crate::collective::{CommOptions, Communicator, ReduceOp};
+use crate::collective::{CommOptions, Communicator, P2p, ReduceOp};
 use crate::dist;
 use crate::error::{Error, Result};
 use crate::run::run_local;
 use crate::tensor::Tensor;
+use crate::transport::Transport;
 
 /// Largest world a case may ask for (ranks are threads).
 pub const MAX_WORLD: usize = 64;
@@ -363,61 +364,107 @@ pub fn parse_case(json: &str) -> Result<Case> {
     serde_json::from_str(json).map_err(|e| Error::Input(format!("case JSON: {e}")))
 }
 
-/// Run a case on `world` in-process ranks.
-pub fn run_case(case: &Case) -> Result<CaseOutput> {
-    let p = plan(case)?;
-    let opts = CommOptions {
+/// A validated case, ready to run on any communicator.
+pub struct Prepared(Plan);
+
+impl Prepared {
+    /// Validate a case.
+    pub fn new(case: &Case) -> Result<Self> {
+        plan(case).map(Prepared)
+    }
+
+    /// World size.
+    pub fn world(&self) -> usize {
+        self.0.world
+    }
+}
+
+/// One rank's part of a case's answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankResult {
+    /// This rank's outputs.
+    pub outputs: Vec<TensorJson>,
+    /// This rank's input gradients.
+    pub grads: Vec<TensorJson>,
+    /// The collectives this rank's backward pass ran (empty outside the group).
+    pub dual: Vec<String>,
+}
+
+/// Run this rank's part of a case on `comm` (any transport). Calls are recorded to name the dual.
+pub async fn run_rank<T: Transport>(comm: &P2p<T>, prepared: &Prepared) -> Result<RankResult> {
+    let p = &prepared.0;
+    let me = comm.rank();
+    if comm.world_size() != p.world {
+        return Err(Error::Input(format!(
+            "case is for world {}, communicator has {}",
+            p.world,
+            comm.world_size()
+        )));
+    }
+    let group = if p.group.len() == p.world {
+        comm.world()
+    } else {
+        comm.new_group(&p.group)?
+    };
+    if group.rank().is_none() {
+        return Ok(RankResult {
+            outputs: Vec::new(),
+            grads: Vec::new(),
+            dual: Vec::new(),
+        });
+    }
+    let tape = Tape::new();
+    let xs: Vec<Var> = p.inputs[me].iter().map(|t| tape.var(t.clone())).collect();
+    let ys = forward(comm, &tape, p, &xs, me, &group).await?;
+    comm.take_calls();
+    let seeds: Vec<(Var, Tensor)> = match &p.cotangents {
+        Some(c) => ys.iter().cloned().zip(c[me].iter().cloned()).collect(),
+        None => ys
+            .iter()
+            .map(|y| (y.clone(), y.value().full_like(1.0)))
+            .collect(),
+    };
+    let grads = tape.backward_from(&seeds, comm).await?;
+    Ok(RankResult {
+        outputs: ys
+            .iter()
+            .map(|y| TensorJson::from_tensor(&y.value()))
+            .collect(),
+        grads: xs
+            .iter()
+            .map(|x| TensorJson::from_tensor(&grads.wrt(x)))
+            .collect(),
+        dual: comm
+            .take_calls()
+            .iter()
+            .map(|(_, s)| short_sig(s))
+            .collect(),
+    })
+}
+
+/// Communicator options for running cases: calls recorded, 10 s timeout.
+pub fn case_options() -> CommOptions {
+    CommOptions {
         timeout: Duration::from_secs(10),
         record_calls: true,
         ..CommOptions::default()
-    };
-    let results = run_local(p.world, opts, |comm| {
-        let p = &p;
-        async move {
-            let me = comm.rank();
-            let group = if p.group.len() == p.world {
-                comm.world()
-            } else {
-                comm.new_group(&p.group)?
-            };
-            if group.rank().is_none() {
-                return Ok((Vec::new(), Vec::new(), Vec::new()));
-            }
-            let tape = Tape::new();
-            let xs: Vec<Var> = p.inputs[me].iter().map(|t| tape.var(t.clone())).collect();
-            let ys = forward(&comm, &tape, p, &xs, me, &group).await?;
-            comm.take_calls();
-            let seeds: Vec<(Var, Tensor)> = match &p.cotangents {
-                Some(c) => ys.iter().cloned().zip(c[me].iter().cloned()).collect(),
-                None => ys
-                    .iter()
-                    .map(|y| (y.clone(), y.value().full_like(1.0)))
-                    .collect(),
-            };
-            let grads = tape.backward_from(&seeds, &comm).await?;
-            let dual: Vec<String> = comm
-                .take_calls()
-                .iter()
-                .map(|(_, s)| short_sig(s))
-                .collect();
-            Ok((
-                ys.iter().map(Var::value).collect::<Vec<_>>(),
-                xs.iter().map(|x| grads.wrt(x)).collect::<Vec<_>>(),
-                dual,
-            ))
-        }
-    });
+    }
+}
+
+/// Put the ranks' results (index = global rank) together into the case's answer.
+pub fn assemble(prepared: &Prepared, results: Vec<Result<RankResult>>) -> Result<CaseOutput> {
+    let p = &prepared.0;
     let mut outputs = Vec::with_capacity(p.world);
     let mut grads = Vec::with_capacity(p.world);
     let mut dual = None;
     let mut errors = Vec::new();
     for (r, res) in results.into_iter().enumerate() {
         match res {
-            Ok((ys, gs, d)) => {
-                outputs.push(ys.iter().map(TensorJson::from_tensor).collect());
-                grads.push(gs.iter().map(TensorJson::from_tensor).collect());
+            Ok(rr) => {
+                outputs.push(rr.outputs);
+                grads.push(rr.grads);
                 if dual.is_none() && p.group.contains(&r) {
-                    dual = Some(d);
+                    dual = Some(rr.dual);
                 }
             }
             Err(e) => errors.push(format!("rank {r}: {e}")),
@@ -440,6 +487,16 @@ pub fn run_case(case: &Case) -> Result<CaseOutput> {
         outputs,
         grads,
     })
+}
+
+/// Run a case on `world` in-process ranks.
+pub fn run_case(case: &Case) -> Result<CaseOutput> {
+    let prepared = Prepared::new(case)?;
+    let results = run_local(prepared.world(), case_options(), |comm| {
+        let p = &prepared;
+        async move { run_rank(&comm, p).await }
+    });
+    assemble(&prepared, results)
 }
 
 fn short_sig(s: &crate::collective::CallSig) -> String {

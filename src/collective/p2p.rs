@@ -85,6 +85,11 @@ impl<T: Transport> P2p<T> {
         &self.transport
     }
 
+    /// Give back the transport (e.g. to close it cleanly).
+    pub fn into_transport(self) -> T {
+        self.transport
+    }
+
     /// The options in force.
     pub fn options(&self) -> &CommOptions {
         &self.opts

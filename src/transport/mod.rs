@@ -3,10 +3,13 @@
 //! A [`Transport`] sends a message to a rank under a [`Tag`] and receives the next message from a rank
 //! under a tag; messages between one pair of ranks with one tag arrive in the order they were sent.
 //! Incoming messages of every transport land in a [`Mailbox`], the one place that does tag matching,
-//! peer loss and abort. Implementations: [`local`] (ranks as threads of one process).
+//! peer loss and abort. Implementations: [`local`] (ranks as threads of one process) and, natively, `ws`
+//! (WebSocket through the relay).
 
 pub mod local;
 pub mod mailbox;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod ws;
 
 use bytes::Bytes;
 

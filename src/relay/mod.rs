@@ -1,0 +1,447 @@
+//! The relay: a small WebSocket server that groups clients into rooms, assigns ranks, routes binary
+//! data frames by destination rank (stamping the source itself) and relays WebRTC signaling; with
+//! `static_dir` it also serves the built web app from the same port.
+//!
+//! One connection = one task reading the socket plus one writer task draining a queue. The queue of
+//! each member is bounded in BYTES (`max_pending_bytes`): a sender whose destination is slow waits
+//! for room in that queue before reading its own socket further, so a slow receiver slows its
+//! senders (TCP backpressure) instead of growing the relay's memory.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
+use axum::extract::{ConnectInfo, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+
+use crate::wire::{Control, HEADER_LEN, Header};
+
+/// Limits and options of a relay.
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    /// Largest data frame (header + payload) a client may send; clients split larger messages.
+    pub max_frame: usize,
+    /// Largest world size of a room.
+    pub max_members: u32,
+    /// Most rooms at once.
+    pub max_rooms: usize,
+    /// Bytes that may wait in one member's outgoing queue before its senders are slowed down.
+    pub max_pending_bytes: usize,
+    /// A connection silent this long (no frame, no pong to the relay's pings) is closed.
+    pub idle_timeout: Duration,
+    /// Time a new connection has to send its `join`.
+    pub join_timeout: Duration,
+    /// If set, browsers must present one of these `Origin` headers.
+    pub allowed_origins: Option<Vec<String>>,
+    /// Serve this folder (the built web app) at `/`.
+    pub static_dir: Option<PathBuf>,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            max_frame: 1 << 20,
+            max_members: 64,
+            max_rooms: 256,
+            max_pending_bytes: 16 << 20,
+            idle_timeout: Duration::from_secs(30),
+            join_timeout: Duration::from_secs(10),
+            allowed_origins: None,
+            static_dir: None,
+        }
+    }
+}
+
+/// What the writer task of a connection sends.
+enum Out {
+    Frame(Bytes, Option<OwnedSemaphorePermit>),
+    Text(String),
+    Ping,
+    Close(String),
+}
+
+struct Member {
+    tx: mpsc::UnboundedSender<Out>,
+    budget: Arc<Semaphore>,
+}
+
+struct Room {
+    token: String,
+    world: u32,
+    members: HashMap<u32, Member>,
+    /// True once `ready` was announced: late joiners then are replacements, which we refuse.
+    started: bool,
+}
+
+struct Shared {
+    cfg: RelayConfig,
+    rooms: Mutex<HashMap<String, Room>>,
+}
+
+impl Shared {
+    fn rooms(&self) -> std::sync::MutexGuard<'_, HashMap<String, Room>> {
+        self.rooms.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A random token (hex).
+pub fn random_token() -> String {
+    let mut b = [0u8; 12];
+    // If the OS has no entropy source something is badly wrong; fall back to time-based bytes.
+    if getrandom::fill(&mut b).is_err() {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        b.copy_from_slice(&t.to_le_bytes()[..12]);
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The relay's routes: `/ws` (WebSocket) and, with `static_dir`, the files of the web app.
+pub fn router(cfg: RelayConfig) -> Router {
+    let static_dir = cfg.static_dir.clone();
+    let shared = Arc::new(Shared {
+        cfg,
+        rooms: Mutex::new(HashMap::new()),
+    });
+    let r = Router::new()
+        .route("/ws", get(ws_handler))
+        .with_state(shared);
+    match static_dir {
+        Some(dir) => r.fallback_service(tower_http::services::ServeDir::new(dir)),
+        None => r,
+    }
+}
+
+/// Serve until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    cfg: RelayConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = router(cfg).into_make_service_with_connect_info::<SocketAddr>();
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn ws_handler(
+    ws: WebSocketUpgrade,
+    headers: HeaderMap,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    State(shared): State<Arc<Shared>>,
+) -> Response {
+    if let Some(allowed) = &shared.cfg.allowed_origins {
+        let origin = headers.get("origin").and_then(|o| o.to_str().ok());
+        // Native clients send no Origin; only browsers are subject to the list.
+        if let Some(o) = origin
+            && !allowed.iter().any(|a| a == o)
+        {
+            return (StatusCode::FORBIDDEN, format!("origin {o} is not allowed")).into_response();
+        }
+    }
+    // The socket layer refuses frames far above the limit; we check the exact limit ourselves so
+    // that the client gets a reason.
+    let hard = shared.cfg.max_frame.saturating_mul(2).max(64 << 10);
+    ws.max_message_size(hard)
+        .max_frame_size(hard)
+        .on_upgrade(move |socket| connection(socket, shared, peer))
+}
+
+/// A member's identity inside the relay.
+#[derive(Clone)]
+struct Seat {
+    room: String,
+    rank: u32,
+}
+
+async fn connection(socket: WebSocket, shared: Arc<Shared>, _peer: SocketAddr) {
+    let (mut sink, mut stream) = socket.split();
+    let (tx, mut rx) = mpsc::unbounded_channel::<Out>();
+    let writer = tokio::spawn(async move {
+        while let Some(out) = rx.recv().await {
+            let r = match out {
+                Out::Frame(b, permit) => {
+                    let r = sink.send(Message::Binary(b)).await;
+                    drop(permit);
+                    r
+                }
+                Out::Text(t) => sink.send(Message::Text(t.into())).await,
+                Out::Ping => sink.send(Message::Ping(Bytes::new())).await,
+                Out::Close(reason) => {
+                    let frame = CloseFrame {
+                        code: 1008,
+                        reason: Utf8Bytes::from(reason),
+                    };
+                    let _ = sink.send(Message::Close(Some(frame))).await;
+                    break;
+                }
+            };
+            if r.is_err() {
+                break;
+            }
+        }
+        let _ = sink.close().await;
+    });
+    let budget = Arc::new(Semaphore::new(shared.cfg.max_pending_bytes));
+
+    let seat = match join(&shared, &mut stream, &tx, &budget).await {
+        Ok(seat) => seat,
+        Err(reason) => {
+            send_error(&tx, &reason);
+            let _ = writer.await;
+            return;
+        }
+    };
+
+    let reason = serve_member(&shared, &seat, &mut stream, &tx).await;
+    leave(&shared, &seat, &reason);
+    if reason != "closed" {
+        send_error(&tx, &reason);
+    }
+    drop(tx);
+    let _ = writer.await;
+}
+
+fn send_error(tx: &mpsc::UnboundedSender<Out>, reason: &str) {
+    let msg = serde_json::to_string(&Control::Error {
+        message: reason.to_string(),
+    })
+    .unwrap_or_default();
+    let _ = tx.send(Out::Text(msg));
+    let _ = tx.send(Out::Close(truncate(reason, 120)));
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    s.chars().take(n).collect()
+}
+
+fn control(msg: &Control) -> String {
+    serde_json::to_string(msg).unwrap_or_default()
+}
+
+/// Wait for the join message and seat the client, or say why not.
+async fn join(
+    shared: &Shared,
+    stream: &mut futures::stream::SplitStream<WebSocket>,
+    tx: &mpsc::UnboundedSender<Out>,
+    budget: &Arc<Semaphore>,
+) -> Result<Seat, String> {
+    let first = tokio::time::timeout(shared.cfg.join_timeout, stream.next())
+        .await
+        .map_err(|_| format!("no join within {:?}", shared.cfg.join_timeout))?;
+    let text = match first {
+        Some(Ok(Message::Text(t))) => t,
+        Some(Ok(_)) => return Err("the first message must be a JSON join".into()),
+        Some(Err(e)) => return Err(format!("socket error before join: {e}")),
+        None => return Err("closed before join".into()),
+    };
+    let (room, token, world, rank) = match serde_json::from_str::<Control>(&text) {
+        Ok(Control::Join {
+            room,
+            token,
+            world,
+            rank,
+        }) => (room, token, world, rank),
+        Ok(other) => return Err(format!("expected join, got {other:?}")),
+        Err(e) => return Err(format!("malformed join: {e}")),
+    };
+    let cfg = &shared.cfg;
+    if room.is_empty() || room.len() > 128 {
+        return Err("room name must be 1..=128 bytes".into());
+    }
+    if world == 0 || world > cfg.max_members {
+        return Err(format!("world {world} outside 1..={}", cfg.max_members));
+    }
+    let mut rooms = shared.rooms();
+    let n_rooms = rooms.len();
+    let r = match rooms.get_mut(&room) {
+        Some(r) => {
+            if token.as_deref() != Some(r.token.as_str()) {
+                return Err(format!("wrong token for room {room:?}"));
+            }
+            if r.world != world {
+                return Err(format!("room {room:?} has world {}, not {world}", r.world));
+            }
+            if r.started {
+                return Err(format!("room {room:?} has already started"));
+            }
+            r
+        }
+        None => {
+            if n_rooms >= cfg.max_rooms {
+                return Err(format!("relay is full ({} rooms)", cfg.max_rooms));
+            }
+            rooms.entry(room.clone()).or_insert(Room {
+                token: token.unwrap_or_else(random_token),
+                world,
+                members: HashMap::new(),
+                started: false,
+            })
+        }
+    };
+    let rank = match rank {
+        Some(k) if k >= world => return Err(format!("rank {k} outside world {world}")),
+        Some(k) if r.members.contains_key(&k) => {
+            return Err(format!("rank {k} is taken in room {room:?}"));
+        }
+        Some(k) => k,
+        None => (0..world)
+            .find(|k| !r.members.contains_key(k))
+            .ok_or_else(|| format!("room {room:?} is full"))?,
+    };
+    r.members.insert(
+        rank,
+        Member {
+            tx: tx.clone(),
+            budget: budget.clone(),
+        },
+    );
+    let mut members: Vec<u32> = r.members.keys().copied().collect();
+    members.sort_unstable();
+    let _ = tx.send(Out::Text(control(&Control::Welcome {
+        rank,
+        world,
+        token: r.token.clone(),
+        members: members.clone(),
+    })));
+    let full = members.len() as u32 == world;
+    if full {
+        r.started = true;
+    }
+    let note = if full {
+        Control::Ready { members }
+    } else {
+        Control::Members { members }
+    };
+    let text = control(&note);
+    for m in r.members.values() {
+        let _ = m.tx.send(Out::Text(text.clone()));
+    }
+    Ok(Seat { room, rank })
+}
+
+/// Route a member's messages until it leaves; returns why it left.
+async fn serve_member(
+    shared: &Shared,
+    seat: &Seat,
+    stream: &mut futures::stream::SplitStream<WebSocket>,
+    tx: &mpsc::UnboundedSender<Out>,
+) -> String {
+    let cfg = &shared.cfg;
+    let mut ping = tokio::time::interval(cfg.idle_timeout / 3);
+    ping.tick().await;
+    let mut last_heard = tokio::time::Instant::now();
+    loop {
+        let msg = tokio::select! {
+            m = stream.next() => m,
+            _ = ping.tick() => {
+                if last_heard.elapsed() >= cfg.idle_timeout {
+                    return format!("idle for {:?}", cfg.idle_timeout);
+                }
+                let _ = tx.send(Out::Ping);
+                continue;
+            }
+        };
+        last_heard = tokio::time::Instant::now();
+        let msg = match msg {
+            None => return "closed".into(),
+            Some(Err(e)) => return format!("socket error: {e}"),
+            Some(Ok(m)) => m,
+        };
+        match msg {
+            Message::Binary(b) => {
+                if let Err(reason) = route(shared, seat, b).await {
+                    return reason;
+                }
+            }
+            Message::Text(t) => match serde_json::from_str::<Control>(&t) {
+                Ok(Control::Signal {
+                    to: Some(to), data, ..
+                }) => {
+                    let fwd = control(&Control::Signal {
+                        to: None,
+                        from: Some(seat.rank),
+                        data,
+                    });
+                    let rooms = shared.rooms();
+                    if let Some(m) = rooms.get(&seat.room).and_then(|r| r.members.get(&to)) {
+                        let _ = m.tx.send(Out::Text(fwd));
+                    }
+                }
+                Ok(other) => return format!("unexpected control message {other:?}"),
+                Err(e) => return format!("malformed control message: {e}"),
+            },
+            Message::Ping(_) | Message::Pong(_) => {}
+            Message::Close(_) => return "closed".into(),
+        }
+    }
+}
+
+/// Forward one data frame to its destination in the same room.
+async fn route(shared: &Shared, seat: &Seat, frame: Bytes) -> Result<(), String> {
+    if frame.len() > shared.cfg.max_frame + HEADER_LEN {
+        return Err(format!(
+            "frame of {} bytes exceeds the limit of {} (split messages into fragments)",
+            frame.len(),
+            shared.cfg.max_frame + HEADER_LEN
+        ));
+    }
+    let h = Header::decode(&frame).map_err(|e| format!("bad data frame: {e}"))?;
+    let (dst_tx, budget) = {
+        let rooms = shared.rooms();
+        let room = rooms.get(&seat.room).ok_or("room vanished")?;
+        if h.dst >= room.world {
+            return Err(format!(
+                "destination rank {} outside world {}",
+                h.dst, room.world
+            ));
+        }
+        match room.members.get(&h.dst) {
+            Some(m) => (m.tx.clone(), m.budget.clone()),
+            // The destination left; its peers were told. Drop the frame.
+            None => return Ok(()),
+        }
+    };
+    // Stamp the source in place when we hold the only reference (the usual case), else copy.
+    let mut frame = frame
+        .try_into_mut()
+        .unwrap_or_else(|b| bytes::BytesMut::from(&b[..]));
+    Header::stamp_src(&mut frame, seat.rank);
+    let cost = frame.len().min(shared.cfg.max_pending_bytes).max(1) as u32;
+    // Backpressure: wait until the destination's queue has room.
+    let permit = budget
+        .acquire_many_owned(cost)
+        .await
+        .map_err(|_| "relay shutting down".to_string())?;
+    let _ = dst_tx.send(Out::Frame(frame.freeze(), Some(permit)));
+    Ok(())
+}
+
+fn leave(shared: &Shared, seat: &Seat, reason: &str) {
+    let mut rooms = shared.rooms();
+    let Some(room) = rooms.get_mut(&seat.room) else {
+        return;
+    };
+    room.members.remove(&seat.rank);
+    let note = control(&Control::PeerLeft {
+        rank: seat.rank,
+        reason: reason.to_string(),
+    });
+    for m in room.members.values() {
+        let _ = m.tx.send(Out::Text(note.clone()));
+    }
+    if room.members.is_empty() {
+        rooms.remove(&seat.room);
+    }
+}

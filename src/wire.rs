@@ -1,0 +1,223 @@
+//! The wire format shared by the relay and every client (native and, later, browser): binary data
+//! frames with a fixed 24-byte header, and JSON control messages. Defined once, here.
+//!
+//! Data frame (WebSocket binary message), all integers little-endian:
+//! ```text
+//! 0  u8  magic 0xD6
+//! 1  u8  channel (transport::Channel)
+//! 2  u8  flags (bit 0: more fragments of this message follow)
+//! 3  u8  reserved (0)
+//! 4  u32 src rank  (set by the relay: a client cannot spoof it)
+//! 8  u32 dst rank
+//! 12 u32 group id
+//! 16 u64 seq
+//! 24 ..  payload
+//! ```
+//! Messages larger than the frame limit are split into fragments (`more` set on all but the last);
+//! fragments of one (src, dst) pair arrive in order, so the receiver just concatenates.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use serde::{Deserialize, Serialize};
+
+use crate::transport::{Channel, Tag};
+
+/// Header length in bytes.
+pub const HEADER_LEN: usize = 24;
+/// First byte of every data frame.
+pub const MAGIC: u8 = 0xD6;
+/// Flag: more fragments of this message follow.
+pub const FLAG_MORE: u8 = 1;
+
+/// A decoded data-frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// Source rank (stamped by the relay).
+    pub src: u32,
+    /// Destination rank.
+    pub dst: u32,
+    /// Tag (group, seq, channel).
+    pub tag: Tag,
+    /// More fragments follow.
+    pub more: bool,
+}
+
+/// Why a frame could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    /// Shorter than a header.
+    #[error("frame of {0} bytes is shorter than the {HEADER_LEN}-byte header")]
+    Truncated(usize),
+    /// Wrong magic byte.
+    #[error("bad magic byte {0:#04x} (expected {MAGIC:#04x})")]
+    Magic(u8),
+    /// Unknown channel.
+    #[error("unknown channel {0}")]
+    Channel(u8),
+    /// Flags or reserved bits this version does not know.
+    #[error("unknown flags {0:#04x} or reserved byte {1:#04x}")]
+    Flags(u8, u8),
+}
+
+impl Header {
+    /// Encode the header followed by `payload` into one frame.
+    pub fn frame(&self, payload: &[u8]) -> Bytes {
+        let mut b = BytesMut::with_capacity(HEADER_LEN + payload.len());
+        self.put(&mut b);
+        b.put_slice(payload);
+        b.freeze()
+    }
+
+    /// Append the 24 header bytes.
+    pub fn put(&self, b: &mut BytesMut) {
+        b.put_u8(MAGIC);
+        b.put_u8(self.tag.channel as u8);
+        b.put_u8(if self.more { FLAG_MORE } else { 0 });
+        b.put_u8(0);
+        b.put_u32_le(self.src);
+        b.put_u32_le(self.dst);
+        b.put_u32_le(self.tag.group);
+        b.put_u64_le(self.tag.seq);
+    }
+
+    /// Decode the header of `frame`; the payload is `frame[HEADER_LEN..]`.
+    pub fn decode(frame: &[u8]) -> Result<Header, FrameError> {
+        if frame.len() < HEADER_LEN {
+            return Err(FrameError::Truncated(frame.len()));
+        }
+        if frame[0] != MAGIC {
+            return Err(FrameError::Magic(frame[0]));
+        }
+        let channel = Channel::from_u8(frame[1]).ok_or(FrameError::Channel(frame[1]))?;
+        if frame[2] & !FLAG_MORE != 0 || frame[3] != 0 {
+            return Err(FrameError::Flags(frame[2], frame[3]));
+        }
+        let u32_at =
+            |i: usize| u32::from_le_bytes([frame[i], frame[i + 1], frame[i + 2], frame[i + 3]]);
+        let mut seq = [0u8; 8];
+        seq.copy_from_slice(&frame[16..24]);
+        Ok(Header {
+            src: u32_at(4),
+            dst: u32_at(8),
+            tag: Tag {
+                group: u32_at(12),
+                seq: u64::from_le_bytes(seq),
+                channel,
+            },
+            more: frame[2] & FLAG_MORE != 0,
+        })
+    }
+
+    /// Overwrite the source rank of an encoded frame (the relay's anti-spoofing stamp).
+    pub fn stamp_src(frame: &mut [u8], src: u32) {
+        frame[4..8].copy_from_slice(&src.to_le_bytes());
+    }
+}
+
+/// JSON control messages (WebSocket text messages), tagged by `"type"`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Control {
+    /// Client → relay: join (or create) a room.
+    Join {
+        /// Room name.
+        room: String,
+        /// Room token: sets it when creating the room (random if absent), must match otherwise.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        token: Option<String>,
+        /// World size of the room.
+        world: u32,
+        /// Wanted rank (any free rank if absent).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rank: Option<u32>,
+    },
+    /// Relay → client: you joined.
+    Welcome {
+        /// Your rank.
+        rank: u32,
+        /// World size.
+        world: u32,
+        /// The room token (to share with the other members).
+        token: String,
+        /// Ranks present now.
+        members: Vec<u32>,
+    },
+    /// Relay → all members: membership changed.
+    Members {
+        /// Ranks present now.
+        members: Vec<u32>,
+    },
+    /// Relay → all members: the room is full; collectives may start.
+    Ready {
+        /// All ranks.
+        members: Vec<u32>,
+    },
+    /// Relay → all members: a member left or was lost.
+    PeerLeft {
+        /// Its rank.
+        rank: u32,
+        /// Why (closed, timed out, ...).
+        reason: String,
+    },
+    /// Client ↔ relay ↔ client: WebRTC signaling (offer / answer / ICE), relayed within the room.
+    Signal {
+        /// Destination rank (client → relay).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        to: Option<u32>,
+        /// Source rank (relay → client, stamped by the relay).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        from: Option<u32>,
+        /// Opaque signaling payload.
+        data: serde_json::Value,
+    },
+    /// Relay → client: a refusal or fault; the relay closes the connection after sending it.
+    Error {
+        /// What was wrong.
+        message: String,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trip_and_rejects() {
+        let h = Header {
+            src: 3,
+            dst: 7,
+            tag: Tag {
+                group: 2,
+                seq: u64::MAX - 5,
+                channel: Channel::Sig,
+            },
+            more: true,
+        };
+        let f = h.frame(b"abc");
+        assert_eq!(f.len(), HEADER_LEN + 3);
+        assert_eq!(Header::decode(&f), Ok(h));
+        let mut g = f.to_vec();
+        Header::stamp_src(&mut g, 9);
+        assert_eq!(Header::decode(&g).unwrap().src, 9);
+        assert_eq!(Header::decode(&f[..10]), Err(FrameError::Truncated(10)));
+        let mut bad = f.to_vec();
+        bad[0] = 0;
+        assert_eq!(Header::decode(&bad), Err(FrameError::Magic(0)));
+        bad[0] = MAGIC;
+        bad[1] = 9;
+        assert_eq!(Header::decode(&bad), Err(FrameError::Channel(9)));
+    }
+
+    #[test]
+    fn control_json_shape() {
+        let j = Control::Join {
+            room: "r".into(),
+            token: None,
+            world: 4,
+            rank: Some(1),
+        };
+        let s = serde_json::to_string(&j).unwrap();
+        assert_eq!(s, r#"{"type":"join","room":"r","world":4,"rank":1}"#);
+        assert_eq!(serde_json::from_str::<Control>(&s).unwrap(), j);
+        assert!(serde_json::from_str::<Control>(r#"{"type":"nope"}"#).is_err());
+    }
+}
