@@ -1,5 +1,6 @@
 //! Benchmarks behind `distgrad bench` (figures to read, never asserted): an nccl-tests-style table
-//! of collectives on in-process ranks with a memcpy baseline measured in the same run, and the tape's
+//! of collectives on any communicator (in-process threads or processes through the relay) with a
+//! memcpy baseline measured in the same run, the latency of a 16-byte all_reduce, and the tape's
 //! overhead per local op.
 //!
 //! Bus bandwidth uses nccl-tests' factors: all_reduce `2(n-1)/n`, all_gather `(n-1)/n` (size = the
@@ -8,9 +9,8 @@
 use std::time::{Duration, Instant};
 
 use crate::autograd::Tape;
-use crate::collective::{CommOptions, Communicator, ReduceOp};
+use crate::collective::{Communicator, Group, ReduceOp};
 use crate::error::{Error, Result};
-use crate::run::run_local;
 use crate::tensor::Tensor;
 
 /// A benchmarked collective.
@@ -77,47 +77,101 @@ fn iters_for(bytes: usize) -> usize {
     ((256usize << 20) / bytes.max(1)).clamp(5, 500)
 }
 
-/// Time `op` on `world` in-process ranks for one size (bytes per rank's input).
-pub fn bench_one(op: BenchOp, world: usize, bytes_per_rank: usize) -> Result<Row> {
-    let numel = (bytes_per_rank / 4).max(1);
-    let iters = iters_for(numel * 4);
-    let results = run_local(world, CommOptions::default(), |comm| async move {
-        let g = comm.world();
-        let x = Tensor::full(&[numel], comm.rank() as f32 + 1.0);
-        let run = async || -> Result<()> {
-            match op {
-                BenchOp::AllReduce => drop(comm.all_reduce(&x, ReduceOp::Sum, &g).await?),
-                BenchOp::AllGather => drop(comm.all_gather(&x, &g).await?),
-                BenchOp::Broadcast => drop(comm.broadcast(&x, 0, &g).await?),
-            }
-            Ok(())
-        };
-        run().await?; // warm-up
-        comm.barrier(&g).await?;
-        let t0 = Instant::now();
-        for _ in 0..iters {
-            run().await?;
-        }
-        comm.barrier(&g).await?;
-        Ok(t0.elapsed())
-    });
-    let mut worst = Duration::ZERO;
-    for r in results {
-        worst = worst.max(r?);
+/// Run `op` once on this rank.
+async fn run_op<C: Communicator>(comm: &C, op: BenchOp, x: &Tensor, g: &Group) -> Result<()> {
+    match op {
+        BenchOp::AllReduce => drop(comm.all_reduce(x, ReduceOp::Sum, g).await?),
+        BenchOp::AllGather => drop(comm.all_gather(x, g).await?),
+        BenchOp::Broadcast => drop(comm.broadcast(x, 0, g).await?),
     }
-    let time = worst / iters as u32;
-    let bytes = match op {
-        BenchOp::AllGather => numel * 4 * world,
-        _ => numel * 4,
-    };
-    let algbw = bytes as f64 / time.as_secs_f64() / 1e9;
-    Ok(Row {
-        op,
-        bytes,
-        time,
-        algbw,
-        busbw: algbw * op.bus_factor(world),
-    })
+    Ok(())
+}
+
+/// Benchmark every op at every size (bytes per rank) on this rank of `comm`'s world. Every rank
+/// must call it with the same arguments. Time per call = this rank's time between two barriers
+/// around `iters` calls, after one warm-up call. With `print`, rows are printed as they finish.
+pub async fn bench_all<C: Communicator>(
+    comm: &C,
+    ops: &[BenchOp],
+    sizes: &[usize],
+    memcpy_gbps: f64,
+    print: bool,
+) -> Result<Vec<Row>> {
+    let g = comm.world();
+    let world = comm.world_size();
+    let mut rows = Vec::new();
+    for &op in ops {
+        for &bytes_per_rank in sizes {
+            let numel = (bytes_per_rank / 4).max(1);
+            let iters = iters_for(numel * 4);
+            let x = Tensor::full(&[numel], comm.rank() as f32 + 1.0);
+            run_op(comm, op, &x, &g).await?;
+            comm.barrier(&g).await?;
+            let t0 = Instant::now();
+            for _ in 0..iters {
+                run_op(comm, op, &x, &g).await?;
+            }
+            comm.barrier(&g).await?;
+            let time = t0.elapsed() / iters as u32;
+            let bytes = match op {
+                BenchOp::AllGather => numel * 4 * world,
+                _ => numel * 4,
+            };
+            let algbw = bytes as f64 / time.as_secs_f64() / 1e9;
+            let row = Row {
+                op,
+                bytes,
+                time,
+                algbw,
+                busbw: algbw * op.bus_factor(world),
+            };
+            if print {
+                println!("{}", format_row(&row, memcpy_gbps));
+            }
+            rows.push(row);
+        }
+    }
+    Ok(rows)
+}
+
+/// Header of the table [`format_row`] prints.
+pub fn table_header() -> String {
+    format!(
+        "{:>12} {:>12} {:>12} {:>10} {:>10} {:>12}",
+        "op", "size", "time(us)", "algbw", "busbw", "busbw/memcpy"
+    )
+}
+
+/// One table row.
+pub fn format_row(r: &Row, memcpy_gbps: f64) -> String {
+    format!(
+        "{:>12} {:>12} {:>12.1} {:>10.3} {:>10.3} {:>12.2}",
+        r.op.name(),
+        fmt_bytes(r.bytes),
+        r.time.as_secs_f64() * 1e6,
+        r.algbw,
+        r.busbw,
+        r.busbw / memcpy_gbps
+    )
+}
+
+/// Per-call latency of a 16-byte all_reduce on this rank: `(p50, p99)` over `iters` calls.
+pub async fn latency_16b<C: Communicator>(comm: &C, iters: usize) -> Result<(Duration, Duration)> {
+    let g = comm.world();
+    let x = Tensor::full(&[4], 1.0);
+    for _ in 0..10 {
+        comm.all_reduce(&x, ReduceOp::Sum, &g).await?;
+    }
+    comm.barrier(&g).await?;
+    let mut lat = Vec::with_capacity(iters);
+    for _ in 0..iters.max(1) {
+        let t0 = Instant::now();
+        comm.all_reduce(&x, ReduceOp::Sum, &g).await?;
+        lat.push(t0.elapsed());
+    }
+    lat.sort_unstable();
+    let pct = |p: f64| lat[((lat.len() - 1) as f64 * p).round() as usize];
+    Ok((pct(0.5), pct(0.99)))
 }
 
 /// Single-thread memcpy bandwidth (GB/s of bytes copied) for `bytes`-sized buffers.

@@ -49,3 +49,85 @@ where
             .collect()
     })
 }
+
+/// Run `f(comm)` on `world` ranks (threads, each with its own tokio runtime and its own WebSocket)
+/// through a relay started for the occasion on an ephemeral loopback port, stopped afterwards.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn run_over_relay<R, F>(
+    world: usize,
+    relay: crate::relay::RelayConfig,
+    opts: CommOptions,
+    f: F,
+) -> Result<Vec<Result<R>>>
+where
+    F: AsyncFn(&P2p<crate::transport::ws::WsTransport>) -> Result<R> + Sync,
+    R: Send,
+{
+    use crate::transport::ws::{JoinOptions, WsTransport};
+    let io = |e: std::io::Error| Error::Relay {
+        detail: e.to_string(),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(io)?;
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .map_err(io)?;
+    let url = format!("ws://{}/ws", listener.local_addr().map_err(io)?);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let max_payload = relay.max_frame - crate::wire::HEADER_LEN;
+    let server = rt.spawn(crate::relay::serve(listener, relay, async {
+        let _ = stop_rx.await;
+    }));
+    let token = crate::relay::random_token();
+    let world_u32 =
+        u32::try_from(world).map_err(|_| Error::invalid("run_over_relay", "world too large"))?;
+    let results = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (f, url, token, opts) = (&f, &url, &token, opts.clone());
+                std::thread::Builder::new()
+                    .name(format!("relay-rank-{rank}"))
+                    .spawn_scoped(s, move || -> Result<R> {
+                        let rt = tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()
+                            .map_err(io)?;
+                        rt.block_on(async move {
+                            let mut join = JoinOptions::new("run", world_u32);
+                            join.token = Some(token.clone());
+                            join.rank = Some(rank as u32);
+                            join.max_payload = max_payload;
+                            let t = WsTransport::connect(url, join).await?;
+                            let comm = P2p::new(t, opts);
+                            let r = f(&comm).await;
+                            // Flush what this rank still has to send before its runtime stops.
+                            comm.into_transport().close().await;
+                            r
+                        })
+                    })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| match h {
+                Ok(h) => h.join().unwrap_or_else(|_| {
+                    Err(Error::Transport {
+                        rank,
+                        detail: "rank thread panicked".into(),
+                    })
+                }),
+                Err(e) => Err(Error::Transport {
+                    rank,
+                    detail: format!("could not start rank thread: {e}"),
+                }),
+            })
+            .collect()
+    });
+    let _ = stop_tx.send(());
+    let _ = rt.block_on(server);
+    Ok(results)
+}

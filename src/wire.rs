@@ -176,6 +176,15 @@ pub enum Control {
     },
 }
 
+/// Feed `data` to every decoder of bytes that arrive from the network (frame header, control JSON,
+/// call signature, whole-tensor message). The fuzz target calls this; none of them may panic.
+pub fn fuzz_decoders(data: &[u8]) {
+    let _ = Header::decode(data);
+    let _ = serde_json::from_slice::<Control>(data);
+    let _ = crate::collective::CallSig::decode(data);
+    let _ = crate::collective::p2p::decode_tensor(Bytes::copy_from_slice(data));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

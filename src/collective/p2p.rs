@@ -57,6 +57,17 @@ impl Default for CommOptions {
     }
 }
 
+impl CommOptions {
+    /// Defaults for transports that cross sockets: every ring step costs a network round, so large
+    /// all_reduces are not split into cache-sized segments.
+    pub fn for_network() -> Self {
+        CommOptions {
+            segment_bytes: 64 << 20,
+            ..CommOptions::default()
+        }
+    }
+}
+
 /// A communicator over a point-to-point transport.
 pub struct P2p<T: Transport> {
     transport: T,
@@ -178,8 +189,13 @@ impl<T: Transport> P2p<T> {
 
 /// Wait for `fut` at most `timeout`.
 pub(crate) async fn with_timeout<F: Future>(timeout: Duration, fut: F) -> Option<F::Output> {
-    let delay = futures_timer::Delay::new(timeout);
     pin_mut!(fut);
+    // Most messages are already queued: answer those without arming a timer (which costs a
+    // registration with the timer thread and a wake-up there).
+    if let std::task::Poll::Ready(v) = futures::poll!(fut.as_mut()) {
+        return Some(v);
+    }
+    let delay = futures_timer::Delay::new(timeout);
     match select(fut, delay).await {
         Either::Left((v, _)) => Some(v),
         Either::Right(((), _)) => None,
@@ -374,7 +390,7 @@ impl<T: Transport> Call<'_, T> {
 }
 
 /// Whole-tensor wire form: `[u32 ndim][u64 dim]*[f32 LE data]`.
-pub(crate) fn encode_tensor(t: &Tensor) -> Bytes {
+pub fn encode_tensor(t: &Tensor) -> Bytes {
     let data = t.to_le_bytes();
     let mut b = BytesMut::with_capacity(4 + 8 * t.shape().len() + data.len());
     b.put_u32_le(t.shape().len() as u32);
@@ -386,7 +402,7 @@ pub(crate) fn encode_tensor(t: &Tensor) -> Bytes {
 }
 
 /// Parse [`encode_tensor`]'s output; `None` if malformed.
-pub(crate) fn decode_tensor(mut b: Bytes) -> Option<Tensor> {
+pub fn decode_tensor(mut b: Bytes) -> Option<Tensor> {
     if b.len() < 4 {
         return None;
     }

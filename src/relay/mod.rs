@@ -8,14 +8,13 @@
 //! senders (TCP backpressure) instead of growing the relay's memory.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Router;
+use axum::extract::State;
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
-use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -129,8 +128,12 @@ pub async fn serve(
     cfg: RelayConfig,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let app = router(cfg).into_make_service_with_connect_info::<SocketAddr>();
-    axum::serve(listener, app)
+    use axum::serve::ListenerExt;
+    // Small control frames and latency-bound collectives must not wait for Nagle's algorithm.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    axum::serve(listener, router(cfg))
         .with_graceful_shutdown(shutdown)
         .await
 }
@@ -138,7 +141,6 @@ pub async fn serve(
 async fn ws_handler(
     ws: WebSocketUpgrade,
     headers: HeaderMap,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
     State(shared): State<Arc<Shared>>,
 ) -> Response {
     if let Some(allowed) = &shared.cfg.allowed_origins {
@@ -155,7 +157,7 @@ async fn ws_handler(
     let hard = shared.cfg.max_frame.saturating_mul(2).max(64 << 10);
     ws.max_message_size(hard)
         .max_frame_size(hard)
-        .on_upgrade(move |socket| connection(socket, shared, peer))
+        .on_upgrade(move |socket| connection(socket, shared))
 }
 
 /// A member's identity inside the relay.
@@ -165,7 +167,7 @@ struct Seat {
     rank: u32,
 }
 
-async fn connection(socket: WebSocket, shared: Arc<Shared>, _peer: SocketAddr) {
+async fn connection(socket: WebSocket, shared: Arc<Shared>) {
     let (mut sink, mut stream) = socket.split();
     let (tx, mut rx) = mpsc::unbounded_channel::<Out>();
     let writer = tokio::spawn(async move {

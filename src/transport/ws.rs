@@ -70,7 +70,7 @@ fn relay_err(detail: impl Into<String>) -> Error {
 impl WsTransport {
     /// Connect to `url` (e.g. `ws://127.0.0.1:8080/ws`), join, and wait until the room is full.
     pub async fn connect(url: &str, opts: JoinOptions) -> Result<WsTransport> {
-        let (ws, _) = tokio_tungstenite::connect_async(url)
+        let (ws, _) = tokio_tungstenite::connect_async_with_config(url, None, true)
             .await
             .map_err(|e| relay_err(format!("cannot connect to {url}: {e}")))?;
         let (mut sink, mut stream) = ws.split();

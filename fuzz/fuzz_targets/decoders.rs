@@ -1,0 +1,7 @@
+//! Every decoder of bytes that arrive from the network must reject garbage without panicking.
+//! Run: `cargo +nightly fuzz run decoders -- -max_total_time=60` (see the README).
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    distgrad::wire::fuzz_decoders(data);
+});
