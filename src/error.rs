@@ -127,6 +127,14 @@ pub enum Error {
         /// What failed.
         detail: String,
     },
+    /// A GPU failure: no adapter, device lost, out of memory, buffer too large, kernel error.
+    #[error("gpu {op}: {detail}")]
+    Gpu {
+        /// The operation.
+        op: &'static str,
+        /// What happened.
+        detail: String,
+    },
     /// The relay refused us or the connection to it failed.
     #[error("relay: {detail}")]
     Relay {

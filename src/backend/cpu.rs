@@ -131,7 +131,7 @@ pub fn binary_broadcast(
 }
 
 /// Strides of `shape` seen through `out_shape` (0 where broadcast).
-fn broadcast_strides(shape: &[usize], out_shape: &[usize]) -> Vec<usize> {
+pub fn broadcast_strides(shape: &[usize], out_shape: &[usize]) -> Vec<usize> {
     let st = strides(shape);
     let off = out_shape.len() - shape.len();
     (0..out_shape.len())

@@ -6,6 +6,8 @@
 //! when the user asks), and the compiler then points at every op that must learn about it.
 
 pub mod cpu;
+#[cfg(feature = "wgpu")]
+pub mod gpu;
 
 use std::sync::Arc;
 

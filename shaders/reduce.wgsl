@@ -1,0 +1,81 @@
+// Reductions: the local step of every reducing collective (acc = acc ⊕ x, in place, 4 elements per
+// thread), sum of all elements (serial-then-tree), and sum down to a broadcast shape.
+
+@group(0) @binding(0) var<storage, read_write> acc: array<f32>;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read> params: array<u32>;
+
+// params: [n, op, offset into acc, offset into x]
+@compute @workgroup_size(256)
+fn reduce_into(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let t = linear_index(gid, nwg, 256u);
+    let n = params[0];
+    let op = params[1];
+    let base = t * 4u;
+    for (var k = 0u; k < 4u; k++) {
+        let i = base + k;
+        if (i < n) {
+            acc[params[2] + i] = apply_binary(op, acc[params[2] + i], x[params[3] + i]);
+        }
+    }
+}
+
+// Sum of x[0..n] into acc[group]: each thread sums a contiguous run of `per` elements serially,
+// then the workgroup adds its 256 partial sums as a tree. params: [n, per, groups]
+var<workgroup> partial: array<f32, 256>;
+
+@compute @workgroup_size(256)
+fn sum_partials(
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+) {
+    let n = params[0];
+    let per = params[1];
+    let group = wid.x + wid.y * nwg.x;
+    // A 2-D grid may have more workgroups than partial sums: the extra ones do nothing (the test is
+    // uniform across the workgroup, so the barriers below stay in uniform control flow).
+    if (group >= params[2]) { return; }
+    let start = (group * 256u + lid.x) * per;
+    var s = 0.0;
+    for (var k = 0u; k < per; k++) {
+        let i = start + k;
+        if (i < n) { s += x[i]; }
+    }
+    partial[lid.x] = s;
+    workgroupBarrier();
+    for (var stride = 128u; stride > 0u; stride = stride / 2u) {
+        if (lid.x < stride) { partial[lid.x] += partial[lid.x + stride]; }
+        workgroupBarrier();
+    }
+    if (lid.x == 0u) { acc[group] = partial[0]; }
+}
+
+// out[j] = sum of x over the broadcast dims. params: [n_out, n_red, nk, nr, kept_sizes[8],
+// kept_strides[8], red_sizes[8], red_strides[8]]
+@compute @workgroup_size(256)
+fn sum_to(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let j = linear_index(gid, nwg, 256u);
+    if (j >= params[0]) { return; }
+    let nk = params[2];
+    let nr = params[3];
+    var base = 0u;
+    var rem = j;
+    for (var d = 0u; d < nk; d++) {
+        let k = nk - 1u - d;
+        base += (rem % params[4u + k]) * params[12u + k];
+        rem = rem / params[4u + k];
+    }
+    var s = 0.0;
+    for (var r = 0u; r < params[1]; r++) {
+        var off = 0u;
+        var q = r;
+        for (var d = 0u; d < nr; d++) {
+            let k = nr - 1u - d;
+            off += (q % params[20u + k]) * params[28u + k];
+            q = q / params[20u + k];
+        }
+        s += x[base + off];
+    }
+    acc[j] = s;
+}

@@ -1,0 +1,586 @@
+//! The WGSL compute backend on wgpu (Vulkan / Metal / DX12 natively, WebGPU in a browser).
+//!
+//! [`Gpu`] owns the device and queue and compiles each kernel once; [`GpuBuf`] is a tensor's
+//! storage on it. Kernels live in `shaders/` (one file per family, each kernel with a bounds guard)
+//! and are dispatched from here: the device setup is apart from the work so tests can inject it.
+//!
+//! Bit-exactness: add, sub, mul, max, min, eq and the reduce-into step use the same single IEEE
+//! operation per element as the CPU backend and match it bit for bit on normal numbers (GPUs may
+//! flush denormals). Division, tanh, sums and matmul are within a stated tolerance (WGSL allows
+//! 2.5 ulp for division; sums and matmul add in a different order).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use wgpu::util::DeviceExt;
+
+use super::{BinaryOp, UnaryOp};
+use crate::error::{Error, Result};
+
+/// Workgroup size of the 1-D kernels (must match the WGSL).
+const WG: u32 = 256;
+/// Most workgroups along one dispatch dimension.
+const MAX_GROUPS: u32 = 65535;
+
+struct Ctx {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    info: wgpu::AdapterInfo,
+    limits: wgpu::Limits,
+    pipelines: Mutex<HashMap<&'static str, Arc<wgpu::ComputePipeline>>>,
+    error: Arc<Mutex<Option<String>>>,
+}
+
+/// A wgpu device ready to run distgrad's kernels. Cheap to clone (shared).
+#[derive(Clone)]
+pub struct Gpu(Arc<Ctx>);
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Gpu({})", self.describe())
+    }
+}
+
+impl PartialEq for Gpu {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+/// Where a strided region starts in a buffer and how it steps along each dimension (elements).
+#[derive(Debug, Clone, Copy)]
+pub struct At<'a> {
+    /// First element.
+    pub offset: usize,
+    /// Step per dimension.
+    pub strides: &'a [usize],
+}
+
+/// A buffer of f32 on a [`Gpu`].
+#[derive(Clone)]
+pub struct GpuBuf {
+    buf: Arc<wgpu::Buffer>,
+    len: usize,
+    gpu: Gpu,
+}
+
+impl std::fmt::Debug for GpuBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GpuBuf({} f32 on {})", self.len, self.gpu.describe())
+    }
+}
+
+impl GpuBuf {
+    /// Number of f32 elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device holding it.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+}
+
+fn gpu_err(op: &'static str, detail: impl Into<String>) -> Error {
+    Error::Gpu {
+        op,
+        detail: detail.into(),
+    }
+}
+
+/// Kernel families: (file name, WGSL source with the shared helpers prepended).
+fn family(name: &'static str) -> (&'static str, String) {
+    let common = include_str!("../../shaders/common.wgsl");
+    let (file, src) = match name {
+        "binary" | "unary" => (
+            "elementwise.wgsl",
+            include_str!("../../shaders/elementwise.wgsl"),
+        ),
+        "reduce_into" | "sum_partials" | "sum_to" => {
+            ("reduce.wgsl", include_str!("../../shaders/reduce.wgsl"))
+        }
+        "copy_strided" => ("copy.wgsl", include_str!("../../shaders/copy.wgsl")),
+        _ => ("matmul.wgsl", include_str!("../../shaders/matmul.wgsl")),
+    };
+    (file, format!("{common}\n{src}"))
+}
+
+impl Gpu {
+    /// Open the best adapter (high-performance preference). Errors say why none is usable.
+    pub async fn new() -> Result<Gpu> {
+        #[cfg(target_arch = "wasm32")]
+        let desc = {
+            let mut d = wgpu::InstanceDescriptor::new_without_display_handle();
+            d.backends = wgpu::Backends::BROWSER_WEBGPU;
+            d
+        };
+        #[cfg(not(target_arch = "wasm32"))]
+        let desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
+        let instance = wgpu::Instance::new(desc);
+        let adapter = instance
+            .request_adapter(&wgpu::RequestAdapterOptions {
+                power_preference: wgpu::PowerPreference::HighPerformance,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| gpu_err("adapter", format!("no GPU adapter: {e}")))?;
+        let limits = adapter.limits();
+        let (device, queue) = adapter
+            .request_device(&wgpu::DeviceDescriptor {
+                label: Some("distgrad"),
+                required_limits: limits.clone(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| {
+                gpu_err(
+                    "device",
+                    format!("cannot open {}: {e}", adapter.get_info().name),
+                )
+            })?;
+        let error = Arc::new(Mutex::new(None));
+        let sink = error.clone();
+        // wgpu's default reaction to an uncaptured error is a panic; record it and fail the op instead.
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            let mut slot = sink.lock().unwrap_or_else(|p| p.into_inner());
+            slot.get_or_insert_with(|| e.to_string());
+        }));
+        Ok(Gpu(Arc::new(Ctx {
+            device,
+            queue,
+            info: adapter.get_info(),
+            limits,
+            pipelines: Mutex::new(HashMap::new()),
+            error,
+        })))
+    }
+
+    /// `name (backend, device type)` of the adapter.
+    pub fn describe(&self) -> String {
+        let i = &self.0.info;
+        format!("{} ({:?}, {:?})", i.name, i.backend, i.device_type)
+    }
+
+    /// The adapter's limits in force.
+    pub fn limits(&self) -> &wgpu::Limits {
+        &self.0.limits
+    }
+
+    fn check(&self, op: &'static str) -> Result<()> {
+        let mut slot = self.0.error.lock().unwrap_or_else(|p| p.into_inner());
+        match slot.take() {
+            Some(e) => Err(gpu_err(op, e)),
+            None => Ok(()),
+        }
+    }
+
+    fn pipeline(&self, entry: &'static str) -> Arc<wgpu::ComputePipeline> {
+        let mut cache = self.0.pipelines.lock().unwrap_or_else(|p| p.into_inner());
+        cache
+            .entry(entry)
+            .or_insert_with(|| {
+                let (file, src) = family(entry);
+                let module = self
+                    .0
+                    .device
+                    .create_shader_module(wgpu::ShaderModuleDescriptor {
+                        label: Some(file),
+                        source: wgpu::ShaderSource::Wgsl(src.into()),
+                    });
+                Arc::new(
+                    self.0
+                        .device
+                        .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                            label: Some(entry),
+                            layout: None,
+                            module: &module,
+                            entry_point: Some(entry),
+                            compilation_options: Default::default(),
+                            cache: None,
+                        }),
+                )
+            })
+            .clone()
+    }
+
+    fn check_size(&self, op: &'static str, n: usize) -> Result<u64> {
+        let bytes = (n.max(1) * 4) as u64;
+        let max = self
+            .0
+            .limits
+            .max_buffer_size
+            .min(self.0.limits.max_storage_buffer_binding_size);
+        if bytes > max {
+            return Err(gpu_err(
+                op,
+                format!("{bytes} bytes exceed the device's largest storage buffer ({max} bytes)"),
+            ));
+        }
+        if u32::try_from(n).is_err() {
+            return Err(gpu_err(
+                op,
+                format!("{n} elements exceed the kernels' 32-bit indices"),
+            ));
+        }
+        Ok(bytes)
+    }
+
+    fn storage(&self, op: &'static str, n: usize) -> Result<GpuBuf> {
+        let size = self.check_size(op, n)?;
+        let buf = self.0.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(op),
+            size,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        self.check(op)?;
+        Ok(GpuBuf {
+            buf: Arc::new(buf),
+            len: n,
+            gpu: self.clone(),
+        })
+    }
+
+    /// Copy host values to a new device buffer.
+    pub fn upload(&self, data: &[f32]) -> Result<GpuBuf> {
+        self.check_size("upload", data.len())?;
+        let contents: &[u8] = if data.is_empty() {
+            &[0u8; 4]
+        } else {
+            bytemuck::cast_slice(data)
+        };
+        let buf = self
+            .0
+            .device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("upload"),
+                contents,
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_SRC
+                    | wgpu::BufferUsages::COPY_DST,
+            });
+        self.check("upload")?;
+        Ok(GpuBuf {
+            buf: Arc::new(buf),
+            len: data.len(),
+            gpu: self.clone(),
+        })
+    }
+
+    /// Read a buffer back to the host.
+    pub async fn read(&self, b: &GpuBuf) -> Result<Vec<f32>> {
+        if b.len == 0 {
+            return Ok(Vec::new());
+        }
+        let size = (b.len * 4) as u64;
+        let staging = self.0.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut enc = self.0.device.create_command_encoder(&Default::default());
+        enc.copy_buffer_to_buffer(&b.buf, 0, &staging, 0, size);
+        self.0.queue.submit([enc.finish()]);
+        let (tx, rx) = futures::channel::oneshot::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+            let _ = tx.send(r);
+        });
+        #[cfg(not(target_arch = "wasm32"))]
+        self.0
+            .device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| gpu_err("read", format!("device poll failed: {e}")))?;
+        rx.await
+            .map_err(|_| gpu_err("read", "map callback dropped (device lost?)"))?
+            .map_err(|e| gpu_err("read", format!("cannot map the readback buffer: {e}")))?;
+        let out = {
+            let view = staging
+                .get_mapped_range(..)
+                .map_err(|e| gpu_err("read", format!("mapped range: {e}")))?;
+            bytemuck::cast_slice::<u8, f32>(&view).to_vec()
+        };
+        staging.unmap();
+        self.check("read")?;
+        Ok(out)
+    }
+
+    fn meta(&self, words: &[u32]) -> wgpu::Buffer {
+        self.0
+            .device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("meta"),
+                contents: bytemuck::cast_slice(words),
+                usage: wgpu::BufferUsages::STORAGE,
+            })
+    }
+
+    /// Run `entry` over `threads` invocations of a 256-wide 1-D kernel (2-D grid when needed).
+    /// Bindings are `(binding index, buffer)`: with automatic layouts a kernel's layout holds only
+    /// the bindings its entry point uses.
+    fn run(
+        &self,
+        entry: &'static str,
+        bindings: &[(u32, &wgpu::Buffer)],
+        groups: u32,
+    ) -> Result<()> {
+        if groups == 0 {
+            return Ok(());
+        }
+        let p = self.pipeline(entry);
+        let layout = p.get_bind_group_layout(0);
+        let entries: Vec<wgpu::BindGroupEntry<'_>> = bindings
+            .iter()
+            .map(|(i, b)| wgpu::BindGroupEntry {
+                binding: *i,
+                resource: b.as_entire_binding(),
+            })
+            .collect();
+        let bg = self.0.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some(entry),
+            layout: &layout,
+            entries: &entries,
+        });
+        let (x, y) = if groups <= MAX_GROUPS {
+            (groups, 1)
+        } else {
+            (MAX_GROUPS, groups.div_ceil(MAX_GROUPS))
+        };
+        let mut enc = self.0.device.create_command_encoder(&Default::default());
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            pass.set_pipeline(&p);
+            pass.set_bind_group(0, &bg, &[]);
+            pass.dispatch_workgroups(x, y, 1);
+        }
+        self.0.queue.submit([enc.finish()]);
+        self.check(entry)
+    }
+
+    fn groups(n: usize, per_thread: usize) -> u32 {
+        (n.div_ceil(per_thread)).div_ceil(WG as usize) as u32
+    }
+
+    /// `op(a, b)` with broadcasting: `strides` are (out shape, a strides, b strides), all of the
+    /// output's rank (≤ 8), or `None` when the shapes are equal.
+    pub fn binary(
+        &self,
+        op: BinaryOp,
+        a: &GpuBuf,
+        b: &GpuBuf,
+        n: usize,
+        strides: Option<(&[usize], &[usize], &[usize])>,
+    ) -> Result<GpuBuf> {
+        let out = self.storage("binary", n)?;
+        let mut meta = vec![0u32; 28];
+        meta[0] = n as u32;
+        meta[1] = op_code(op);
+        if let Some((shape, sa, sb)) = strides {
+            if shape.len() > 8 {
+                return Err(gpu_err("binary", format!("rank {} above 8", shape.len())));
+            }
+            meta[2] = shape.len() as u32;
+            for (d, ((&s, &x), &y)) in shape.iter().zip(sa).zip(sb).enumerate() {
+                meta[4 + d] = s as u32;
+                meta[12 + d] = x as u32;
+                meta[20 + d] = y as u32;
+            }
+        }
+        let m = self.meta(&meta);
+        self.run(
+            "binary",
+            &[(0, &a.buf), (1, &b.buf), (2, &out.buf), (3, &m)],
+            Self::groups(n, 1),
+        )?;
+        Ok(out)
+    }
+
+    /// `op(a)` elementwise.
+    pub fn unary(&self, op: UnaryOp, a: &GpuBuf) -> Result<GpuBuf> {
+        let out = self.storage("unary", a.len)?;
+        let (code, c) = match op {
+            UnaryOp::Neg => (0, 0.0),
+            UnaryOp::Scale(c) => (1, c),
+            UnaryOp::Relu => (2, 0.0),
+            UnaryOp::Step => (3, 0.0),
+            UnaryOp::Tanh => (4, 0.0),
+            UnaryOp::Square => (5, 0.0),
+        };
+        let m = self.meta(&[a.len as u32, code, c.to_bits()]);
+        self.run(
+            "unary",
+            &[(0, &a.buf), (2, &out.buf), (3, &m)],
+            Self::groups(a.len, 1),
+        )?;
+        Ok(out)
+    }
+
+    /// `acc[i] = op(acc[i], x[i])` in place: the local step of every reducing collective.
+    pub fn reduce_into(&self, op: BinaryOp, acc: &GpuBuf, x: &GpuBuf) -> Result<()> {
+        let n = acc.len.min(x.len);
+        let m = self.meta(&[n as u32, op_code(op), 0, 0]);
+        self.run(
+            "reduce_into",
+            &[(0, &acc.buf), (1, &x.buf), (2, &m)],
+            Self::groups(n, 4),
+        )
+    }
+
+    /// Sum of all elements (serial runs per thread, then a tree per workgroup, repeated).
+    pub fn sum_all(&self, x: &GpuBuf) -> Result<GpuBuf> {
+        let mut cur = x.clone();
+        loop {
+            let n = cur.len;
+            // Each thread sums `per` consecutive elements; one partial per workgroup of 256.
+            let per = n.div_ceil(WG as usize * 64).clamp(1, 256);
+            let groups = n.div_ceil(per * WG as usize).max(1);
+            let out = self.storage("sum", groups)?;
+            let m = self.meta(&[n as u32, per as u32, groups as u32]);
+            self.run(
+                "sum_partials",
+                &[(0, &out.buf), (1, &cur.buf), (2, &m)],
+                groups as u32,
+            )?;
+            if groups == 1 {
+                return Ok(out);
+            }
+            cur = out;
+        }
+    }
+
+    /// Sum a tensor of `shape` down to `target` (right-aligned broadcast source shape).
+    pub fn sum_to(&self, x: &GpuBuf, shape: &[usize], target: &[usize]) -> Result<GpuBuf> {
+        let n_out: usize = target.iter().product();
+        let off = shape.len() - target.len();
+        let strides = super::cpu::strides(shape);
+        let (mut kept, mut red) = (Vec::new(), Vec::new());
+        for d in 0..shape.len() {
+            let keep = d >= off && target[d - off] == shape[d];
+            if keep { &mut kept } else { &mut red }.push((shape[d], strides[d]));
+        }
+        if kept.len() > 8 || red.len() > 8 {
+            return Err(gpu_err("sum_to", format!("rank {} above 8", shape.len())));
+        }
+        let mut meta = vec![0u32; 36];
+        meta[0] = n_out as u32;
+        meta[1] = red.iter().map(|r| r.0).product::<usize>() as u32;
+        meta[2] = kept.len() as u32;
+        meta[3] = red.len() as u32;
+        for (i, (s, st)) in kept.iter().enumerate() {
+            meta[4 + i] = *s as u32;
+            meta[12 + i] = *st as u32;
+        }
+        for (i, (s, st)) in red.iter().enumerate() {
+            meta[20 + i] = *s as u32;
+            meta[28 + i] = *st as u32;
+        }
+        let out = self.storage("sum_to", n_out)?;
+        let m = self.meta(&meta);
+        self.run(
+            "sum_to",
+            &[(0, &out.buf), (1, &x.buf), (2, &m)],
+            Self::groups(n_out, 1),
+        )?;
+        Ok(out)
+    }
+
+    /// Strided copy of a `shape`-shaped region from `src` into `dst` (see `shaders/copy.wgsl`).
+    pub fn copy_strided(
+        &self,
+        src: &GpuBuf,
+        from: At<'_>,
+        dst: &GpuBuf,
+        to: At<'_>,
+        shape: &[usize],
+    ) -> Result<()> {
+        let (src_off, src_strides, dst_off, dst_strides) =
+            (from.offset, from.strides, to.offset, to.strides);
+        if shape.len() > 8 {
+            return Err(gpu_err("copy", format!("rank {} above 8", shape.len())));
+        }
+        let n: usize = shape.iter().product();
+        let mut meta = vec![0u32; 28];
+        meta[0] = n as u32;
+        meta[1] = shape.len() as u32;
+        meta[2] = src_off as u32;
+        meta[3] = dst_off as u32;
+        for d in 0..shape.len() {
+            meta[4 + d] = shape[d] as u32;
+            meta[12 + d] = src_strides[d] as u32;
+            meta[20 + d] = dst_strides[d] as u32;
+        }
+        let m = self.meta(&meta);
+        self.run(
+            "copy_strided",
+            &[(0, &src.buf), (1, &dst.buf), (2, &m)],
+            Self::groups(n, 1),
+        )
+    }
+
+    /// A new buffer of `n` elements, contents unspecified (to be filled by copies).
+    pub fn alloc(&self, n: usize) -> Result<GpuBuf> {
+        self.storage("alloc", n)
+    }
+
+    /// `[m,k] · [k,n]`.
+    pub fn matmul(&self, a: &GpuBuf, b: &GpuBuf, m: usize, k: usize, n: usize) -> Result<GpuBuf> {
+        let out = self.storage("matmul", m * n)?;
+        if m * n == 0 {
+            return Ok(out);
+        }
+        let meta = self.meta(&[m as u32, k as u32, n as u32]);
+        let p = self.pipeline("matmul");
+        let layout = p.get_bind_group_layout(0);
+        let bufs = [&a.buf, &b.buf, &out.buf, &meta];
+        let entries: Vec<wgpu::BindGroupEntry<'_>> = bufs
+            .iter()
+            .enumerate()
+            .map(|(i, b)| wgpu::BindGroupEntry {
+                binding: i as u32,
+                resource: b.as_entire_binding(),
+            })
+            .collect();
+        let bg = self.0.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("matmul"),
+            layout: &layout,
+            entries: &entries,
+        });
+        let (gx, gy) = (n.div_ceil(16) as u32, m.div_ceil(16) as u32);
+        if gx > MAX_GROUPS || gy > MAX_GROUPS {
+            return Err(gpu_err(
+                "matmul",
+                format!("[{m},{k}]x[{k},{n}] needs too many workgroups"),
+            ));
+        }
+        let mut enc = self.0.device.create_command_encoder(&Default::default());
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            pass.set_pipeline(&p);
+            pass.set_bind_group(0, &bg, &[]);
+            pass.dispatch_workgroups(gx, gy, 1);
+        }
+        self.0.queue.submit([enc.finish()]);
+        self.check("matmul")?;
+        Ok(out)
+    }
+}
+
+fn op_code(op: BinaryOp) -> u32 {
+    match op {
+        BinaryOp::Add => 0,
+        BinaryOp::Sub => 1,
+        BinaryOp::Mul => 2,
+        BinaryOp::Div => 3,
+        BinaryOp::Max => 4,
+        BinaryOp::Min => 5,
+        BinaryOp::Eq => 6,
+    }
+}

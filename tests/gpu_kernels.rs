@@ -1,0 +1,269 @@
+//! The WGSL kernels against the CPU backend: bit-exact where promised (elementwise add/sub/mul/max/
+//! min/eq, reduce-into, copies), within a stated tolerance elsewhere (div, tanh, sums, matmul).
+//! Sizes: 0, 1, non-multiples of the workgroup size, and a 2-D dispatch (> 65535 workgroups).
+//!
+//! Runs on any wgpu adapter (lavapipe in CI). Without one each test prints "skipped: ..." and
+//! passes, unless DISTGRAD_REQUIRE_GPU=1 (set by .ci/run, which installs lavapipe), where the
+//! missing adapter is a failure.
+#![cfg(feature = "wgpu")]
+
+use std::sync::OnceLock;
+
+use distgrad::backend::gpu::{At, Gpu};
+use distgrad::backend::{BinaryOp, UnaryOp, cpu};
+
+fn gpu() -> Option<&'static Gpu> {
+    static GPU: OnceLock<Result<Gpu, String>> = OnceLock::new();
+    let g = GPU.get_or_init(|| futures::executor::block_on(Gpu::new()).map_err(|e| e.to_string()));
+    match g {
+        Ok(g) => Some(g),
+        Err(e) if std::env::var("DISTGRAD_REQUIRE_GPU").as_deref() == Ok("1") => {
+            panic!("DISTGRAD_REQUIRE_GPU=1 but no GPU adapter: {e}")
+        }
+        Err(e) => {
+            println!("skipped: no GPU adapter ({e})");
+            None
+        }
+    }
+}
+
+/// Deterministic normal (non-denormal) values in about [-4, 4], with some exact repeats.
+fn vals(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    (0..n)
+        .map(|i| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            if i % 7 == 3 {
+                1.5
+            } else {
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 8.0 - 4.0 + 1e-3
+            }
+        })
+        .collect()
+}
+
+const SIZES: [usize; 6] = [0, 1, 255, 257, 1000, 65_536 * 256 + 3];
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn read(g: &Gpu, b: &distgrad::backend::gpu::GpuBuf) -> Vec<f32> {
+    futures::executor::block_on(g.read(b)).expect("readback")
+}
+
+#[test]
+fn describes_the_adapter() {
+    let Some(g) = gpu() else { return };
+    let d = g.describe();
+    assert!(!d.is_empty());
+    println!("adapter: {d}");
+}
+
+#[test]
+fn binary_ops_same_shape_are_bit_exact() {
+    let Some(g) = gpu() else { return };
+    for &n in &SIZES {
+        let (a, b) = (vals(1, n), vals(2, n));
+        let (ga, gb) = (g.upload(&a).unwrap(), g.upload(&b).unwrap());
+        for op in [
+            BinaryOp::Add,
+            BinaryOp::Sub,
+            BinaryOp::Mul,
+            BinaryOp::Max,
+            BinaryOp::Min,
+            BinaryOp::Eq,
+        ] {
+            let got = read(g, &g.binary(op, &ga, &gb, n, None).unwrap());
+            let want = cpu::binary_same(op, &a, &b);
+            assert_eq!(bits(&got), bits(&want), "{op:?}, n = {n}");
+        }
+        let got = read(g, &g.binary(BinaryOp::Div, &ga, &gb, n, None).unwrap());
+        for (i, (x, y)) in got
+            .iter()
+            .zip(cpu::binary_same(BinaryOp::Div, &a, &b))
+            .enumerate()
+        {
+            // WGSL allows 2.5 ulp for division
+            assert!(
+                (x - y).abs() <= 3.0 * f32::EPSILON * y.abs().max(f32::MIN_POSITIVE),
+                "div n = {n} at {i}: {x} vs {y}"
+            );
+        }
+    }
+}
+
+#[test]
+fn binary_ops_broadcast_are_bit_exact() {
+    let Some(g) = gpu() else { return };
+    // [2,3,4] op [3,1], [4] op [2,1,1], scalar op [5,7]
+    let cases: [(&[usize], &[usize]); 4] = [
+        (&[2, 3, 4], &[3, 1]),
+        (&[4], &[2, 1, 1]),
+        (&[], &[5, 7]),
+        (&[6, 1], &[1, 9]),
+    ];
+    for (sa, sb) in cases {
+        let out_shape = distgrad::tensor::broadcast_shape("test", sa, sb).unwrap();
+        let n: usize = out_shape.iter().product();
+        let (a, b) = (vals(3, sa.iter().product()), vals(4, sb.iter().product()));
+        let (ga, gb) = (g.upload(&a).unwrap(), g.upload(&b).unwrap());
+        let st_a = cpu::broadcast_strides(sa, &out_shape);
+        let st_b = cpu::broadcast_strides(sb, &out_shape);
+        for op in [BinaryOp::Add, BinaryOp::Mul, BinaryOp::Max] {
+            let got = read(
+                g,
+                &g.binary(op, &ga, &gb, n, Some((&out_shape, &st_a, &st_b)))
+                    .unwrap(),
+            );
+            let want = cpu::binary_broadcast(op, &a, sa, &b, sb, &out_shape);
+            assert_eq!(bits(&got), bits(&want), "{op:?} {sa:?} x {sb:?}");
+        }
+    }
+}
+
+#[test]
+fn unary_ops() {
+    let Some(g) = gpu() else { return };
+    for &n in &SIZES {
+        let a = vals(5, n);
+        let ga = g.upload(&a).unwrap();
+        for op in [
+            UnaryOp::Neg,
+            UnaryOp::Scale(-0.75),
+            UnaryOp::Relu,
+            UnaryOp::Step,
+            UnaryOp::Square,
+        ] {
+            let got = read(g, &g.unary(op, &ga).unwrap());
+            assert_eq!(bits(&got), bits(&cpu::unary(op, &a)), "{op:?}, n = {n}");
+        }
+        let got = read(g, &g.unary(UnaryOp::Tanh, &ga).unwrap());
+        for (x, y) in got.iter().zip(cpu::unary(UnaryOp::Tanh, &a)) {
+            assert!((x - y).abs() <= 1e-5, "tanh n = {n}: {x} vs {y}");
+        }
+    }
+}
+
+#[test]
+fn reduce_into_is_bit_exact_for_every_op() {
+    let Some(g) = gpu() else { return };
+    for &n in &SIZES {
+        let (acc, x) = (vals(6, n), vals(7, n));
+        for op in [BinaryOp::Add, BinaryOp::Mul, BinaryOp::Max, BinaryOp::Min] {
+            let gacc = g.upload(&acc).unwrap();
+            g.reduce_into(op, &gacc, &g.upload(&x).unwrap()).unwrap();
+            let mut want = acc.clone();
+            cpu::reduce_into(op, &mut want, &x);
+            assert_eq!(bits(&read(g, &gacc)), bits(&want), "{op:?}, n = {n}");
+        }
+    }
+}
+
+#[test]
+fn sums_within_tolerance() {
+    let Some(g) = gpu() else { return };
+    for &n in &SIZES {
+        let a = vals(8, n);
+        let got = read(g, &g.sum_all(&g.upload(&a).unwrap()).unwrap());
+        let want = cpu::sum_all(&a);
+        // Different association order: bound by n * eps * sum|a|.
+        let bound = 2.0
+            * (n as f32).max(1.0).log2()
+            * f32::EPSILON
+            * a.iter().map(|x| x.abs()).sum::<f32>()
+            + 1e-6;
+        assert!(
+            (got[0] - want).abs() <= bound,
+            "sum n = {n}: {} vs {want} (bound {bound})",
+            got[0]
+        );
+    }
+    // sum_to: [4,3,5] -> [3,1] and -> [5]
+    let a = vals(9, 60);
+    let ga = g.upload(&a).unwrap();
+    for target in [&[3usize, 1][..], &[5], &[4, 1, 5], &[]] {
+        let got = read(g, &g.sum_to(&ga, &[4, 3, 5], target).unwrap());
+        let want = cpu::sum_to(&a, &[4, 3, 5], target);
+        assert_eq!(got.len(), want.len(), "{target:?}");
+        for (x, y) in got.iter().zip(&want) {
+            assert!(
+                (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                "sum_to {target:?}: {x} vs {y}"
+            );
+        }
+    }
+}
+
+#[test]
+fn strided_copies_slice_transpose_concat() {
+    let Some(g) = gpu() else { return };
+    let shape = [3, 4, 5];
+    let a = vals(10, 60);
+    let ga = g.upload(&a).unwrap();
+    let st = cpu::strides(&shape);
+    // slice dim 1, rows 1..3 -> [3, 2, 5]
+    let out = g.alloc(30).unwrap();
+    let s325 = cpu::strides(&[3, 2, 5]);
+    let at = |offset, strides| At { offset, strides };
+    g.copy_strided(&ga, at(st[1], &st), &out, at(0, &s325), &[3, 2, 5])
+        .unwrap();
+    assert_eq!(bits(&read(g, &out)), bits(&cpu::slice(&a, &shape, 1, 1, 2)));
+    // transpose of [12, 5]
+    let out = g.alloc(60).unwrap();
+    g.copy_strided(&ga, at(0, &[1, 5]), &out, at(0, &[12, 1]), &[5, 12])
+        .unwrap();
+    assert_eq!(bits(&read(g, &out)), bits(&cpu::transpose(&a, 12, 5)));
+    // concat along dim 1 of [3,4,5] and [3,2,5] -> [3,6,5]
+    let b = vals(11, 30);
+    let gb = g.upload(&b).unwrap();
+    let out = g.alloc(90).unwrap();
+    let so = cpu::strides(&[3, 6, 5]);
+    g.copy_strided(&ga, at(0, &st), &out, at(0, &so), &shape)
+        .unwrap();
+    g.copy_strided(&gb, at(0, &s325), &out, at(4 * so[1], &so), &[3, 2, 5])
+        .unwrap();
+    assert_eq!(
+        bits(&read(g, &out)),
+        bits(&cpu::concat(&[(&a, 4), (&b, 2)], 3, 5))
+    );
+    // a big flat chunk copy (2-D dispatch)
+    let n = 65_536 * 256 + 3;
+    let big = vals(12, n + 10);
+    let gbig = g.upload(&big).unwrap();
+    let out = g.alloc(n).unwrap();
+    g.copy_strided(&gbig, at(7, &[1]), &out, at(0, &[1]), &[n])
+        .unwrap();
+    assert_eq!(bits(&read(g, &out)), bits(&big[7..7 + n]));
+}
+
+#[test]
+fn matmul_within_tolerance() {
+    let Some(g) = gpu() else { return };
+    for (m, k, n) in [(1, 1, 1), (3, 5, 2), (17, 33, 16), (64, 70, 31), (0, 3, 2)] {
+        let (a, b) = (vals(13, m * k), vals(14, k * n));
+        let got = read(
+            g,
+            &g.matmul(&g.upload(&a).unwrap(), &g.upload(&b).unwrap(), m, k, n)
+                .unwrap(),
+        );
+        let want = cpu::matmul(&a, &b, m, k, n);
+        assert_eq!(got.len(), want.len());
+        for (i, (x, y)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-4 * k as f32 * 16.0,
+                "[{m},{k}]x[{k},{n}] at {i}: {x} vs {y}"
+            );
+        }
+    }
+}
+
+#[test]
+fn too_large_buffers_are_errors() {
+    let Some(g) = gpu() else { return };
+    let max = g.limits().max_storage_buffer_binding_size as usize;
+    let e = g.alloc(max / 4 + 1).unwrap_err().to_string();
+    assert!(e.contains("exceed"), "{e}");
+}
