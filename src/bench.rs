@@ -236,3 +236,101 @@ pub fn tape_overhead(ops: usize) -> Result<(f64, f64)> {
     let taped = t0.elapsed().as_secs_f64() * 1e6 / (2 * ops) as f64;
     Ok((taped, raw))
 }
+
+/// One line of the kernel benchmark.
+#[derive(Debug, Clone)]
+pub struct KernelRow {
+    /// What was measured.
+    pub name: &'static str,
+    /// GB/s on the GPU (bytes read + written per second).
+    pub gpu_gbps: f64,
+    /// GB/s of the same work as a 1-thread CPU loop, same run.
+    pub cpu_gbps: f64,
+}
+
+/// Time `f` (best of `reps` after one warm-up) in seconds.
+fn best_of(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        f()?;
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+/// GB/s of the WGSL kernels on `gpu` for `n` f32 per input: reduce-into of 4 inputs (acc ⊕= x
+/// three times), a flat copy, and sum-to-scalar; each beside the same work as a 1-thread CPU loop.
+#[cfg(feature = "wgpu")]
+pub fn kernels(gpu: &crate::backend::gpu::Gpu, n: usize) -> Result<Vec<KernelRow>> {
+    use crate::backend::gpu::At;
+    use crate::backend::{BinaryOp, cpu};
+    let xs: Vec<Vec<f32>> = (0..4)
+        .map(|k| (0..n).map(|i| ((i * 7 + k) % 13) as f32 - 6.0).collect())
+        .collect();
+    let g: Vec<_> = xs.iter().map(|x| gpu.upload(x)).collect::<Result<_>>()?;
+    let acc = gpu.upload(&xs[0])?;
+    let reduce_bytes = 3.0 * 12.0 * n as f64;
+    let t_gpu = best_of(3, || {
+        for x in &g[1..] {
+            gpu.reduce_into(BinaryOp::Add, &acc, x)?;
+        }
+        gpu.sync()
+    })?;
+    let mut cacc = xs[0].clone();
+    let t_cpu = best_of(3, || {
+        for x in &xs[1..] {
+            cpu::reduce_into(BinaryOp::Add, &mut cacc, x);
+        }
+        std::hint::black_box(&cacc);
+        Ok(())
+    })?;
+    let mut rows = vec![KernelRow {
+        name: "reduce-into (4 inputs)",
+        gpu_gbps: reduce_bytes / t_gpu / 1e9,
+        cpu_gbps: reduce_bytes / t_cpu / 1e9,
+    }];
+    let dst = gpu.alloc(n)?;
+    let t_gpu = best_of(3, || {
+        gpu.copy_strided(
+            &g[1],
+            At {
+                offset: 0,
+                strides: &[1],
+            },
+            &dst,
+            At {
+                offset: 0,
+                strides: &[1],
+            },
+            &[n],
+        )?;
+        gpu.sync()
+    })?;
+    let mut cdst = vec![0.0f32; n];
+    let t_cpu = best_of(3, || {
+        cdst.copy_from_slice(&xs[1]);
+        std::hint::black_box(&cdst);
+        Ok(())
+    })?;
+    rows.push(KernelRow {
+        name: "copy",
+        gpu_gbps: 8.0 * n as f64 / t_gpu / 1e9,
+        cpu_gbps: 8.0 * n as f64 / t_cpu / 1e9,
+    });
+    let t_gpu = best_of(3, || {
+        gpu.sum_all(&g[2])?;
+        gpu.sync()
+    })?;
+    let t_cpu = best_of(3, || {
+        std::hint::black_box(cpu::sum_all(&xs[2]));
+        Ok(())
+    })?;
+    rows.push(KernelRow {
+        name: "sum-to-scalar",
+        gpu_gbps: 4.0 * n as f64 / t_gpu / 1e9,
+        cpu_gbps: 4.0 * n as f64 / t_cpu / 1e9,
+    });
+    Ok(rows)
+}

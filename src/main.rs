@@ -140,7 +140,10 @@ enum Cmd {
     /// Benchmarks: an nccl-tests-style table of collectives (with a memcpy line measured in the same
     /// run) and the tape's overhead per local op.
     Bench {
-        /// Transport: `local` (ranks as threads of this process).
+        /// `collectives` (default) or `kernels` (the WGSL kernels against a 1-thread CPU loop).
+        #[arg(default_value = "collectives")]
+        what: String,
+        /// Transport: `local` (ranks as threads of this process) or `relay`.
         #[arg(long, default_value = "local")]
         transport: String,
         /// Number of ranks.
@@ -174,7 +177,9 @@ fn main() -> ExitCode {
             json,
             print_case,
         } => run_vjp(&what, world, &op, root, group, json, print_case),
+        Cmd::Bench { what, .. } if what == "kernels" => run_kernel_bench(),
         Cmd::Bench {
+            what: _,
             transport,
             world,
             min_bytes,
@@ -605,4 +610,38 @@ fn demo_over_relay(
     let _ = stop_tx.send(());
     let _ = relay.join();
     vjp::assemble(&prepared, results)
+}
+
+#[cfg(feature = "wgpu")]
+fn run_kernel_bench() -> distgrad::Result<()> {
+    let gpu = futures::executor::block_on(distgrad::backend::gpu::Gpu::new())?;
+    let n = 16 << 20;
+    println!(
+        "# distgrad bench kernels: adapter {}, {} f32 per input",
+        gpu.describe(),
+        n
+    );
+    let memcpy = bench::memcpy_gbps(n * 4);
+    println!("# memcpy (1 thread, same run): {memcpy:.2} GB/s copied");
+    println!(
+        "{:>24} {:>10} {:>14} {:>10}",
+        "kernel", "GPU GB/s", "1-thread CPU", "ratio"
+    );
+    for r in bench::kernels(&gpu, n)? {
+        println!(
+            "{:>24} {:>10.2} {:>14.2} {:>10.2}",
+            r.name,
+            r.gpu_gbps,
+            r.cpu_gbps,
+            r.gpu_gbps / r.cpu_gbps
+        );
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn run_kernel_bench() -> distgrad::Result<()> {
+    Err(distgrad::Error::Input(
+        "this build has no WGSL backend (build with the `wgpu` feature)".into(),
+    ))
 }

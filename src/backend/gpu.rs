@@ -249,6 +249,16 @@ impl Gpu {
         })
     }
 
+    /// Wait until all submitted work has finished (native; in a browser reads are the only sync).
+    pub fn sync(&self) -> Result<()> {
+        #[cfg(not(target_arch = "wasm32"))]
+        self.0
+            .device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| gpu_err("sync", format!("device poll failed: {e}")))?;
+        self.check("sync")
+    }
+
     /// Copy host values to a new device buffer.
     pub fn upload(&self, data: &[f32]) -> Result<GpuBuf> {
         self.check_size("upload", data.len())?;
