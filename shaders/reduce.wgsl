@@ -79,3 +79,31 @@ fn sum_to(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups
     }
     acc[j] = s;
 }
+
+// The same local step, fast path: 16-byte aligned whole vec4s, the op fixed when the pipeline is
+// built (so no per-element switch), and a grid-stride loop so each invocation does many vec4s
+// (software rasterizers pay per invocation). params: [n_vec4, total threads]
+override OP: u32 = 0u;
+
+@group(0) @binding(3) var<storage, read_write> acc4: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> x4: array<vec4<f32>>;
+
+fn apply4(a: vec4<f32>, b: vec4<f32>) -> vec4<f32> {
+    switch OP {
+        case 0u: { return a + b; }
+        case 2u: { return a * b; }
+        default: {
+            return vec4<f32>(apply_binary(OP, a.x, b.x), apply_binary(OP, a.y, b.y),
+                             apply_binary(OP, a.z, b.z), apply_binary(OP, a.w, b.w));
+        }
+    }
+}
+
+@compute @workgroup_size(256)
+fn reduce_into_vec4(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let n = params[0];
+    let stride = params[1];
+    for (var i = linear_index(gid, nwg, 256u); i < n; i += stride) {
+        acc4[i] = apply4(acc4[i], x4[i]);
+    }
+}

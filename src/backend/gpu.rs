@@ -27,7 +27,7 @@ struct Ctx {
     queue: wgpu::Queue,
     info: wgpu::AdapterInfo,
     limits: wgpu::Limits,
-    pipelines: Mutex<HashMap<&'static str, Arc<wgpu::ComputePipeline>>>,
+    pipelines: Mutex<HashMap<(Kernel, u32), Arc<wgpu::ComputePipeline>>>,
     error: Arc<Mutex<Option<String>>>,
 }
 
@@ -94,21 +94,49 @@ fn gpu_err(op: &'static str, detail: impl Into<String>) -> Error {
     }
 }
 
-/// Kernel families: (file name, WGSL source with the shared helpers prepended).
-fn family(name: &'static str) -> (&'static str, String) {
-    let common = include_str!("../../shaders/common.wgsl");
-    let (file, src) = match name {
-        "binary" | "unary" => (
-            "elementwise.wgsl",
-            include_str!("../../shaders/elementwise.wgsl"),
-        ),
-        "reduce_into" | "sum_partials" | "sum_to" => {
-            ("reduce.wgsl", include_str!("../../shaders/reduce.wgsl"))
+/// Every kernel, by entry point. Each belongs to one shader family (one WGSL file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Kernel {
+    Binary,
+    Unary,
+    ReduceInto,
+    ReduceInto4,
+    SumPartials,
+    SumTo,
+    CopyStrided,
+    Matmul,
+}
+
+impl Kernel {
+    fn entry(self) -> &'static str {
+        match self {
+            Kernel::Binary => "binary",
+            Kernel::Unary => "unary",
+            Kernel::ReduceInto => "reduce_into",
+            Kernel::ReduceInto4 => "reduce_into_vec4",
+            Kernel::SumPartials => "sum_partials",
+            Kernel::SumTo => "sum_to",
+            Kernel::CopyStrided => "copy_strided",
+            Kernel::Matmul => "matmul",
         }
-        "copy_strided" => ("copy.wgsl", include_str!("../../shaders/copy.wgsl")),
-        _ => ("matmul.wgsl", include_str!("../../shaders/matmul.wgsl")),
-    };
-    (file, format!("{common}\n{src}"))
+    }
+
+    /// (file name, WGSL source with the shared helpers prepended).
+    fn source(self) -> (&'static str, String) {
+        let common = include_str!("../../shaders/common.wgsl");
+        let (file, src) = match self {
+            Kernel::Binary | Kernel::Unary => (
+                "elementwise.wgsl",
+                include_str!("../../shaders/elementwise.wgsl"),
+            ),
+            Kernel::ReduceInto | Kernel::ReduceInto4 | Kernel::SumPartials | Kernel::SumTo => {
+                ("reduce.wgsl", include_str!("../../shaders/reduce.wgsl"))
+            }
+            Kernel::CopyStrided => ("copy.wgsl", include_str!("../../shaders/copy.wgsl")),
+            Kernel::Matmul => ("matmul.wgsl", include_str!("../../shaders/matmul.wgsl")),
+        };
+        (file, format!("{common}\n{src}"))
+    }
 }
 
 impl Gpu {
@@ -180,12 +208,19 @@ impl Gpu {
         }
     }
 
-    fn pipeline(&self, entry: &'static str) -> Arc<wgpu::ComputePipeline> {
+    fn pipeline(&self, k: Kernel) -> Arc<wgpu::ComputePipeline> {
+        self.pipeline_op(k, None)
+    }
+
+    /// The pipeline of `entry`, with the override constant `OP` fixed to `op` if given.
+    fn pipeline_op(&self, k: Kernel, op: Option<u32>) -> Arc<wgpu::ComputePipeline> {
         let mut cache = self.0.pipelines.lock().unwrap_or_else(|p| p.into_inner());
         cache
-            .entry(entry)
+            .entry((k, op.unwrap_or(u32::MAX)))
             .or_insert_with(|| {
-                let (file, src) = family(entry);
+                let constants: Vec<(&str, f64)> = op.iter().map(|&o| ("OP", o as f64)).collect();
+                let (file, src) = k.source();
+                let entry = k.entry();
                 let module = self
                     .0
                     .device
@@ -201,7 +236,10 @@ impl Gpu {
                             layout: None,
                             module: &module,
                             entry_point: Some(entry),
-                            compilation_options: Default::default(),
+                            compilation_options: wgpu::PipelineCompilationOptions {
+                                constants: &constants,
+                                ..Default::default()
+                            },
                             cache: None,
                         }),
                 )
@@ -336,16 +374,22 @@ impl Gpu {
     /// Run `entry` over `threads` invocations of a 256-wide 1-D kernel (2-D grid when needed).
     /// Bindings are `(binding index, buffer)`: with automatic layouts a kernel's layout holds only
     /// the bindings its entry point uses.
-    fn run(
+    fn run(&self, k: Kernel, bindings: &[(u32, &wgpu::Buffer)], groups: u32) -> Result<()> {
+        self.run_op(k, None, bindings, groups)
+    }
+
+    fn run_op(
         &self,
-        entry: &'static str,
+        k: Kernel,
+        op: Option<u32>,
         bindings: &[(u32, &wgpu::Buffer)],
         groups: u32,
     ) -> Result<()> {
         if groups == 0 {
             return Ok(());
         }
-        let p = self.pipeline(entry);
+        let entry = k.entry();
+        let p = self.pipeline_op(k, op);
         let layout = p.get_bind_group_layout(0);
         let entries: Vec<wgpu::BindGroupEntry<'_>> = bindings
             .iter()
@@ -406,7 +450,7 @@ impl Gpu {
         }
         let m = self.meta(&meta);
         self.run(
-            "binary",
+            Kernel::Binary,
             &[(0, &a.buf), (1, &b.buf), (2, &out.buf), (3, &m)],
             Self::groups(n, 1),
         )?;
@@ -426,22 +470,35 @@ impl Gpu {
         };
         let m = self.meta(&[a.len as u32, code, c.to_bits()]);
         self.run(
-            "unary",
+            Kernel::Unary,
             &[(0, &a.buf), (2, &out.buf), (3, &m)],
             Self::groups(a.len, 1),
         )?;
         Ok(out)
     }
 
-    /// `acc[i] = op(acc[i], x[i])` in place: the local step of every reducing collective.
+    /// `acc[i] = op(acc[i], x[i])` in place: the local step of every reducing collective. Whole
+    /// vec4s go through a specialized grid-stride kernel, the last `n % 4` through the scalar one.
     pub fn reduce_into(&self, op: BinaryOp, acc: &GpuBuf, x: &GpuBuf) -> Result<()> {
         let n = acc.len.min(x.len);
-        let m = self.meta(&[n as u32, op_code(op), 0, 0]);
-        self.run(
-            "reduce_into",
-            &[(0, &acc.buf), (1, &x.buf), (2, &m)],
-            Self::groups(n, 4),
-        )
+        let n4 = n / 4;
+        if n4 > 0 {
+            let groups = n4.div_ceil(WG as usize).min(1024) as u32;
+            let m = self.meta(&[n4 as u32, groups * WG]);
+            let b = [(2, &m), (3, &*acc.buf), (4, &*x.buf)];
+            self.run_op(Kernel::ReduceInto4, Some(op_code(op)), &b, groups)?;
+        }
+        let tail = n - n4 * 4;
+        if tail > 0 {
+            let off = (n4 * 4) as u32;
+            let m = self.meta(&[tail as u32, op_code(op), off, off]);
+            self.run(
+                Kernel::ReduceInto,
+                &[(0, &acc.buf), (1, &x.buf), (2, &m)],
+                Self::groups(tail, 4),
+            )?;
+        }
+        Ok(())
     }
 
     /// Sum of all elements (serial runs per thread, then a tree per workgroup, repeated).
@@ -455,7 +512,7 @@ impl Gpu {
             let out = self.storage("sum", groups)?;
             let m = self.meta(&[n as u32, per as u32, groups as u32]);
             self.run(
-                "sum_partials",
+                Kernel::SumPartials,
                 &[(0, &out.buf), (1, &cur.buf), (2, &m)],
                 groups as u32,
             )?;
@@ -495,7 +552,7 @@ impl Gpu {
         let out = self.storage("sum_to", n_out)?;
         let m = self.meta(&meta);
         self.run(
-            "sum_to",
+            Kernel::SumTo,
             &[(0, &out.buf), (1, &x.buf), (2, &m)],
             Self::groups(n_out, 1),
         )?;
@@ -529,7 +586,7 @@ impl Gpu {
         }
         let m = self.meta(&meta);
         self.run(
-            "copy_strided",
+            Kernel::CopyStrided,
             &[(0, &src.buf), (1, &dst.buf), (2, &m)],
             Self::groups(n, 1),
         )
@@ -547,7 +604,7 @@ impl Gpu {
             return Ok(out);
         }
         let meta = self.meta(&[m as u32, k as u32, n as u32]);
-        let p = self.pipeline("matmul");
+        let p = self.pipeline(Kernel::Matmul);
         let layout = p.get_bind_group_layout(0);
         let bufs = [&a.buf, &b.buf, &out.buf, &meta];
         let entries: Vec<wgpu::BindGroupEntry<'_>> = bufs
