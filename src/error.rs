@@ -99,8 +99,11 @@ pub enum Error {
         /// The timeout in force.
         timeout: Duration,
     },
-    /// A peer left (its transport closed) while a message from it was still awaited.
-    #[error("rank {rank}: peer rank {peer} is gone{}", if .call.is_empty() { String::new() } else { format!(" (during {})", .call) })]
+    /// A peer left (its transport closed) while a message from it was still awaited, or its
+    /// connection was lost (then every pending op fails with this).
+    #[error("rank {rank}: peer rank {peer} is gone{}{}",
+        if .reason.is_empty() { String::new() } else { format!(": {}", .reason) },
+        if .call.is_empty() { String::new() } else { format!(" (during {})", .call) })]
     PeerLost {
         /// Waiting global rank.
         rank: usize,
@@ -108,6 +111,8 @@ pub enum Error {
         peer: usize,
         /// The call being executed (empty when unknown).
         call: String,
+        /// How it was lost, when known (e.g. the relay's report of a broken connection).
+        reason: String,
     },
     /// Another rank failed and aborted the communicator; every pending and later op fails with this.
     #[error("rank {rank}: aborted by rank {by}: {reason}")]

@@ -77,7 +77,7 @@ where
         .map_err(io)?;
     let url = format!("ws://{}/ws", listener.local_addr().map_err(io)?);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let max_payload = relay.max_frame - crate::wire::HEADER_LEN;
+    let max_payload = relay.max_frame;
     let server = rt.spawn(crate::relay::serve(listener, relay, async {
         let _ = stop_rx.await;
     }));

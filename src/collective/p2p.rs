@@ -272,10 +272,16 @@ impl<T: Transport> Call<'_, T> {
 
     fn add_context(&self, e: Error) -> Error {
         match e {
-            Error::PeerLost { rank, peer, call } if call.is_empty() => Error::PeerLost {
+            Error::PeerLost {
+                rank,
+                peer,
+                call,
+                reason,
+            } if call.is_empty() => Error::PeerLost {
                 rank,
                 peer,
                 call: self.describe(),
+                reason,
             },
             e => e,
         }
@@ -732,11 +738,14 @@ impl<T: Transport> Communicator for P2p<T> {
                             timeout: self.opts.timeout,
                         });
                     }
-                    Some(Err(Error::PeerLost { rank, peer, .. })) => {
+                    Some(Err(Error::PeerLost {
+                        rank, peer, reason, ..
+                    })) => {
                         return Err(Error::PeerLost {
                             rank,
                             peer,
                             call: describe(),
+                            reason,
                         });
                     }
                     Some(r) => r?,

@@ -27,7 +27,8 @@ use crate::wire::{Control, HEADER_LEN, Header};
 /// Limits and options of a relay.
 #[derive(Debug, Clone)]
 pub struct RelayConfig {
-    /// Largest data frame (header + payload) a client may send; clients split larger messages.
+    /// Largest data-frame payload (bytes after the 24-byte header) a client may send; clients
+    /// split larger messages into fragments of at most this size.
     pub max_frame: usize,
     /// Largest world size of a room.
     pub max_members: u32,

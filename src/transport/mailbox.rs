@@ -18,7 +18,27 @@ struct Inner {
     queues: HashMap<(usize, Tag), VecDeque<Bytes>>,
     waiters: HashMap<(usize, Tag), Waker>,
     gone: Vec<bool>,
-    aborted: Option<(usize, String)>,
+    poison: Option<Poison>,
+}
+
+/// Why every receive fails from now on.
+enum Poison {
+    /// A rank aborted (this one or a peer) with a reason.
+    Aborted { by: usize, reason: String },
+    /// A peer's connection was lost (not a clean leave).
+    Lost { peer: usize, reason: String },
+}
+
+impl Inner {
+    /// The first poison wins; wake every waiter so it sees it.
+    fn poison(&mut self, p: Poison) {
+        if self.poison.is_none() {
+            self.poison = Some(p);
+        }
+        for (_, w) in self.waiters.drain() {
+            w.wake();
+        }
+    }
 }
 
 /// The incoming side of one rank: per-(source, tag) FIFO queues plus the peer-lost and abort state.
@@ -48,12 +68,8 @@ impl Mailbox {
     pub fn deliver(&self, src: usize, tag: Tag, payload: Bytes) {
         let mut inner = self.lock();
         if tag.channel == Channel::Abort {
-            if inner.aborted.is_none() {
-                inner.aborted = Some((src, String::from_utf8_lossy(&payload).into_owned()));
-            }
-            for (_, w) in inner.waiters.drain() {
-                w.wake();
-            }
+            let reason = String::from_utf8_lossy(&payload).into_owned();
+            inner.poison(Poison::Aborted { by: src, reason });
             return;
         }
         inner
@@ -85,6 +101,19 @@ impl Mailbox {
         }
     }
 
+    /// `src`'s connection was lost (it did not leave cleanly): every pending and later receive
+    /// fails with [`Error::PeerLost`] naming it, since any collective may be waiting on it indirectly.
+    pub fn peer_lost(&self, src: usize, reason: &str) {
+        let mut inner = self.lock();
+        if let Some(g) = inner.gone.get_mut(src) {
+            *g = true;
+        }
+        inner.poison(Poison::Lost {
+            peer: src,
+            reason: reason.to_string(),
+        });
+    }
+
     /// Poison this mailbox locally (this rank aborts): every pending and later receive fails.
     pub fn abort_local(&self, reason: &str) {
         self.deliver(
@@ -94,9 +123,9 @@ impl Mailbox {
         );
     }
 
-    /// Whether an abort was seen.
+    /// Whether an abort or a lost peer was seen.
     pub fn is_aborted(&self) -> bool {
-        self.lock().aborted.is_some()
+        self.lock().poison.is_some()
     }
 
     /// Wait for the next message from `src` under `tag`.
@@ -120,12 +149,23 @@ impl Future for Recv<'_> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mb = self.mailbox;
         let mut inner = mb.lock();
-        if let Some((by, reason)) = &inner.aborted {
-            return Poll::Ready(Err(Error::Aborted {
-                rank: mb.rank,
-                by: *by,
-                reason: reason.clone(),
-            }));
+        match &inner.poison {
+            Some(Poison::Aborted { by, reason }) => {
+                return Poll::Ready(Err(Error::Aborted {
+                    rank: mb.rank,
+                    by: *by,
+                    reason: reason.clone(),
+                }));
+            }
+            Some(Poison::Lost { peer, reason }) => {
+                return Poll::Ready(Err(Error::PeerLost {
+                    rank: mb.rank,
+                    peer: *peer,
+                    call: String::new(),
+                    reason: reason.clone(),
+                }));
+            }
+            None => {}
         }
         if let Some(q) = inner.queues.get_mut(&self.key)
             && let Some(msg) = q.pop_front()
@@ -141,6 +181,7 @@ impl Future for Recv<'_> {
                 rank: mb.rank,
                 peer: src,
                 call: String::new(),
+                reason: String::new(),
             }));
         }
         inner.waiters.insert(self.key, cx.waker().clone());

@@ -31,7 +31,7 @@ pub struct JoinOptions {
     pub rank: Option<u32>,
     /// How long to wait for the room to fill.
     pub ready_timeout: Duration,
-    /// Largest frame payload to send (must not exceed the relay's `max_frame`).
+    /// Largest frame payload to send (at most the relay's `max_frame`, which also counts payload).
     pub max_payload: usize,
 }
 
@@ -44,7 +44,7 @@ impl JoinOptions {
             world,
             rank: None,
             ready_timeout: Duration::from_secs(60),
-            max_payload: (1 << 20) - HEADER_LEN,
+            max_payload: 1 << 20,
         }
     }
 }
@@ -57,7 +57,7 @@ pub struct WsTransport {
     mailbox: Arc<Mailbox>,
     out: Option<mpsc::Sender<Bytes>>,
     max_payload: usize,
-    reader: tokio::task::JoinHandle<()>,
+    reader: Option<tokio::task::JoinHandle<()>>,
     writer: Option<tokio::task::JoinHandle<()>>,
 }
 
@@ -160,7 +160,14 @@ impl WsTransport {
                         }
                     }
                     Message::Text(t) => match serde_json::from_str::<Control>(&t) {
-                        Ok(Control::PeerLeft { rank, .. }) => mb.peer_gone(rank as usize),
+                        // A clean leave fails only receives from that rank; a lost connection
+                        // fails everything, since any pending collective may depend on it.
+                        Ok(Control::PeerLeft { rank, reason }) if reason == "closed" => {
+                            mb.peer_gone(rank as usize)
+                        }
+                        Ok(Control::PeerLeft { rank, reason }) => {
+                            mb.peer_lost(rank as usize, &reason)
+                        }
                         Ok(Control::Error { message }) => break format!("relay error: {message}"),
                         Ok(_) => {}
                         Err(e) => break format!("malformed control message from relay: {e}"),
@@ -178,7 +185,7 @@ impl WsTransport {
             mailbox,
             out: Some(tx),
             max_payload: opts.max_payload.max(1),
-            reader,
+            reader: Some(reader),
             writer: Some(writer),
         })
     }
@@ -188,11 +195,15 @@ impl WsTransport {
         &self.token
     }
 
-    /// Flush what is queued and close the connection (peers then see this rank leave).
+    /// Flush what is queued, close the connection and wait (up to 10 s) for the relay to answer
+    /// the close, so that everything sent before reached the relay (peers then see a clean leave).
     pub async fn close(mut self) {
         self.out.take();
         if let Some(w) = self.writer.take() {
             let _ = w.await;
+        }
+        if let Some(r) = self.reader.as_mut() {
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(10), r).await;
         }
     }
 }
@@ -201,7 +212,9 @@ impl Drop for WsTransport {
     fn drop(&mut self) {
         // Dropping the sender lets the writer flush what is queued and close; the reader stops now.
         self.out.take();
-        self.reader.abort();
+        if let Some(r) = &self.reader {
+            r.abort();
+        }
     }
 }
 
