@@ -570,10 +570,32 @@ impl Gpu {
     ) -> Result<()> {
         let (src_off, src_strides, dst_off, dst_strides) =
             (from.offset, from.strides, to.offset, to.strides);
-        if shape.len() > 8 {
-            return Err(gpu_err("copy", format!("rank {} above 8", shape.len())));
+        if shape.len() > 8 || src_strides.len() != shape.len() || dst_strides.len() != shape.len() {
+            return Err(gpu_err(
+                "copy",
+                format!(
+                    "shape {shape:?} (rank at most 8) needs strides of its rank, got {src_strides:?} and {dst_strides:?}"
+                ),
+            ));
         }
         let n: usize = shape.iter().product();
+        if n == 0 {
+            return Ok(());
+        }
+        let dense = super::cpu::strides(shape);
+        if src_strides == dense && dst_strides == dense {
+            // A contiguous block on both sides: the copy engine does it, no shader needed.
+            let mut enc = self.0.device.create_command_encoder(&Default::default());
+            enc.copy_buffer_to_buffer(
+                &src.buf,
+                (src_off * 4) as u64,
+                &dst.buf,
+                (dst_off * 4) as u64,
+                (n * 4) as u64,
+            );
+            self.0.queue.submit([enc.finish()]);
+            return self.check("copy");
+        }
         let mut meta = vec![0u32; 28];
         meta[0] = n as u32;
         meta[1] = shape.len() as u32;
