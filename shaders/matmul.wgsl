@@ -21,8 +21,13 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
     for (var t = 0u; t < tiles; t++) {
         let ka = t * 16u + lid.x;
         let kb = t * 16u + lid.y;
-        ta[lid.y][lid.x] = select(0.0, a[row * k + ka], row < m && ka < k);
-        tb[lid.y][lid.x] = select(0.0, b[kb * n + col], kb < k && col < n);
+        // Load only in bounds (select would evaluate the out-of-range read).
+        var va = 0.0;
+        if (row < m && ka < k) { va = a[row * k + ka]; }
+        var vb = 0.0;
+        if (kb < k && col < n) { vb = b[kb * n + col]; }
+        ta[lid.y][lid.x] = va;
+        tb[lid.y][lid.x] = vb;
         workgroupBarrier();
         for (var q = 0u; q < 16u; q++) {
             s += ta[lid.y][q] * tb[q][lid.x];

@@ -28,7 +28,8 @@
 //!
 //! # Layout
 //! - [`tensor`]: [`Tensor`], an immutable f32 array of any shape; shape checks live here.
-//! - [`backend`]: where numbers live and local kernels run ([`backend::cpu`] is the reference).
+//! - [`backend`]: where numbers live and local kernels run ([`backend::cpu`] is the reference;
+//!   `backend::gpu` (feature `wgpu`) has the WGSL kernels of `shaders/`).
 //! - [`autograd`]: [`Tape`], [`Var`], local differentiable ops and backward; **the dual table** is
 //!   [`autograd::dual`], one exhaustive match.
 //! - [`dist`]: differentiable collectives on vars (record on the tape).

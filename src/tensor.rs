@@ -32,7 +32,9 @@ impl PartialEq for Tensor {
 impl Tensor {
     /// A tensor from row-major data; fails if `data.len()` is not the product of `shape`.
     pub fn from_vec(data: Vec<f32>, shape: &[usize]) -> Result<Self> {
-        let expected: usize = shape.iter().product();
+        let expected = checked_numel(shape).ok_or_else(|| {
+            Error::shape("Tensor::from_vec", shape, &[], "element count overflows")
+        })?;
         if data.len() != expected {
             return Err(Error::DataLength {
                 op: "Tensor::from_vec",
@@ -151,7 +153,14 @@ impl Tensor {
 
     /// A tensor of `shape` from little-endian f32 bytes.
     pub fn from_le_bytes(bytes: &[u8], shape: &[usize]) -> Result<Self> {
-        let n: usize = shape.iter().product();
+        let n = checked_numel(shape).ok_or_else(|| {
+            Error::shape(
+                "Tensor::from_le_bytes",
+                shape,
+                &[],
+                "element count overflows",
+            )
+        })?;
         if bytes.len() != n * 4 {
             return Err(Error::DataLength {
                 op: "Tensor::from_le_bytes",
@@ -218,23 +227,6 @@ impl Tensor {
     /// `c * self`.
     pub fn scale(&self, c: f32) -> Tensor {
         self.unary(UnaryOp::Scale(c))
-    }
-
-    /// `acc ⊕ x` for tensors of the same shape: the local step of a reducing collective.
-    pub fn reduce_with(&self, op: BinaryOp, x: &Tensor) -> Result<Tensor> {
-        if self.shape != x.shape {
-            return Err(Error::shape(
-                binary_name(op),
-                &self.shape,
-                &x.shape,
-                "reduce needs equal shapes",
-            ));
-        }
-        self.same_device(binary_name(op), x)?;
-        Ok(Self::from_cpu(
-            self.shape.clone(),
-            cpu::binary_same(op, self.cpu(), x.cpu()),
-        ))
     }
 
     /// Sum over all elements; a 0-D tensor.
@@ -307,7 +299,11 @@ impl Tensor {
 
     /// Elements `start..start+len` along `dim`.
     pub fn slice(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
-        if dim >= self.shape.len() || start + len > self.shape[dim] {
+        if dim >= self.shape.len()
+            || start
+                .checked_add(len)
+                .is_none_or(|end| end > self.shape[dim])
+        {
             return Err(Error::invalid(
                 "slice",
                 format!(
@@ -389,11 +385,6 @@ impl Tensor {
             .map(|d| Self::from_cpu(first.shape.clone(), d))
             .collect())
     }
-
-    /// The flattened elements `start..start+len` (a chunk of a collective).
-    pub fn flat_chunk(&self, start: usize, len: usize) -> Tensor {
-        Self::from_cpu(vec![len], self.cpu()[start..start + len].to_vec())
-    }
 }
 
 /// Little-endian bytes of `v` without copying (on little-endian targets).
@@ -420,6 +411,15 @@ fn binary_name(op: BinaryOp) -> &'static str {
         BinaryOp::Min => "min",
         BinaryOp::Eq => "eq",
     }
+}
+
+/// Product of the dims, `None` on overflow. Zero dims count as 1 so that no partial product of
+/// the shape (strides, inner sizes) can overflow either.
+pub(crate) fn checked_numel(shape: &[usize]) -> Option<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d.max(1)))?;
+    Some(shape.iter().product())
 }
 
 /// NumPy broadcast of two shapes.

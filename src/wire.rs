@@ -28,6 +28,10 @@ pub const MAGIC: u8 = 0xD6;
 /// Flag: more fragments of this message follow.
 pub const FLAG_MORE: u8 = 1;
 
+/// The `reason` of a [`Control::PeerLeft`] for a clean leave (the member closed its connection);
+/// any other reason means the connection was lost.
+pub const LEFT_CLEANLY: &str = "closed";
+
 /// A decoded data-frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header {

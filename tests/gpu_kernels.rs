@@ -267,3 +267,38 @@ fn too_large_buffers_are_errors() {
     let e = g.alloc(max / 4 + 1).unwrap_err().to_string();
     assert!(e.contains("exceed"), "{e}");
 }
+
+#[test]
+fn out_of_range_regions_are_errors_not_silent_writes() {
+    let Some(g) = gpu() else { return };
+    let a = g.upload(&vals(15, 10)).unwrap();
+    let b = g.upload(&vals(16, 12)).unwrap();
+    let e = g
+        .reduce_into(BinaryOp::Add, &a, &b)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("10") && e.contains("12"), "{e}");
+    let out = g.alloc(10).unwrap();
+    // 3 rows of 4 from a 10-element buffer: the last element (index 11) is outside.
+    let e = g
+        .copy_strided(
+            &a,
+            At {
+                offset: 0,
+                strides: &[4, 1],
+            },
+            &out,
+            At {
+                offset: 0,
+                strides: &[4, 1],
+            },
+            &[3, 4],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("leaves buffers"), "{e}");
+    let e = g.matmul(&a, &b, 2, 5, 3).unwrap_err().to_string();
+    assert!(e.contains("[2,5]x[5,3]"), "{e}");
+    let e = g.sum_to(&a, &[2, 5], &[3]).unwrap_err().to_string();
+    assert!(e.contains("cannot sum"), "{e}");
+}

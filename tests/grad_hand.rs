@@ -811,3 +811,37 @@ fn mlp_data_parallel_step_matches_single_process() {
         }
     }
 }
+
+/// Replicated mode: a constant that is the same on every rank (`constant_invariant`) keeps an
+/// invariant parameter's loss invariant, so it is counted once; per-rank data (`constant`) makes it
+/// varying, so the loss is one per rank and the objective sums them.
+#[test]
+fn replicated_constants_do_not_multiply_by_n() {
+    use distgrad::{CommOptions, Communicator, Objective, Tape, Tensor, run_local};
+    // w = 2 on every rank, c = 3; loss = sum(w * c) = 6.
+    //   invariant c: the loss is invariant, counted once: dloss/dw = c = 3 on every rank.
+    //   varying c:   pvary(w) * c on each of 3 ranks, objective = sum over ranks: dw = 3 * 3 = 9.
+    for (invariant, want) in [(true, 3.0f32), (false, 9.0)] {
+        let res = run_local(3, CommOptions::default(), |comm| async move {
+            let tape = Tape::with_objective(Objective::Replicated);
+            let g = comm.world();
+            let w = tape.var_invariant(Tensor::vector(&[2.0]), &g);
+            let c = if invariant {
+                tape.constant_invariant(Tensor::vector(&[3.0]), &g)
+            } else {
+                tape.constant(Tensor::vector(&[3.0]))
+            };
+            let loss = w.mul(&c)?.sum();
+            assert_eq!(loss.invariant().is_some(), invariant);
+            let grads = tape.backward(&loss, &comm).await?;
+            Ok(grads.wrt(&w).to_vec())
+        });
+        for (r, got) in res.into_iter().enumerate() {
+            assert_eq!(
+                got.unwrap(),
+                vec![want],
+                "invariant constant = {invariant}, rank {r}"
+            );
+        }
+    }
+}

@@ -1699,3 +1699,63 @@ fn slow_receiver_gets_everything_intact_and_in_order() {
     });
     sender.join().expect("sender thread");
 }
+
+/// A refused join must not create the room it named: otherwise one client could use up
+/// `max_rooms` and hold room names with a token of its choosing.
+#[test]
+fn refused_join_creates_no_room() {
+    let relay = TestRelay::start(RelayConfig {
+        max_rooms: 1,
+        ..RelayConfig::default()
+    });
+    let url = relay.url();
+    rank_runtime().block_on(async {
+        for _ in 0..3 {
+            let mut j = join_opts("squatted", "attacker", 2, 5);
+            j.ready_timeout = Duration::from_secs(5);
+            let d = relay_detail(WsTransport::connect(&url, j).await, "rank outside world");
+            assert!(d.contains("rank 5 outside world 2"), "refusal says: {d:?}");
+        }
+        // The only room slot is still free, and the name is not held with the attacker's token.
+        let (_owner, w) = Raw::join(&url, "squatted", Some("owner"), 2, 0).await;
+        assert_eq!(
+            w.token, "owner",
+            "the room was created by the refused joins"
+        );
+    });
+}
+
+/// A receiver that never reads must stop its sender instead of filling the relay's memory: once the
+/// relay's queue for it, the sockets' buffers and the client's own queue are full, a send waits,
+/// and with a short send timeout it fails with a clear error. A relay that buffered without bound
+/// would accept all 512 MiB below.
+#[test]
+fn a_receiver_that_never_reads_stops_its_sender() {
+    let relay = TestRelay::start(RelayConfig {
+        max_frame: 64 << 10,
+        max_pending_bytes: 256 << 10,
+        ..RelayConfig::default()
+    });
+    let url = relay.url();
+    rank_runtime().block_on(async {
+        let (_stalled, _) = Raw::join(&url, "stall", Some("t"), 2, 1).await;
+        let mut j = join_opts("stall", "t", 2, 0);
+        j.max_payload = 64 << 10;
+        j.send_timeout = Duration::from_secs(1);
+        let t = WsTransport::connect(&url, j).await.expect("sender joins");
+        let msg = Bytes::from(vec![7u8; 1 << 20]);
+        let mut sent = 0usize;
+        let err = loop {
+            match t.send(1, p2p_tag(sent as u64), msg.clone()).await {
+                Ok(()) => sent += 1,
+                Err(e) => break e,
+            }
+            assert!(
+                sent < 512,
+                "512 MiB went into a relay whose receiver never reads"
+            );
+        };
+        eprintln!("sender blocked after {sent} MiB: {err}");
+        assert!(err.to_string().contains("accepted nothing"), "{err}");
+    });
+}

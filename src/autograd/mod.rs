@@ -124,9 +124,20 @@ impl Tape {
         self.push_var(value, true, None)
     }
 
-    /// A leaf without gradient (data, targets).
+    /// A leaf without gradient (data, targets). In replicated mode this is per-rank (varying)
+    /// data: an invariant value combined with it is made varying. For a constant that is the same
+    /// on every rank of a group use [`Tape::constant_invariant`].
     pub fn constant(&self, value: Tensor) -> Var {
         self.push_var(value, false, None)
+    }
+
+    /// Replicated mode: a leaf without gradient whose value is identical on every rank of `group`
+    /// (a replicated constant, like a closed-over constant in JAX). Combining it with invariant
+    /// values keeps them invariant, so the loss is still counted once. In the default mode this is
+    /// the same as [`Tape::constant`].
+    pub fn constant_invariant(&self, value: Tensor, group: &Group) -> Var {
+        let inv = (self.objective() == Objective::Replicated).then(|| group.clone());
+        self.push_var(value, false, inv)
     }
 
     /// Replicated mode: a leaf requiring a gradient whose value is identical on every rank of `group`

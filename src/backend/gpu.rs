@@ -1,8 +1,11 @@
 //! The WGSL compute backend on wgpu (Vulkan / Metal / DX12 natively, WebGPU in a browser).
 //!
-//! [`Gpu`] owns the device and queue and compiles each kernel once; [`GpuBuf`] is a tensor's
-//! storage on it. Kernels live in `shaders/` (one file per family, each kernel with a bounds guard)
-//! and are dispatched from here: the device setup is apart from the work so tests can inject it.
+//! [`Gpu`] owns the device and queue and compiles each kernel once; [`GpuBuf`] is a buffer of f32
+//! on it. Kernels live in `shaders/` (one file per family, each kernel with a bounds guard) and are
+//! dispatched from here: the device setup is apart from the work so tests can inject it.
+//!
+//! Status: the kernels are complete and tested against the CPU backend; [`crate::Tensor`] does not
+//! hold GPU storage yet (that, and running the collectives' local steps here, is the next step).
 //!
 //! Bit-exactness: add, sub, mul, max, min, eq and the reduce-into step use the same single IEEE
 //! operation per element as the CPU backend and match it bit for bit on normal numbers (GPUs may
@@ -248,7 +251,15 @@ impl Gpu {
     }
 
     fn check_size(&self, op: &'static str, n: usize) -> Result<u64> {
-        let bytes = (n.max(1) * 4) as u64;
+        // u32 first: the kernels index with u32, and it keeps the byte count from overflowing a
+        // 32-bit usize (wasm32).
+        let n32 = u32::try_from(n).map_err(|_| {
+            gpu_err(
+                op,
+                format!("{n} elements exceed the kernels' 32-bit indices"),
+            )
+        })?;
+        let bytes = u64::from(n32.max(1)) * 4;
         let max = self
             .0
             .limits
@@ -258,12 +269,6 @@ impl Gpu {
             return Err(gpu_err(
                 op,
                 format!("{bytes} bytes exceed the device's largest storage buffer ({max} bytes)"),
-            ));
-        }
-        if u32::try_from(n).is_err() {
-            return Err(gpu_err(
-                op,
-                format!("{n} elements exceed the kernels' 32-bit indices"),
             ));
         }
         Ok(bytes)
@@ -433,6 +438,34 @@ impl Gpu {
         n: usize,
         strides: Option<(&[usize], &[usize], &[usize])>,
     ) -> Result<GpuBuf> {
+        match strides {
+            None if a.len != n || b.len != n => {
+                return Err(gpu_err(
+                    "binary",
+                    format!(
+                        "operands of {} and {} elements for {n} outputs",
+                        a.len, b.len
+                    ),
+                ));
+            }
+            Some((shape, sa, sb)) => {
+                let ok = sa.len() == shape.len()
+                    && sb.len() == shape.len()
+                    && shape.iter().product::<usize>() == n
+                    && fits(a, 0, shape, sa)
+                    && fits(b, 0, shape, sb);
+                if !ok {
+                    return Err(gpu_err(
+                        "binary",
+                        format!(
+                            "strides {sa:?} / {sb:?} do not fit shape {shape:?} over buffers of {} and {}",
+                            a.len, b.len
+                        ),
+                    ));
+                }
+            }
+            None => {}
+        }
         let out = self.storage("binary", n)?;
         let mut meta = vec![0u32; 28];
         meta[0] = n as u32;
@@ -480,7 +513,13 @@ impl Gpu {
     /// `acc[i] = op(acc[i], x[i])` in place: the local step of every reducing collective. Whole
     /// vec4s go through a specialized grid-stride kernel, the last `n % 4` through the scalar one.
     pub fn reduce_into(&self, op: BinaryOp, acc: &GpuBuf, x: &GpuBuf) -> Result<()> {
-        let n = acc.len.min(x.len);
+        if acc.len != x.len {
+            return Err(gpu_err(
+                "reduce_into",
+                format!("accumulator of {} and input of {} elements", acc.len, x.len),
+            ));
+        }
+        let n = acc.len;
         let n4 = n / 4;
         if n4 > 0 {
             let groups = n4.div_ceil(WG as usize).min(1024) as u32;
@@ -526,6 +565,18 @@ impl Gpu {
     /// Sum a tensor of `shape` down to `target` (right-aligned broadcast source shape).
     pub fn sum_to(&self, x: &GpuBuf, shape: &[usize], target: &[usize]) -> Result<GpuBuf> {
         let n_out: usize = target.iter().product();
+        let broadcastable = target.len() <= shape.len()
+            && target
+                .iter()
+                .rev()
+                .zip(shape.iter().rev())
+                .all(|(t, s)| t == s || *t == 1);
+        if !broadcastable || shape.iter().product::<usize>() != x.len {
+            return Err(gpu_err(
+                "sum_to",
+                format!("cannot sum {shape:?} ({} elements) to {target:?}", x.len),
+            ));
+        }
         let off = shape.len() - target.len();
         let strides = super::cpu::strides(shape);
         let (mut kept, mut red) = (Vec::new(), Vec::new());
@@ -582,6 +633,17 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
+        // Out-of-range indices would not fault on a GPU (robust access may write anywhere in the
+        // buffer): check the last element of the region on both sides here.
+        if !fits(src, src_off, shape, src_strides) || !fits(dst, dst_off, shape, dst_strides) {
+            return Err(gpu_err(
+                "copy",
+                format!(
+                    "region {shape:?} at {src_off}/{dst_off} with strides {src_strides:?}/{dst_strides:?} leaves buffers of {} and {}",
+                    src.len, dst.len
+                ),
+            ));
+        }
         let dense = super::cpu::strides(shape);
         if src_strides == dense && dst_strides == dense {
             // A contiguous block on both sides: the copy engine does it, no shader needed.
@@ -621,6 +683,15 @@ impl Gpu {
 
     /// `[m,k] · [k,n]`.
     pub fn matmul(&self, a: &GpuBuf, b: &GpuBuf, m: usize, k: usize, n: usize) -> Result<GpuBuf> {
+        if m.checked_mul(k) != Some(a.len) || k.checked_mul(n) != Some(b.len) {
+            return Err(gpu_err(
+                "matmul",
+                format!(
+                    "[{m},{k}]x[{k},{n}] over buffers of {} and {}",
+                    a.len, b.len
+                ),
+            ));
+        }
         let out = self.storage("matmul", m * n)?;
         if m * n == 0 {
             return Ok(out);
@@ -660,6 +731,20 @@ impl Gpu {
         self.check("matmul")?;
         Ok(out)
     }
+}
+
+/// Whether every index `offset + Σ idx·strides` of a non-empty `shape` region lies in `buf`.
+fn fits(buf: &GpuBuf, offset: usize, shape: &[usize], strides: &[usize]) -> bool {
+    if shape.contains(&0) {
+        return true;
+    }
+    let last = shape
+        .iter()
+        .zip(strides)
+        .try_fold(offset, |acc, (&s, &st)| {
+            (s - 1).checked_mul(st).and_then(|x| acc.checked_add(x))
+        });
+    matches!(last, Some(l) if l < buf.len && u32::try_from(l).is_ok())
 }
 
 fn op_code(op: BinaryOp) -> u32 {

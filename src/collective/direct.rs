@@ -14,15 +14,6 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::transport::Transport;
 
-/// Receive from `src` and check the byte length.
-async fn recv_len<T: Transport>(call: &Call<'_, T>, src: usize, want: usize) -> Result<Bytes> {
-    let got = call.recv(src).await?;
-    if got.len() != want {
-        return Err(call.protocol(src, format!("expected {want} bytes, got {}", got.len())));
-    }
-    Ok(got)
-}
-
 /// Fold `parts` (index = group rank, `None` = use `own`) in rank order; scale for Avg.
 fn fold<T: Transport>(
     call: &Call<'_, T>,
@@ -40,9 +31,7 @@ fn fold<T: Transport>(
         }
     }
     let mut acc = acc.unwrap_or_default();
-    if let Some(k) = call.avg_scale(op) {
-        acc.iter_mut().for_each(|v| *v *= k);
-    }
+    call.finish_reduction(op, &mut acc);
     acc
 }
 
@@ -65,7 +54,7 @@ async fn exchange_all<T: Transport>(call: &Call<'_, T>, x: &Tensor) -> Result<Ve
     let mut parts = vec![None; call.n];
     for (j, p) in parts.iter_mut().enumerate() {
         if j != call.me {
-            *p = Some(recv_len(call, j, xb.len()).await?);
+            *p = Some(call.recv_exact(j, xb.len()).await?);
         }
     }
     Ok(parts)
@@ -100,7 +89,7 @@ pub(crate) async fn reduce_scatter<T: Transport>(
     let mut parts = vec![None; call.n];
     for (j, p) in parts.iter_mut().enumerate() {
         if j != call.me {
-            *p = Some(recv_len(call, j, want).await?);
+            *p = Some(call.recv_exact(j, want).await?);
         }
     }
     Tensor::from_vec(
@@ -124,7 +113,7 @@ pub(crate) async fn gather<T: Transport>(
         if j == root {
             out.push(x.clone());
         } else {
-            let b = recv_len(call, j, x.numel() * 4).await?;
+            let b = call.recv_exact(j, x.numel() * 4).await?;
             out.push(Tensor::from_le_bytes(&b, x.shape())?);
         }
     }
@@ -208,7 +197,7 @@ pub(crate) async fn all_to_all_single<T: Transport>(
             continue;
         }
         let b = call.recv(i).await?;
-        if b.len() != rows * row * 4 {
+        if Some(b.len()) != rows.checked_mul(row).and_then(|x| x.checked_mul(4)) {
             return Err(Error::invalid(
                 "all_to_all_single",
                 format!(
@@ -220,8 +209,7 @@ pub(crate) async fn all_to_all_single<T: Transport>(
         }
         parts.push(Tensor::from_le_bytes(&b, &shape)?);
     }
-    let nonempty: Vec<Tensor> = parts.into_iter().collect();
-    Tensor::concat(&nonempty, 0)
+    Tensor::concat(&parts, 0)
 }
 
 /// `dst` gets `src`'s `x` for each pair; ranks that receive nothing get zeros.
@@ -237,7 +225,7 @@ pub(crate) async fn permute<T: Transport>(
     match pairs.iter().find(|(_, d)| *d == me) {
         Some(&(s, _)) if s == me => Ok(x.clone()),
         Some(&(s, _)) => {
-            let b = recv_len(call, s, x.numel() * 4).await?;
+            let b = call.recv_exact(s, x.numel() * 4).await?;
             Tensor::from_le_bytes(&b, x.shape())
         }
         None => Ok(x.zeros_like()),
@@ -250,7 +238,7 @@ pub(crate) async fn barrier<T: Transport>(call: &Call<'_, T>) -> Result<()> {
     let mut d = 1;
     while d < n {
         call.send((call.me + d) % n, Bytes::new()).await?;
-        recv_len(call, (call.me + n - d) % n, 0).await?;
+        call.recv_exact((call.me + n - d) % n, 0).await?;
         d <<= 1;
     }
     Ok(())

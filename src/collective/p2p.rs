@@ -3,8 +3,9 @@
 //! A call runs in three steps: [`P2p::begin`] numbers it in its group and sends this rank's
 //! [`CallSig`] to the ring successor; the algorithm exchanges data through [`Call::send`] /
 //! [`Call::recv`], which check signatures before any byte is used and bound every wait by the
-//! timeout; [`P2p::finish`] waits for the predecessor's signature if it has not come yet, and on any
-//! error aborts the transport so that every other rank fails too (never a hang, never garbage).
+//! timeout; [`P2p::finish`] waits for the predecessor's signature if it has not come yet. Every
+//! collective runs inside `guarded`, which on any error (bad argument included) aborts the
+//! transport once, so that every other rank fails too (never a hang, never garbage).
 //!
 //! Signature checks: the message from the ring predecessor is verified by its signature message
 //! (sent first, so checked before the data); messages from any other rank carry the sender's
@@ -21,7 +22,7 @@ use futures::future::{Either, select};
 use futures::pin_mut;
 
 use super::sig::{CallSig, Kind};
-use super::{Communicator, Group, ReduceOp, chunk_bounds, direct, ring, tree};
+use super::{Communicator, Group, ReduceOp, direct, ring, tree};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::transport::{Channel, Tag, Transport};
@@ -33,7 +34,8 @@ pub struct CommOptions {
     pub timeout: Duration,
     /// Payloads (bytes per rank) below this use direct exchange instead of the ring.
     pub ring_threshold: usize,
-    /// Large ring all_reduces are pipelined in segments of this many bytes per rank chunk.
+    /// Large ring all_reduces run as successive ring passes over segments of `n *` this many
+    /// bytes, so the chunks in flight stay in cache (in-process transport).
     pub segment_bytes: usize,
     /// Collectives in which a rank can finish without hearing from every other rank (broadcast,
     /// reduce, gather, scatter, permute), or whose arguments only the receiver can check
@@ -76,6 +78,7 @@ pub struct P2p<T: Transport> {
     seqs: RefCell<HashMap<u32, u64>>,
     p2p_seqs: RefCell<HashMap<(u32, usize, usize), u64>>,
     calls: RefCell<Vec<(u32, CallSig)>>,
+    aborted: Cell<bool>,
 }
 
 impl<T: Transport> P2p<T> {
@@ -88,6 +91,7 @@ impl<T: Transport> P2p<T> {
             seqs: RefCell::default(),
             p2p_seqs: RefCell::default(),
             calls: RefCell::default(),
+            aborted: Cell::new(false),
         }
     }
 
@@ -174,9 +178,16 @@ impl<T: Transport> P2p<T> {
     /// Tell every peer this communicator is dead (unless the error came from a peer's abort).
     async fn fail(&self, e: Error) -> Error {
         if !matches!(e, Error::Aborted { .. }) {
-            self.transport.abort(&e.to_string()).await;
+            self.abort_once(&e.to_string()).await;
         }
         e
+    }
+
+    /// Abort at most once: later failures (or the tape's own abort) add no second round.
+    async fn abort_once(&self, reason: &str) {
+        if !self.aborted.replace(true) {
+            self.transport.abort(reason).await;
+        }
     }
 
     fn next_p2p_seq(&self, group: u32, from: usize, to: usize) -> u64 {
@@ -388,10 +399,21 @@ impl<T: Transport> Call<'_, T> {
         Ok(msg)
     }
 
-    /// The combine op and divisor handling for reducing collectives live in the algorithms; this is
-    /// the group size they divide by for `Avg`.
-    pub fn avg_scale(&self, op: ReduceOp) -> Option<f32> {
-        (op == ReduceOp::Avg).then(|| 1.0 / self.n as f32)
+    /// The next data message from `src`, which must be exactly `want` bytes long.
+    pub async fn recv_exact(&self, src: usize, want: usize) -> Result<Bytes> {
+        let got = self.recv(src).await?;
+        if got.len() != want {
+            return Err(self.protocol(src, format!("expected {want} bytes, got {}", got.len())));
+        }
+        Ok(got)
+    }
+
+    /// The last step of every reducing algorithm: `Avg` divides the finished sum by the group size.
+    pub fn finish_reduction(&self, op: ReduceOp, acc: &mut [f32]) {
+        if op == ReduceOp::Avg {
+            let k = 1.0 / self.n as f32;
+            acc.iter_mut().for_each(|v| *v *= k);
+        }
     }
 }
 
@@ -417,12 +439,10 @@ pub fn decode_tensor(mut b: Bytes) -> Option<Tensor> {
         return None;
     }
     let mut shape = Vec::with_capacity(nd);
-    let mut n: usize = 1;
     for _ in 0..nd {
-        let d = usize::try_from(b.get_u64_le()).ok()?;
-        n = n.checked_mul(d)?;
-        shape.push(d);
+        shape.push(usize::try_from(b.get_u64_le()).ok()?);
     }
+    let n = crate::tensor::checked_numel(&shape)?;
     if n.checked_mul(4)? != b.len() {
         return None;
     }
@@ -651,7 +671,8 @@ impl<T: Transport> Communicator for P2p<T> {
                     ),
                 ));
             }
-            if in_splits.iter().sum::<usize>() != x.shape()[0] {
+            let total = in_splits.iter().try_fold(0usize, |a, &k| a.checked_add(k));
+            if total != Some(x.shape()[0]) {
                 return Err(Error::invalid(
                     op,
                     format!(
@@ -811,11 +832,6 @@ impl<T: Transport> Communicator for P2p<T> {
     }
 
     async fn abort(&self, reason: &str) {
-        self.transport.abort(reason).await;
+        self.abort_once(reason).await;
     }
-}
-
-/// Chunk bounds in elements for a ring over `n` ranks (re-exported for the algorithms).
-pub(crate) fn ring_chunks(numel: usize, n: usize) -> Vec<(usize, usize)> {
-    chunk_bounds(numel, n)
 }

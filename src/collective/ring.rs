@@ -7,10 +7,11 @@
 //! chunk's memory (no copy); the only copies are the reduction itself and the final assembly.
 
 use bytes::Bytes;
-use futures::future::join;
+use futures::future::try_join;
 
 use super::ReduceOp;
-use super::p2p::{Call, ring_chunks};
+use super::chunk_bounds;
+use super::p2p::Call;
 use crate::backend::cpu;
 use crate::error::Result;
 use crate::tensor::{Tensor, f32_bytes};
@@ -18,20 +19,15 @@ use crate::transport::Transport;
 
 /// Send `out` to the successor while receiving from the predecessor; check the received length.
 async fn step<T: Transport>(call: &Call<'_, T>, out: Bytes, want_bytes: usize) -> Result<Bytes> {
-    let (sent, got) = join(call.send(call.succ(), out), call.recv(call.pred())).await;
-    sent?;
-    let got = got?;
-    if got.len() != want_bytes {
-        return Err(call.protocol(
-            call.pred(),
-            format!("expected {want_bytes} bytes, got {}", got.len()),
-        ));
-    }
+    // try_join: if the receive fails (lost peer, abort) do not keep waiting on a blocked send.
+    let recv = call.recv_exact(call.pred(), want_bytes);
+    let ((), got) = try_join(call.send(call.succ(), out), recv).await?;
     Ok(got)
 }
 
-/// Ring all_reduce of `x` (group size ≥ 2), pipelined in segments of `n * segment` elements so the
-/// chunks in flight stay in cache instead of streaming through memory twice.
+/// Ring all_reduce of `x` (group size ≥ 2), as successive ring passes over segments of
+/// `n * segment` elements, so the chunks in flight stay in cache instead of streaming through
+/// memory twice.
 pub(crate) async fn all_reduce<T: Transport>(
     call: &Call<'_, T>,
     x: &Tensor,
@@ -59,7 +55,7 @@ async fn all_reduce_range<T: Transport>(
     out: &mut Vec<f32>,
 ) -> Result<()> {
     let (n, me) = (call.n, call.me);
-    let chunks: Vec<(usize, usize)> = ring_chunks(len, n)
+    let chunks: Vec<(usize, usize)> = chunk_bounds(len, n)
         .into_iter()
         .map(|(s, l)| (base + s, l))
         .collect();
@@ -74,10 +70,8 @@ async fn all_reduce_range<T: Transport>(
         let c = (me + 2 * n - s - 1) % n;
         let got = step(call, msg, chunks[c].1 * 4).await?;
         let mut acc = cpu::combine_le_bytes(op.combine(), mine(c), &got);
-        if s == n - 2
-            && let Some(k) = call.avg_scale(op)
-        {
-            acc.iter_mut().for_each(|v| *v *= k);
+        if s == n - 2 {
+            call.finish_reduction(op, &mut acc);
         }
         msg = f32_bytes(acc);
     }
@@ -134,9 +128,7 @@ pub(crate) async fn reduce_scatter<T: Transport>(
         let got = step(call, out, bytes).await?;
         let mut acc = cpu::combine_le_bytes(op.combine(), xs[b].cpu(), &got);
         if s == n - 2 {
-            if let Some(k) = call.avg_scale(op) {
-                acc.iter_mut().for_each(|v| *v *= k);
-            }
+            call.finish_reduction(op, &mut acc);
             last = acc;
             break;
         }

@@ -22,13 +22,7 @@ pub(crate) async fn broadcast<T: Transport>(
     while mask < n {
         if v & mask != 0 {
             let parent = real(v - mask);
-            data = call.recv(parent).await?;
-            if data.len() != x.numel() * 4 {
-                return Err(call.protocol(
-                    parent,
-                    format!("expected {} bytes, got {}", x.numel() * 4, data.len()),
-                ));
-            }
+            data = call.recv_exact(parent, x.numel() * 4).await?;
             break;
         }
         mask <<= 1;
@@ -63,13 +57,7 @@ pub(crate) async fn reduce<T: Transport>(
         if v & mask == 0 {
             let child = v | mask;
             if child < n {
-                let got = call.recv(real(child)).await?;
-                if got.len() != acc.len() * 4 {
-                    return Err(call.protocol(
-                        real(child),
-                        format!("expected {} bytes, got {}", acc.len() * 4, got.len()),
-                    ));
-                }
+                let got = call.recv_exact(real(child), acc.len() * 4).await?;
                 cpu::reduce_into_le_bytes(op.combine(), &mut acc, &got);
             }
         } else {
@@ -79,8 +67,6 @@ pub(crate) async fn reduce<T: Transport>(
         }
         mask <<= 1;
     }
-    if let Some(k) = call.avg_scale(op) {
-        acc.iter_mut().for_each(|a| *a *= k);
-    }
+    call.finish_reduction(op, &mut acc);
     Tensor::from_vec(acc, x.shape()).map(Some)
 }

@@ -22,7 +22,7 @@ use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
-use crate::wire::{Control, HEADER_LEN, Header};
+use crate::wire::{Control, HEADER_LEN, Header, LEFT_CLEANLY};
 
 /// Limits and options of a relay.
 #[derive(Debug, Clone)]
@@ -65,6 +65,8 @@ impl Default for RelayConfig {
 enum Out {
     Frame(Bytes, Option<OwnedSemaphorePermit>),
     Text(String),
+    /// Text routed from another member, charged to this member's queue budget like frames.
+    Routed(String, OwnedSemaphorePermit),
     Ping,
     Close(String),
 }
@@ -91,6 +93,17 @@ impl Shared {
     fn rooms(&self) -> std::sync::MutexGuard<'_, HashMap<String, Room>> {
         self.rooms.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// Permits (bytes) of one member's outgoing queue: at least 1, at most what a `u32` acquire can take.
+fn queue_budget(cfg: &RelayConfig) -> usize {
+    cfg.max_pending_bytes.clamp(1, u32::MAX as usize)
+}
+
+/// What a message of `len` bytes costs in a queue budget (a message larger than the whole budget
+/// takes all of it, so it still goes through, alone).
+fn queue_cost(cfg: &RelayConfig, len: usize) -> u32 {
+    len.clamp(1, queue_budget(cfg)) as u32
 }
 
 /// A random token (hex).
@@ -171,32 +184,33 @@ struct Seat {
 async fn connection(socket: WebSocket, shared: Arc<Shared>) {
     let (mut sink, mut stream) = socket.split();
     let (tx, mut rx) = mpsc::unbounded_channel::<Out>();
+    // A receiver that stops reading must not hold its senders forever: a write that does not
+    // finish within the idle timeout ends the connection (its queue budget is then closed).
+    let write_timeout = shared.cfg.idle_timeout.max(Duration::from_millis(10));
     let writer = tokio::spawn(async move {
         while let Some(out) = rx.recv().await {
-            let r = match out {
-                Out::Frame(b, permit) => {
-                    let r = sink.send(Message::Binary(b)).await;
-                    drop(permit);
-                    r
-                }
-                Out::Text(t) => sink.send(Message::Text(t.into())).await,
-                Out::Ping => sink.send(Message::Ping(Bytes::new())).await,
+            let (msg, permit, last) = match out {
+                Out::Frame(b, permit) => (Message::Binary(b), permit, false),
+                Out::Text(t) => (Message::Text(t.into()), None, false),
+                Out::Routed(t, permit) => (Message::Text(t.into()), Some(permit), false),
+                Out::Ping => (Message::Ping(Bytes::new()), None, false),
                 Out::Close(reason) => {
                     let frame = CloseFrame {
                         code: 1008,
                         reason: Utf8Bytes::from(reason),
                     };
-                    let _ = sink.send(Message::Close(Some(frame))).await;
-                    break;
+                    (Message::Close(Some(frame)), None, true)
                 }
             };
-            if r.is_err() {
+            let r = tokio::time::timeout(write_timeout, sink.send(msg)).await;
+            drop(permit);
+            if last || !matches!(r, Ok(Ok(()))) {
                 break;
             }
         }
         let _ = sink.close().await;
     });
-    let budget = Arc::new(Semaphore::new(shared.cfg.max_pending_bytes));
+    let budget = Arc::new(Semaphore::new(queue_budget(&shared.cfg)));
 
     let seat = match join(&shared, &mut stream, &tx, &budget).await {
         Ok(seat) => seat,
@@ -209,7 +223,7 @@ async fn connection(socket: WebSocket, shared: Arc<Shared>) {
 
     let reason = serve_member(&shared, &seat, &mut stream, &tx).await;
     leave(&shared, &seat, &reason);
-    if reason != "closed" {
+    if reason != LEFT_CLEANLY {
         send_error(&tx, &reason);
     }
     drop(tx);
@@ -222,11 +236,16 @@ fn send_error(tx: &mpsc::UnboundedSender<Out>, reason: &str) {
     })
     .unwrap_or_default();
     let _ = tx.send(Out::Text(msg));
-    let _ = tx.send(Out::Close(truncate(reason, 120)));
+    let _ = tx.send(Out::Close(truncate(reason, 123)));
 }
 
+/// At most `n` bytes of `s`, cut at a char boundary (a close frame's reason is limited to 123 bytes).
 fn truncate(s: &str, n: usize) -> String {
-    s.chars().take(n).collect()
+    let mut end = n.min(s.len());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
 }
 
 fn control(msg: &Control) -> String {
@@ -266,6 +285,12 @@ async fn join(
     if world == 0 || world > cfg.max_members {
         return Err(format!("world {world} outside 1..={}", cfg.max_members));
     }
+    // Everything checkable without the room comes first: a refused join must not create a room.
+    if let Some(k) = rank
+        && k >= world
+    {
+        return Err(format!("rank {k} outside world {world}"));
+    }
     let mut rooms = shared.rooms();
     let n_rooms = rooms.len();
     let r = match rooms.get_mut(&room) {
@@ -294,7 +319,6 @@ async fn join(
         }
     };
     let rank = match rank {
-        Some(k) if k >= world => return Err(format!("rank {k} outside world {world}")),
         Some(k) if r.members.contains_key(&k) => {
             return Err(format!("rank {k} is taken in room {room:?}"));
         }
@@ -342,7 +366,7 @@ async fn serve_member(
     tx: &mpsc::UnboundedSender<Out>,
 ) -> String {
     let cfg = &shared.cfg;
-    let mut ping = tokio::time::interval(cfg.idle_timeout / 3);
+    let mut ping = tokio::time::interval((cfg.idle_timeout / 3).max(Duration::from_millis(10)));
     ping.tick().await;
     let mut last_heard = tokio::time::Instant::now();
     loop {
@@ -358,7 +382,7 @@ async fn serve_member(
         };
         last_heard = tokio::time::Instant::now();
         let msg = match msg {
-            None => return "closed".into(),
+            None => return LEFT_CLEANLY.into(),
             Some(Err(e)) => return format!("socket error: {e}"),
             Some(Ok(m)) => m,
         };
@@ -377,16 +401,28 @@ async fn serve_member(
                         from: Some(seat.rank),
                         data,
                     });
-                    let rooms = shared.rooms();
-                    if let Some(m) = rooms.get(&seat.room).and_then(|r| r.members.get(&to)) {
-                        let _ = m.tx.send(Out::Text(fwd));
+                    let dst = {
+                        let rooms = shared.rooms();
+                        rooms
+                            .get(&seat.room)
+                            .and_then(|r| r.members.get(&to))
+                            .map(|m| (m.tx.clone(), m.budget.clone()))
+                    };
+                    // Signals are charged to the receiver's budget like data: a member cannot
+                    // grow the relay's memory by flooding one that does not read.
+                    if let Some((tx, budget)) = dst
+                        && let Ok(permit) = budget
+                            .acquire_many_owned(queue_cost(&shared.cfg, fwd.len()))
+                            .await
+                    {
+                        let _ = tx.send(Out::Routed(fwd, permit));
                     }
                 }
                 Ok(other) => return format!("unexpected control message {other:?}"),
                 Err(e) => return format!("malformed control message: {e}"),
             },
             Message::Ping(_) | Message::Pong(_) => {}
-            Message::Close(_) => return "closed".into(),
+            Message::Close(_) => return LEFT_CLEANLY.into(),
         }
     }
 }
@@ -421,12 +457,14 @@ async fn route(shared: &Shared, seat: &Seat, frame: Bytes) -> Result<(), String>
         .try_into_mut()
         .unwrap_or_else(|b| bytes::BytesMut::from(&b[..]));
     Header::stamp_src(&mut frame, seat.rank);
-    let cost = frame.len().min(shared.cfg.max_pending_bytes).max(1) as u32;
-    // Backpressure: wait until the destination's queue has room.
-    let permit = budget
-        .acquire_many_owned(cost)
+    // Backpressure: wait until the destination's queue has room. If the destination leaves
+    // meanwhile its budget is closed and the frame is dropped (its peers were told it left).
+    let Ok(permit) = budget
+        .acquire_many_owned(queue_cost(&shared.cfg, frame.len()))
         .await
-        .map_err(|_| "relay shutting down".to_string())?;
+    else {
+        return Ok(());
+    };
     let _ = dst_tx.send(Out::Frame(frame.freeze(), Some(permit)));
     Ok(())
 }
@@ -436,7 +474,10 @@ fn leave(shared: &Shared, seat: &Seat, reason: &str) {
     let Some(room) = rooms.get_mut(&seat.room) else {
         return;
     };
-    room.members.remove(&seat.rank);
+    if let Some(m) = room.members.remove(&seat.rank) {
+        // Senders waiting for room in this member's queue give up (their frames are dropped).
+        m.budget.close();
+    }
     let note = control(&Control::PeerLeft {
         rank: seat.rank,
         reason: reason.to_string(),

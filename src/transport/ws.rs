@@ -16,7 +16,7 @@ use tokio_tungstenite::tungstenite::Message;
 
 use super::{Mailbox, Tag, Transport};
 use crate::error::{Error, Result};
-use crate::wire::{Control, HEADER_LEN, Header};
+use crate::wire::{Control, HEADER_LEN, Header, LEFT_CLEANLY};
 
 /// How to join a room.
 #[derive(Debug, Clone)]
@@ -33,6 +33,10 @@ pub struct JoinOptions {
     pub ready_timeout: Duration,
     /// Largest frame payload to send (at most the relay's `max_frame`, which also counts payload).
     pub max_payload: usize,
+    /// Largest message to reassemble from fragments; a peer sending more is a protocol fault.
+    pub max_message: usize,
+    /// Longest wait for room in the outgoing queue (the relay pushing back) before a send fails.
+    pub send_timeout: Duration,
 }
 
 impl JoinOptions {
@@ -45,6 +49,8 @@ impl JoinOptions {
             rank: None,
             ready_timeout: Duration::from_secs(60),
             max_payload: 1 << 20,
+            max_message: 1 << 30,
+            send_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -57,6 +63,7 @@ pub struct WsTransport {
     mailbox: Arc<Mailbox>,
     out: Option<mpsc::Sender<Bytes>>,
     max_payload: usize,
+    send_timeout: Duration,
     reader: Option<tokio::task::JoinHandle<()>>,
     writer: Option<tokio::task::JoinHandle<()>>,
 }
@@ -134,6 +141,7 @@ impl WsTransport {
             let _ = sink.close().await;
         });
         let mb = mailbox.clone();
+        let max_message = opts.max_message;
         let reader = tokio::spawn(async move {
             let mut partial: HashMap<(u32, Tag), BytesMut> = HashMap::new();
             let reason = loop {
@@ -150,6 +158,13 @@ impl WsTransport {
                         };
                         let payload = b.slice(HEADER_LEN..);
                         let key = (h.src, h.tag);
+                        let so_far = partial.get(&key).map_or(0, BytesMut::len);
+                        if so_far + payload.len() > max_message {
+                            break format!(
+                                "rank {} sent a message above {max_message} bytes (tag {:?})",
+                                h.src, h.tag
+                            );
+                        }
                         if h.more {
                             partial.entry(key).or_default().extend_from_slice(&payload);
                         } else if let Some(mut p) = partial.remove(&key) {
@@ -162,7 +177,7 @@ impl WsTransport {
                     Message::Text(t) => match serde_json::from_str::<Control>(&t) {
                         // A clean leave fails only receives from that rank; a lost connection
                         // fails everything, since any pending collective may depend on it.
-                        Ok(Control::PeerLeft { rank, reason }) if reason == "closed" => {
+                        Ok(Control::PeerLeft { rank, reason }) if reason == LEFT_CLEANLY => {
                             mb.peer_gone(rank as usize)
                         }
                         Ok(Control::PeerLeft { rank, reason }) => {
@@ -185,6 +200,7 @@ impl WsTransport {
             mailbox,
             out: Some(tx),
             max_payload: opts.max_payload.max(1),
+            send_timeout: opts.send_timeout,
             reader: Some(reader),
             writer: Some(writer),
         })
@@ -199,11 +215,12 @@ impl WsTransport {
     /// the close, so that everything sent before reached the relay (peers then see a clean leave).
     pub async fn close(mut self) {
         self.out.take();
+        let limit = Duration::from_secs(10);
         if let Some(w) = self.writer.take() {
-            let _ = w.await;
+            let _ = tokio::time::timeout(limit, w).await;
         }
         if let Some(r) = self.reader.as_mut() {
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(10), r).await;
+            let _ = tokio::time::timeout(limit, r).await;
         }
     }
 }
@@ -236,6 +253,19 @@ impl Transport for WsTransport {
             rank: self.rank,
             detail: "connection to the relay is closed".into(),
         };
+        let push = |frame: Bytes| async move {
+            match tokio::time::timeout(self.send_timeout, out.send(frame)).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(_)) => Err(closed()),
+                Err(_) => Err(Error::Transport {
+                    rank: self.rank,
+                    detail: format!(
+                        "the relay accepted nothing for {:?} (receiver stalled?)",
+                        self.send_timeout
+                    ),
+                }),
+            }
+        };
         let mut chunks = payload.chunks(self.max_payload).peekable();
         if chunks.peek().is_none() {
             let h = Header {
@@ -244,7 +274,7 @@ impl Transport for WsTransport {
                 tag,
                 more: false,
             };
-            return out.send(h.frame(&[])).await.map_err(|_| closed());
+            return push(h.frame(&[])).await;
         }
         while let Some(c) = chunks.next() {
             let h = Header {
@@ -253,7 +283,7 @@ impl Transport for WsTransport {
                 tag,
                 more: chunks.peek().is_some(),
             };
-            out.send(h.frame(c)).await.map_err(|_| closed())?;
+            push(h.frame(c)).await?;
         }
         Ok(())
     }
