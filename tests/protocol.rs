@@ -371,3 +371,30 @@ fn all_reduce_is_bitwise_identical_on_every_rank() {
         }
     }
 }
+
+#[test]
+fn ranks_configured_for_different_algorithms_fail_with_a_mismatch() {
+    // Rank 1 would use the ring for this size, the others direct exchange (options are per
+    // communicator, so build the ranks by hand).
+    let transports = distgrad::transport::local::LocalTransport::world(3);
+    let results: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = transports
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| {
+                s.spawn(move || {
+                    let mut o = opts(30_000);
+                    o.ring_threshold = if rank == 1 { 0 } else { 1 << 30 };
+                    let comm = distgrad::P2p::new(t, o);
+                    futures::executor::block_on(comm.all_reduce(
+                        &Tensor::zeros(&[64]),
+                        ReduceOp::Sum,
+                        &comm.world(),
+                    ))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_mismatch(&results, "args=[1, ", "args=[0]");
+}

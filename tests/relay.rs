@@ -1346,9 +1346,16 @@ fn shutdown_returns_with_clients_connected() {
     let relay = TestRelay::default_config();
     let url = relay.url();
     let rt = rank_runtime();
-    let (_c, _) = rt.block_on(Raw::join(&url, "open", Some("t"), 2, 0));
+    let (mut c, _) = rt.block_on(Raw::join(&url, "open", Some("t"), 2, 0));
     let took = relay.shutdown(Duration::from_secs(5));
     eprintln!("relay::serve returned {took:?} after shutdown with a client connected");
+    // The member is told why before the connection goes away.
+    let refusal = rt.block_on(c.expect_refusal());
+    let said = format!("{:?} {:?}", refusal.error, refusal.close_reason());
+    assert!(
+        said.contains("shutting down"),
+        "the client was not told: {said}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -538,15 +538,25 @@ impl<T: Transport> Communicator for P2p<T> {
 
     async fn all_reduce(&self, x: &Tensor, op: ReduceOp, group: &Group) -> Result<Tensor> {
         self.guarded(async {
-            let call = self
-                .begin(group, CallSig::new(Kind::AllReduce).op(op).shape(x.shape()))
-                .await?;
-            let r =
-                if call.n > 1 && x.numel() * 4 >= self.opts.ring_threshold && x.numel() >= call.n {
-                    ring::all_reduce(&call, x, op, self.opts.segment_bytes).await
-                } else {
-                    direct::all_reduce(&call, x, op).await
-                };
+            let n = group.size();
+            let ring = n > 1 && x.numel() * 4 >= self.opts.ring_threshold && x.numel() >= n;
+            // The algorithm (and the ring's segment size) is part of the call: ranks configured
+            // differently fail with a mismatch naming both, not with a confusing byte count.
+            let algo = if ring {
+                vec![1, self.opts.segment_bytes as u64]
+            } else {
+                vec![0]
+            };
+            let sig = CallSig::new(Kind::AllReduce)
+                .op(op)
+                .shape(x.shape())
+                .extra(algo);
+            let call = self.begin(group, sig).await?;
+            let r = if ring {
+                ring::all_reduce(&call, x, op, self.opts.segment_bytes).await
+            } else {
+                direct::all_reduce(&call, x, op).await
+            };
             self.finish(call, r).await
         })
         .await
@@ -599,10 +609,12 @@ impl<T: Transport> Communicator for P2p<T> {
 
     async fn all_gather(&self, x: &Tensor, group: &Group) -> Result<Vec<Tensor>> {
         self.guarded(async {
-            let call = self
-                .begin(group, CallSig::new(Kind::AllGather).shape(x.shape()))
-                .await?;
-            let r = if call.n > 1 && x.numel() * 4 >= self.opts.ring_threshold {
+            let ring = group.size() > 1 && x.numel() * 4 >= self.opts.ring_threshold;
+            let sig = CallSig::new(Kind::AllGather)
+                .shape(x.shape())
+                .extra(vec![u64::from(ring)]);
+            let call = self.begin(group, sig).await?;
+            let r = if ring {
                 ring::all_gather(&call, x).await
             } else {
                 direct::all_gather(&call, x).await
@@ -615,13 +627,13 @@ impl<T: Transport> Communicator for P2p<T> {
     async fn reduce_scatter(&self, xs: &[Tensor], op: ReduceOp, group: &Group) -> Result<Tensor> {
         self.guarded(async {
             let shape = list_shape("reduce_scatter", xs, group.size())?;
-            let call = self
-                .begin(
-                    group,
-                    CallSig::new(Kind::ReduceScatter).op(op).shape(&shape),
-                )
-                .await?;
-            let r = if call.n > 1 && xs[0].numel() * 4 >= self.opts.ring_threshold {
+            let ring = group.size() > 1 && xs[0].numel() * 4 >= self.opts.ring_threshold;
+            let sig = CallSig::new(Kind::ReduceScatter)
+                .op(op)
+                .shape(&shape)
+                .extra(vec![u64::from(ring)]);
+            let call = self.begin(group, sig).await?;
+            let r = if ring {
                 ring::reduce_scatter(&call, xs, op).await
             } else {
                 direct::reduce_scatter(&call, xs, op).await

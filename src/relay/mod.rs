@@ -87,7 +87,14 @@ struct Room {
 struct Shared {
     cfg: RelayConfig,
     rooms: Mutex<HashMap<String, Room>>,
+    /// Becomes true when the relay shuts down: every member is then told and disconnected.
+    stopping: tokio::sync::watch::Receiver<bool>,
+    /// One permit held by each open connection, so shutdown can wait for their goodbyes.
+    conns: Arc<Semaphore>,
 }
+
+/// Permits of `Shared::conns` (far above any real number of connections).
+const CONN_PERMITS: u32 = 1 << 24;
 
 impl Shared {
     fn rooms(&self) -> std::sync::MutexGuard<'_, HashMap<String, Room>> {
@@ -122,10 +129,22 @@ pub fn random_token() -> String {
 
 /// The relay's routes: `/ws` (WebSocket) and, with `static_dir`, the files of the web app.
 pub fn router(cfg: RelayConfig) -> Router {
+    // No shutdown signal: the sender is dropped, which `stopped` treats as "never".
+    let conns = Arc::new(Semaphore::new(CONN_PERMITS as usize));
+    router_with(cfg, tokio::sync::watch::channel(false).1, conns)
+}
+
+fn router_with(
+    cfg: RelayConfig,
+    stopping: tokio::sync::watch::Receiver<bool>,
+    conns: Arc<Semaphore>,
+) -> Router {
     let static_dir = cfg.static_dir.clone();
     let shared = Arc::new(Shared {
         cfg,
         rooms: Mutex::new(HashMap::new()),
+        stopping,
+        conns,
     });
     let r = Router::new()
         .route("/ws", get(ws_handler))
@@ -147,9 +166,19 @@ pub async fn serve(
     let listener = listener.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);
     });
-    axum::serve(listener, router(cfg))
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let shutdown = async move {
+        shutdown.await;
+        // Upgraded WebSockets outlive the HTTP server: tell their tasks to say goodbye.
+        let _ = stop_tx.send(true);
+    };
+    let conns = Arc::new(Semaphore::new(CONN_PERMITS as usize));
+    axum::serve(listener, router_with(cfg, stop_rx, conns.clone()))
         .with_graceful_shutdown(shutdown)
-        .await
+        .await?;
+    // Give the open connections a moment to tell their members (error + close) before returning.
+    let _ = tokio::time::timeout(Duration::from_secs(2), conns.acquire_many(CONN_PERMITS)).await;
+    Ok(())
 }
 
 async fn ws_handler(
@@ -182,6 +211,7 @@ struct Seat {
 }
 
 async fn connection(socket: WebSocket, shared: Arc<Shared>) {
+    let _open = shared.conns.clone().try_acquire_owned().ok();
     let (mut sink, mut stream) = socket.split();
     let (tx, mut rx) = mpsc::unbounded_channel::<Out>();
     // A receiver that stops reading must not hold its senders forever: a write that does not
@@ -369,9 +399,11 @@ async fn serve_member(
     let mut ping = tokio::time::interval((cfg.idle_timeout / 3).max(Duration::from_millis(10)));
     ping.tick().await;
     let mut last_heard = tokio::time::Instant::now();
+    let mut stopping = shared.stopping.clone();
     loop {
         let msg = tokio::select! {
             m = stream.next() => m,
+            () = stopped(&mut stopping) => return "the relay is shutting down".into(),
             _ = ping.tick() => {
                 if last_heard.elapsed() >= cfg.idle_timeout {
                     return format!("idle for {:?}", cfg.idle_timeout);
@@ -424,6 +456,13 @@ async fn serve_member(
             Message::Ping(_) | Message::Pong(_) => {}
             Message::Close(_) => return LEFT_CLEANLY.into(),
         }
+    }
+}
+
+/// Resolves when the relay shuts down; never if there is no shutdown signal.
+async fn stopped(rx: &mut tokio::sync::watch::Receiver<bool>) {
+    if rx.wait_for(|stop| *stop).await.is_err() {
+        std::future::pending::<()>().await;
     }
 }
 
