@@ -15,8 +15,8 @@
 //!     let tape = Tape::new();
 //!     let x = tape.var(Tensor::vector(&[comm.rank() as f32 + 1.0]));
 //!     let y = dist::all_reduce(&comm, &x.mul(&x)?, ReduceOp::Sum, &comm.world()).await?;
-//!     let grads = tape.backward(&y.sum(), &comm).await?;
-//!     Ok((y.value().to_vec(), grads.wrt(&x).to_vec()))
+//!     let grads = tape.backward(&y.sum()?, &comm).await?;
+//!     Ok((y.value().to_vec(), grads.wrt(&x)?.to_vec()))
 //! });
 //! for (r, res) in results.into_iter().enumerate() {
 //!     let (y, gx) = res.unwrap();
@@ -64,5 +64,7 @@ pub mod wire;
 pub use autograd::{Grads, Objective, Tape, Var};
 pub use collective::{CommOptions, Communicator, Group, P2p, ReduceOp};
 pub use error::{Error, Result};
-pub use run::{LocalComm, run_local};
+pub use run::LocalComm;
+#[cfg(not(target_arch = "wasm32"))]
+pub use run::run_local;
 pub use tensor::Tensor;

@@ -1,9 +1,13 @@
 //! Run N ranks as threads of this process over the in-process transport, each driving its own
 //! future with a simple executor (no async runtime needed).
 
+#[cfg(not(target_arch = "wasm32"))]
 use std::future::Future;
 
-use crate::collective::{CommOptions, P2p};
+#[cfg(not(target_arch = "wasm32"))]
+use crate::collective::CommOptions;
+use crate::collective::P2p;
+#[cfg(not(target_arch = "wasm32"))]
 use crate::error::{Error, Result};
 use crate::transport::local::LocalTransport;
 
@@ -11,7 +15,9 @@ use crate::transport::local::LocalTransport;
 pub type LocalComm = P2p<LocalTransport>;
 
 /// Run `f(comm)` on `world` ranks (one thread each) and return each rank's result, index = rank.
+/// Native only (a browser page has no threads; it runs ranks as tabs or on a local executor).
 /// A rank that panics yields an error (and its peers see it as gone).
+#[cfg(not(target_arch = "wasm32"))]
 pub fn run_local<R, F, Fut>(world: usize, opts: CommOptions, f: F) -> Vec<Result<R>>
 where
     F: Fn(LocalComm) -> Fut + Sync,

@@ -7,6 +7,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+#[cfg(feature = "wgpu")]
+use crate::backend::gpu::{At, GpuBuf};
 use crate::backend::{BinaryOp, Device, Storage, UnaryOp, cpu};
 use crate::error::{Error, Result};
 
@@ -18,15 +20,23 @@ pub struct Tensor {
 }
 
 impl PartialEq for Tensor {
-    /// Same shape and bitwise-equal values (NaN == NaN with the same bits).
+    /// Same device, same shape and bitwise-equal values (NaN == NaN with the same bits). GPU
+    /// tensors are read back to compare.
     fn eq(&self, other: &Self) -> bool {
-        self.shape == other.shape
-            && self
-                .to_vec()
-                .iter()
-                .zip(other.to_vec().iter())
-                .all(|(a, b)| a.to_bits() == b.to_bits())
+        self.device() == other.device()
+            && self.shape == other.shape
+            && match (self.try_to_vec(), other.try_to_vec()) {
+                (Ok(a), Ok(b)) => a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                _ => false,
+            }
     }
+}
+
+/// Borrowed numbers of a tensor, per backend.
+enum View<'a> {
+    Cpu(&'a [f32]),
+    #[cfg(feature = "wgpu")]
+    Gpu(&'a GpuBuf),
 }
 
 impl Tensor {
@@ -56,18 +66,18 @@ impl Tensor {
         Self::from_cpu(Vec::new(), vec![x])
     }
 
-    /// A tensor of `shape` filled with `value`.
+    /// A tensor of `shape` filled with `value` (on the CPU).
     pub fn full(shape: &[usize], value: f32) -> Self {
         let n = shape.iter().product();
         Self::from_cpu(shape.to_vec(), vec![value; n])
     }
 
-    /// Zeros of `shape`.
+    /// Zeros of `shape` (on the CPU).
     pub fn zeros(shape: &[usize]) -> Self {
         Self::full(shape, 0.0)
     }
 
-    /// Ones of `shape`.
+    /// Ones of `shape` (on the CPU).
     pub fn ones(shape: &[usize]) -> Self {
         Self::full(shape, 1.0)
     }
@@ -80,13 +90,29 @@ impl Tensor {
         }
     }
 
+    #[cfg(feature = "wgpu")]
+    fn from_gpu(shape: Vec<usize>, buf: GpuBuf) -> Self {
+        Tensor {
+            shape,
+            storage: Storage::Gpu(buf),
+        }
+    }
+
+    fn view(&self) -> View<'_> {
+        match &self.storage {
+            Storage::Cpu(v) => View::Cpu(v),
+            #[cfg(feature = "wgpu")]
+            Storage::Gpu(b) => View::Gpu(b),
+        }
+    }
+
     /// A tensor of the same shape and device filled with `value`.
-    pub fn full_like(&self, value: f32) -> Self {
-        Self::full(&self.shape, value)
+    pub fn full_like(&self, value: f32) -> Result<Self> {
+        Self::full(&self.shape, value).to_device(&self.device())
     }
 
     /// Zeros of the same shape and device.
-    pub fn zeros_like(&self) -> Self {
+    pub fn zeros_like(&self) -> Result<Self> {
         self.full_like(0.0)
     }
 
@@ -110,10 +136,55 @@ impl Tensor {
         &self.storage
     }
 
-    /// The values, row-major, copied to host memory.
+    /// This tensor on `device` (a copy across backends, a cheap clone otherwise).
+    pub fn to_device(&self, device: &Device) -> Result<Tensor> {
+        if &self.device() == device {
+            return Ok(self.clone());
+        }
+        match device {
+            Device::Cpu => Ok(Self::from_cpu(self.shape.clone(), self.try_to_vec()?)),
+            #[cfg(feature = "wgpu")]
+            Device::Gpu(g) => Ok(Self::from_gpu(
+                self.shape.clone(),
+                g.upload(&self.try_to_vec()?)?,
+            )),
+        }
+    }
+
+    /// The values, row-major, in host memory; works on every backend and target (a GPU tensor is
+    /// read back asynchronously, as a browser requires).
+    pub async fn read(&self) -> Result<Vec<f32>> {
+        match self.view() {
+            View::Cpu(v) => Ok(v.to_vec()),
+            #[cfg(feature = "wgpu")]
+            View::Gpu(b) => b.gpu().read(b).await,
+        }
+    }
+
+    /// The values, row-major, in host memory. A GPU tensor is read back by blocking on the device,
+    /// which a browser cannot do: there use [`Tensor::read`].
+    pub fn try_to_vec(&self) -> Result<Vec<f32>> {
+        match self.view() {
+            View::Cpu(v) => Ok(v.to_vec()),
+            #[cfg(all(feature = "wgpu", not(target_arch = "wasm32")))]
+            View::Gpu(b) => b.gpu().read_blocking(b),
+            #[cfg(all(feature = "wgpu", target_arch = "wasm32"))]
+            View::Gpu(_) => Err(Error::Gpu {
+                op: "read",
+                detail: "a browser cannot block on the GPU: use Tensor::read().await".into(),
+            }),
+        }
+    }
+
+    /// The values, row-major, in host memory.
+    ///
+    /// # Panics
+    /// If a GPU tensor cannot be read back (device lost, or called in a browser): use
+    /// [`Tensor::try_to_vec`] or [`Tensor::read`] to handle that as an error.
     pub fn to_vec(&self) -> Vec<f32> {
-        match &self.storage {
-            Storage::Cpu(v) => v.as_ref().clone(),
+        match self.try_to_vec() {
+            Ok(v) => v,
+            Err(e) => panic!("Tensor::to_vec: {e}"),
         }
     }
 
@@ -127,31 +198,40 @@ impl Tensor {
                 "tensor must have exactly one element",
             ));
         }
-        Ok(self.to_vec()[0])
+        Ok(self.try_to_vec()?[0])
     }
 
-    /// Borrow host values (CPU storage only). Used by the CPU paths of the collectives.
-    pub(crate) fn cpu(&self) -> &[f32] {
-        match &self.storage {
-            Storage::Cpu(v) => v,
+    /// Host values of a CPU tensor (the collectives' CPU paths; GPU inputs are brought to the host
+    /// at the transport boundary before they get here).
+    pub(crate) fn cpu(&self) -> Result<&[f32]> {
+        match self.view() {
+            View::Cpu(v) => Ok(v),
+            #[cfg(feature = "wgpu")]
+            View::Gpu(_) => Err(Error::Gpu {
+                op: "host access",
+                detail: "a GPU tensor reached a CPU-only path (bring it to the host first)".into(),
+            }),
         }
     }
 
-    /// The values as little-endian f32 bytes. On the CPU backend this shares the storage (no copy).
-    pub fn to_le_bytes(&self) -> Bytes {
+    /// The values as little-endian f32 bytes. On the CPU backend this shares the storage (no
+    /// copy); a GPU tensor is read back (the transport boundary).
+    pub fn to_le_bytes(&self) -> Result<Bytes> {
         match &self.storage {
             Storage::Cpu(v) if cfg!(target_endian = "little") => {
-                Bytes::from_owner(LeF32(v.clone()))
+                Ok(Bytes::from_owner(LeF32(v.clone())))
             }
-            Storage::Cpu(v) => v
+            Storage::Cpu(v) => Ok(v
                 .iter()
                 .flat_map(|x| x.to_le_bytes())
                 .collect::<Vec<u8>>()
-                .into(),
+                .into()),
+            #[cfg(feature = "wgpu")]
+            Storage::Gpu(_) => Ok(f32_bytes(self.try_to_vec()?)),
         }
     }
 
-    /// A tensor of `shape` from little-endian f32 bytes.
+    /// A tensor of `shape` from little-endian f32 bytes (on the CPU).
     pub fn from_le_bytes(bytes: &[u8], shape: &[usize]) -> Result<Self> {
         let n = checked_numel(shape).ok_or_else(|| {
             Error::shape(
@@ -175,31 +255,43 @@ impl Tensor {
         ))
     }
 
-    fn same_device(&self, op: &'static str, other: &Tensor) -> Result<()> {
-        if self.device() != other.device() {
-            return Err(Error::BackendMismatch {
-                op,
-                lhs: self.device().name(),
-                rhs: other.device().name(),
-            });
+    fn mismatch(&self, op: &'static str, other: &Tensor) -> Error {
+        Error::BackendMismatch {
+            op,
+            lhs: self.device().name(),
+            rhs: other.device().name(),
         }
-        Ok(())
     }
 
     /// Elementwise binary op with NumPy broadcasting.
     pub fn binary(&self, op: BinaryOp, rhs: &Tensor) -> Result<Tensor> {
         let name = binary_name(op);
-        self.same_device(name, rhs)?;
         let out_shape = broadcast_shape(name, &self.shape, &rhs.shape)?;
-        let data = cpu::binary_broadcast(
-            op,
-            self.cpu(),
-            &self.shape,
-            rhs.cpu(),
-            &rhs.shape,
-            &out_shape,
-        );
-        Ok(Self::from_cpu(out_shape, data))
+        match (self.view(), rhs.view()) {
+            (View::Cpu(a), View::Cpu(b)) => Ok(Self::from_cpu(
+                out_shape.clone(),
+                cpu::binary_broadcast(op, a, &self.shape, b, &rhs.shape, &out_shape),
+            )),
+            #[cfg(feature = "wgpu")]
+            (View::Gpu(a), View::Gpu(b)) => {
+                let n: usize = out_shape.iter().product();
+                let strides = (self.shape != out_shape || rhs.shape != out_shape).then(|| {
+                    (
+                        cpu::broadcast_strides(&self.shape, &out_shape),
+                        cpu::broadcast_strides(&rhs.shape, &out_shape),
+                    )
+                });
+                let st = strides
+                    .as_ref()
+                    .map(|(sa, sb)| (out_shape.as_slice(), sa.as_slice(), sb.as_slice()));
+                Ok(Self::from_gpu(
+                    out_shape.clone(),
+                    a.gpu().binary(op, a, b, n, st)?,
+                ))
+            }
+            #[cfg(feature = "wgpu")]
+            _ => Err(self.mismatch(name, rhs)),
+        }
     }
 
     /// `self + rhs` (broadcasting).
@@ -220,18 +312,26 @@ impl Tensor {
     }
 
     /// Elementwise unary op.
-    pub fn unary(&self, op: UnaryOp) -> Tensor {
-        Self::from_cpu(self.shape.clone(), cpu::unary(op, self.cpu()))
+    pub fn unary(&self, op: UnaryOp) -> Result<Tensor> {
+        match self.view() {
+            View::Cpu(a) => Ok(Self::from_cpu(self.shape.clone(), cpu::unary(op, a))),
+            #[cfg(feature = "wgpu")]
+            View::Gpu(a) => Ok(Self::from_gpu(self.shape.clone(), a.gpu().unary(op, a)?)),
+        }
     }
 
     /// `c * self`.
-    pub fn scale(&self, c: f32) -> Tensor {
+    pub fn scale(&self, c: f32) -> Result<Tensor> {
         self.unary(UnaryOp::Scale(c))
     }
 
     /// Sum over all elements; a 0-D tensor.
-    pub fn sum_all(&self) -> Tensor {
-        Tensor::scalar(cpu::sum_all(self.cpu()))
+    pub fn sum_all(&self) -> Result<Tensor> {
+        match self.view() {
+            View::Cpu(a) => Ok(Tensor::scalar(cpu::sum_all(a))),
+            #[cfg(feature = "wgpu")]
+            View::Gpu(a) => Ok(Self::from_gpu(Vec::new(), a.gpu().sum_all(a)?)),
+        }
     }
 
     /// Sum down to `target`, a shape this one broadcasts from (the backward of broadcasting).
@@ -245,45 +345,83 @@ impl Tensor {
                 "target does not broadcast to this shape",
             ));
         }
-        Ok(Self::from_cpu(
-            target.to_vec(),
-            cpu::sum_to(self.cpu(), &self.shape, target),
-        ))
+        if target == self.shape.as_slice() {
+            return Ok(self.clone());
+        }
+        match self.view() {
+            View::Cpu(a) => Ok(Self::from_cpu(
+                target.to_vec(),
+                cpu::sum_to(a, &self.shape, target),
+            )),
+            #[cfg(feature = "wgpu")]
+            View::Gpu(a) => Ok(Self::from_gpu(
+                target.to_vec(),
+                a.gpu().sum_to(a, &self.shape, target)?,
+            )),
+        }
     }
 
     /// Matrix product of `[m,k]` and `[k,n]`.
     pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
-        self.same_device("matmul", rhs)?;
-        match (self.shape.as_slice(), rhs.shape.as_slice()) {
-            (&[m, k], &[k2, n]) if k == k2 => Ok(Self::from_cpu(
-                vec![m, n],
-                cpu::matmul(self.cpu(), rhs.cpu(), m, k, n),
-            )),
-            _ => Err(Error::shape(
-                "matmul",
-                &self.shape,
-                &rhs.shape,
-                "need [m,k] x [k,n]",
-            )),
+        let (m, k, n) = match (self.shape.as_slice(), rhs.shape.as_slice()) {
+            (&[m, k], &[k2, n]) if k == k2 => (m, k, n),
+            _ => {
+                return Err(Error::shape(
+                    "matmul",
+                    &self.shape,
+                    &rhs.shape,
+                    "need [m,k] x [k,n]",
+                ));
+            }
+        };
+        match (self.view(), rhs.view()) {
+            (View::Cpu(a), View::Cpu(b)) => {
+                Ok(Self::from_cpu(vec![m, n], cpu::matmul(a, b, m, k, n)))
+            }
+            #[cfg(feature = "wgpu")]
+            (View::Gpu(a), View::Gpu(b)) => {
+                Ok(Self::from_gpu(vec![m, n], a.gpu().matmul(a, b, m, k, n)?))
+            }
+            #[cfg(feature = "wgpu")]
+            _ => Err(self.mismatch("matmul", rhs)),
         }
     }
 
     /// Transpose of a 2-D tensor.
     pub fn t(&self) -> Result<Tensor> {
-        match self.shape.as_slice() {
-            &[m, n] => Ok(Self::from_cpu(vec![n, m], cpu::transpose(self.cpu(), m, n))),
-            _ => Err(Error::shape(
+        let &[m, n] = self.shape.as_slice() else {
+            return Err(Error::shape(
                 "transpose",
                 &self.shape,
                 &[],
                 "need a 2-D tensor",
-            )),
+            ));
+        };
+        match self.view() {
+            View::Cpu(a) => Ok(Self::from_cpu(vec![n, m], cpu::transpose(a, m, n))),
+            #[cfg(feature = "wgpu")]
+            View::Gpu(a) => {
+                let g = a.gpu();
+                let out = g.alloc(m * n)?;
+                let (from, to) = (
+                    At {
+                        offset: 0,
+                        strides: &[1, n],
+                    },
+                    At {
+                        offset: 0,
+                        strides: &[m, 1],
+                    },
+                );
+                g.copy_strided(a, from, &out, to, &[n, m])?;
+                Ok(Self::from_gpu(vec![n, m], out))
+            }
         }
     }
 
     /// Same data, new shape (shares storage).
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
-        if shape.iter().product::<usize>() != self.numel() {
+        if checked_numel(shape) != Some(self.numel()) {
             return Err(Error::shape(
                 "reshape",
                 &self.shape,
@@ -299,26 +437,47 @@ impl Tensor {
 
     /// Elements `start..start+len` along `dim`.
     pub fn slice(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
-        if dim >= self.shape.len()
-            || start
-                .checked_add(len)
-                .is_none_or(|end| end > self.shape[dim])
-        {
+        let end = start.checked_add(len);
+        if dim >= self.shape.len() || end.is_none_or(|end| end > self.shape[dim]) {
             return Err(Error::invalid(
                 "slice",
                 format!(
-                    "dim {dim} range {start}..{} out of bounds for shape {:?}",
-                    start + len,
+                    "dim {dim} range {start}..{start}+{len} out of bounds for shape {:?}",
                     self.shape
                 ),
             ));
         }
         let mut shape = self.shape.clone();
         shape[dim] = len;
-        Ok(Self::from_cpu(
-            shape,
-            cpu::slice(self.cpu(), &self.shape, dim, start, len),
-        ))
+        match self.view() {
+            View::Cpu(a) => Ok(Self::from_cpu(
+                shape,
+                cpu::slice(a, &self.shape, dim, start, len),
+            )),
+            #[cfg(feature = "wgpu")]
+            View::Gpu(a) => {
+                let g = a.gpu();
+                let n: usize = shape.iter().product();
+                let out = g.alloc(n)?;
+                let src = cpu::strides(&self.shape);
+                let dst = cpu::strides(&shape);
+                let from = At {
+                    offset: start * src[dim],
+                    strides: &src,
+                };
+                g.copy_strided(
+                    a,
+                    from,
+                    &out,
+                    At {
+                        offset: 0,
+                        strides: &dst,
+                    },
+                    &shape,
+                )?;
+                Ok(Self::from_gpu(shape, out))
+            }
+        }
     }
 
     /// Concatenate along `dim`; all other dims must agree.
@@ -333,7 +492,9 @@ impl Tensor {
             ));
         }
         for p in parts {
-            first.same_device("concat", p)?;
+            if p.device() != first.device() {
+                return Err(first.mismatch("concat", p));
+            }
             let ok = p.shape.len() == first.shape.len()
                 && p.shape
                     .iter()
@@ -349,22 +510,52 @@ impl Tensor {
                 ));
             }
         }
-        let outer: usize = first.shape[..dim].iter().product();
-        let inner: usize = first.shape[dim + 1..].iter().product();
-        let data = cpu::concat(
-            &parts
-                .iter()
-                .map(|p| (p.cpu(), p.shape[dim]))
-                .collect::<Vec<_>>(),
-            outer,
-            inner,
-        );
         let mut shape = first.shape.clone();
         shape[dim] = parts.iter().map(|p| p.shape[dim]).sum();
-        Ok(Self::from_cpu(shape, data))
+        match first.view() {
+            View::Cpu(_) => {
+                let outer: usize = first.shape[..dim].iter().product();
+                let inner: usize = first.shape[dim + 1..].iter().product();
+                let views = parts
+                    .iter()
+                    .map(|p| Ok((p.cpu()?, p.shape[dim])))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Self::from_cpu(shape, cpu::concat(&views, outer, inner)))
+            }
+            #[cfg(feature = "wgpu")]
+            View::Gpu(b0) => {
+                let g = b0.gpu();
+                let out = g.alloc(shape.iter().product())?;
+                let dst = cpu::strides(&shape);
+                let mut at = 0;
+                for p in parts {
+                    let View::Gpu(b) = p.view() else {
+                        return Err(first.mismatch("concat", p));
+                    };
+                    let src = cpu::strides(&p.shape);
+                    let to = At {
+                        offset: at * dst[dim],
+                        strides: &dst,
+                    };
+                    g.copy_strided(
+                        b,
+                        At {
+                            offset: 0,
+                            strides: &src,
+                        },
+                        &out,
+                        to,
+                        &p.shape,
+                    )?;
+                    at += p.shape[dim];
+                }
+                Ok(Self::from_gpu(shape, out))
+            }
+        }
     }
 
-    /// For equal-shape tensors `x_0..x_{n-1}` return `prod_{k != j} x_k` for each `j`, exact with zeros.
+    /// For equal-shape tensors `x_0..x_{n-1}` return `prod_{k != j} x_k` for each `j`, exact with
+    /// zeros (no division): prefix and suffix products, on whatever device the inputs live.
     pub fn product_of_others(xs: &[Tensor]) -> Result<Vec<Tensor>> {
         let Some(first) = xs.first() else {
             return Ok(Vec::new());
@@ -379,17 +570,46 @@ impl Tensor {
                 ));
             }
         }
-        let slices: Vec<&[f32]> = xs.iter().map(|x| x.cpu()).collect();
-        Ok(cpu::product_of_others(&slices)
-            .into_iter()
-            .map(|d| Self::from_cpu(first.shape.clone(), d))
-            .collect())
+        if let View::Cpu(_) = first.view() {
+            let slices = xs
+                .iter()
+                .map(Tensor::cpu)
+                .collect::<Result<Vec<&[f32]>>>()?;
+            return Ok(cpu::product_of_others(&slices)
+                .into_iter()
+                .map(|d| Self::from_cpu(first.shape.clone(), d))
+                .collect());
+        }
+        // Same order of multiplications as the CPU path: prefix[j] = x_0 ... x_{j-1},
+        // out[j] = prefix[j] * suffix[j] with suffix[j] = x_{j+1} ... x_{n-1} built from the right.
+        let n = xs.len();
+        let mut prefix = vec![first.full_like(1.0)?];
+        for x in xs.iter().take(n - 1) {
+            let next = prefix.last().map(|p| p.mul(x)).transpose()?;
+            prefix.extend(next);
+        }
+        let mut out = vec![None; n];
+        let mut suffix = first.full_like(1.0)?;
+        for j in (0..n).rev() {
+            out[j] = Some(prefix[j].mul(&suffix)?);
+            if j > 0 {
+                suffix = suffix.mul(&xs[j])?;
+            }
+        }
+        Ok(out.into_iter().flatten().collect())
     }
 }
 
 /// Little-endian bytes of `v` without copying (on little-endian targets).
 pub(crate) fn f32_bytes(v: Vec<f32>) -> Bytes {
-    Tensor::from_cpu(vec![v.len()], v).to_le_bytes()
+    if cfg!(target_endian = "little") {
+        Bytes::from_owner(LeF32(Arc::new(v)))
+    } else {
+        v.iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect::<Vec<u8>>()
+            .into()
+    }
 }
 
 /// Zero-copy owner that exposes an `Arc<Vec<f32>>` as little-endian bytes.

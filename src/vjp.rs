@@ -30,6 +30,7 @@ use crate::autograd::{Tape, Var};
 use crate::collective::{CommOptions, Communicator, P2p, ReduceOp};
 use crate::dist;
 use crate::error::{Error, Result};
+#[cfg(not(target_arch = "wasm32"))]
 use crate::run::run_local;
 use crate::tensor::Tensor;
 use crate::transport::Transport;
@@ -64,16 +65,16 @@ impl TensorJson {
         Tensor::from_vec(data, &self.shape).map_err(|e| Error::Input(format!("{what}: {e}")))
     }
 
-    /// From a tensor (non-finite values become `null`).
-    pub fn from_tensor(t: &Tensor) -> Self {
-        TensorJson {
+    /// From a tensor (non-finite values become `null`); GPU tensors are read back.
+    pub fn from_tensor(t: &Tensor) -> Result<Self> {
+        Ok(TensorJson {
             shape: t.shape().to_vec(),
             data: t
-                .to_vec()
+                .try_to_vec()?
                 .into_iter()
                 .map(|x| x.is_finite().then_some(x))
                 .collect(),
-        }
+        })
     }
 }
 
@@ -421,19 +422,19 @@ pub async fn run_rank<T: Transport>(comm: &P2p<T>, prepared: &Prepared) -> Resul
         Some(c) => ys.iter().cloned().zip(c[me].iter().cloned()).collect(),
         None => ys
             .iter()
-            .map(|y| (y.clone(), y.value().full_like(1.0)))
-            .collect(),
+            .map(|y| Ok((y.clone(), y.value().full_like(1.0)?)))
+            .collect::<Result<_>>()?,
     };
     let grads = tape.backward_from(&seeds, comm).await?;
     Ok(RankResult {
         outputs: ys
             .iter()
             .map(|y| TensorJson::from_tensor(&y.value()))
-            .collect(),
+            .collect::<Result<_>>()?,
         grads: xs
             .iter()
-            .map(|x| TensorJson::from_tensor(&grads.wrt(x)))
-            .collect(),
+            .map(|x| TensorJson::from_tensor(&grads.wrt(x)?))
+            .collect::<Result<_>>()?,
         dual: comm
             .take_calls()
             .iter()
@@ -489,7 +490,8 @@ pub fn assemble(prepared: &Prepared, results: Vec<Result<RankResult>>) -> Result
     })
 }
 
-/// Run a case on `world` in-process ranks.
+/// Run a case on `world` in-process ranks (native: ranks are threads).
+#[cfg(not(target_arch = "wasm32"))]
 pub fn run_case(case: &Case) -> Result<CaseOutput> {
     let prepared = Prepared::new(case)?;
     let results = run_local(prepared.world(), case_options(), |comm| {
@@ -553,6 +555,7 @@ async fn forward<C: Communicator>(
 
 /// A built-in example case for `distgrad vjp <collective> --world N`: small integer inputs that make
 /// each collective's effect visible, cotangents `[1, r+1]` on rank `r`.
+#[cfg(not(target_arch = "wasm32"))]
 pub fn example_case(
     which: Which,
     world: usize,

@@ -461,7 +461,7 @@ async fn program<C: Communicator>(
             let e = dist::reduce_scatter(comm, &da, ReduceOp::Sum, &g).await?;
             let shift: Vec<(usize, usize)> = (0..n).map(|i| (i, (i + 1) % n)).collect();
             let f = dist::permute(comm, &e, &shift, &g).await?;
-            let p = dist::all_reduce(comm, &a.tanh(), ReduceOp::Prod, &g).await?;
+            let p = dist::all_reduce(comm, &a.tanh()?, ReduceOp::Prod, &g).await?;
             let root = n / 2;
             let z = dist::gather(comm, &f, root, &g).await?;
             let sq = z
@@ -473,7 +473,7 @@ async fn program<C: Communicator>(
                 .transpose()?;
             let sc = dist::scatter(comm, tape, sq.as_deref(), root, &g).await?;
             Ok(Some(
-                f.mul(a)?.sum().add(&p.mul(&e)?.sum())?.add(&sc.sum())?,
+                f.mul(a)?.sum()?.add(&p.mul(&e)?.sum()?)?.add(&sc.sum()?)?,
             ))
         }
         Program::TwoSubgroups => {
@@ -490,9 +490,9 @@ async fn program<C: Communicator>(
             };
             let z = dist::all_gather(comm, &y, &world).await?;
             let w = dist::all_reduce(comm, &z[0].mul(a)?, ReduceOp::Avg, &mine).await?;
-            let mut loss = w.sum();
+            let mut loss = w.sum()?;
             for (k, zk) in z.iter().enumerate() {
-                loss = loss.add(&zk.mul(a)?.sum().scale(k as f32 + 1.0))?;
+                loss = loss.add(&zk.mul(a)?.sum()?.scale(k as f32 + 1.0)?)?;
             }
             Ok(Some(loss))
         }
@@ -523,7 +523,7 @@ fn program_fd(p: Program, s: &Setup, seed: u64) {
         let Some(loss) = program(p, s, &comm, &tape, &a).await? else {
             return Ok(None);
         };
-        let grad = tape.backward(&loss, &comm).await?.wrt(&a).to_vec();
+        let grad = tape.backward(&loss, &comm).await?.wrt(&a)?.to_vec();
         let mut losses = Vec::new();
         for q in ps {
             let mut x = xs[me].clone();

@@ -211,7 +211,7 @@ fn same_var_in_every_slot_accumulates() {
         let grads = tape
             .backward_from(&[(y.clone(), Tensor::vector(&[r as f32 + 1.0]))], &comm)
             .await?;
-        Ok((y.value().to_vec(), grads.wrt(&a).to_vec()))
+        Ok((y.value().to_vec(), grads.wrt(&a)?.to_vec()))
     });
     for (r, got) in res.into_iter().enumerate() {
         let ctx = format!("[world=3 op=reduce_scatter(Sum) root=- rank={r}]");
@@ -474,9 +474,9 @@ fn objective_program(objective: Objective) -> Vec<(f32, Vec<f32>)> {
         let w = tape.var_invariant(Tensor::vector(&[1.0, 2.0]), &g);
         let x = tape.constant(Tensor::vector(&data[comm.rank()]));
         let y = dist::all_reduce(&comm, &w.mul(&x)?, ReduceOp::Sum, &g).await?;
-        let loss = y.sum();
+        let loss = y.sum()?;
         let grads = tape.backward(&loss, &comm).await?;
-        Ok((loss.value().item()?, grads.wrt(&w).to_vec()))
+        Ok((loss.value().item()?, grads.wrt(&w)?.to_vec()))
     })
     .into_iter()
     .enumerate()
@@ -613,9 +613,9 @@ fn broadcast_of_a_replicated_parameter() {
             let r = comm.rank() as f32;
             let c = tape.constant(Tensor::vector(&[r + 1.0, 10.0 * (r + 1.0)]));
             let y = dist::broadcast(&comm, &w, 1, &g).await?;
-            let loss = c.mul(&y)?.sum();
+            let loss = c.mul(&y)?.sum()?;
             let grads = tape.backward(&loss, &comm).await?;
-            Ok(grads.wrt(&w).to_vec())
+            Ok(grads.wrt(&w)?.to_vec())
         });
         for (r, got) in res.into_iter().enumerate() {
             let ctx = format!("[world=3 op=broadcast root=1 objective={objective:?} rank={r}]");
@@ -650,8 +650,8 @@ fn replicated_parameter_into_all_reduce_every_op() {
             let g = comm.world();
             let w = tape.var_invariant(Tensor::vector(&[2.0]), &g);
             let y = dist::all_reduce(&comm, &w, op, &g).await?;
-            let grads = tape.backward(&y.sum(), &comm).await?;
-            Ok((y.value().to_vec(), grads.wrt(&w).to_vec()))
+            let grads = tape.backward(&y.sum()?, &comm).await?;
+            Ok((y.value().to_vec(), grads.wrt(&w)?.to_vec()))
         });
         for (r, got) in res.into_iter().enumerate() {
             let ctx = format!("[world=3 op={op:?} root=- objective=Replicated rank={r}]");
@@ -696,7 +696,7 @@ fn mlp_data(n: usize) -> (Vec<f32>, Vec<f32>) {
 
 /// tanh(x W1 + b1) W2 + b2, then the mean squared error against `t`; `p` = [W1, b1, W2, b2].
 fn mlp_forward(p: [&Var; 4], x: &Var, t: &Var) -> distgrad::Result<Var> {
-    let h = x.matmul(p[0])?.add(p[1])?.tanh();
+    let h = x.matmul(p[0])?.add(p[1])?.tanh()?;
     let y = h.matmul(p[2])?.add(p[3])?;
     y.mse_loss(t)
 }
@@ -727,7 +727,9 @@ fn mlp_reference(n: usize) -> Vec<Vec<f32>> {
         let t = tape.constant(Tensor::from_vec(t.clone(), &[n * ROWS, 1])?);
         let loss = mlp_forward([&p[0], &p[1], &p[2], &p[3]], &x, &t)?;
         let grads = tape.backward(&loss, &comm).await?;
-        Ok(p.iter().map(|v| grads.wrt(v).to_vec()).collect::<Vec<_>>())
+        p.iter()
+            .map(|v| Ok(grads.wrt(v)?.to_vec()))
+            .collect::<distgrad::Result<Vec<_>>>()
     });
     res.into_iter().next().unwrap().expect("reference backward")
 }
@@ -760,13 +762,15 @@ fn mlp_data_parallel(n: usize, replicated: bool) -> Vec<Vec<Vec<f32>>> {
         if replicated {
             let loss = dist::all_reduce(&comm, &local, ReduceOp::Avg, &g).await?;
             let grads = tape.backward(&loss, &comm).await?;
-            Ok(p.iter().map(|v| grads.wrt(v).to_vec()).collect::<Vec<_>>())
+            p.iter()
+                .map(|v| Ok(grads.wrt(v)?.to_vec()))
+                .collect::<distgrad::Result<Vec<_>>>()
         } else {
             let grads = tape.backward(&local, &comm).await?;
             let mut out = Vec::new();
             for v in &p {
                 out.push(
-                    comm.all_reduce(&grads.wrt(v), ReduceOp::Avg, &g)
+                    comm.all_reduce(&grads.wrt(v)?, ReduceOp::Avg, &g)
                         .await?
                         .to_vec(),
                 );
@@ -831,10 +835,10 @@ fn replicated_constants_do_not_multiply_by_n() {
             } else {
                 tape.constant(Tensor::vector(&[3.0]))
             };
-            let loss = w.mul(&c)?.sum();
+            let loss = w.mul(&c)?.sum()?;
             assert_eq!(loss.invariant().is_some(), invariant);
             let grads = tape.backward(&loss, &comm).await?;
-            Ok(grads.wrt(&w).to_vec())
+            Ok(grads.wrt(&w)?.to_vec())
         });
         for (r, got) in res.into_iter().enumerate() {
             assert_eq!(

@@ -306,7 +306,7 @@ fn large_all_reduce_is_fragmented_and_bitwise_equal_to_local() {
         let grads = tape
             .backward_from(&[(y.clone(), Tensor::vector(&c))], comm)
             .await?;
-        Ok((y.value().to_vec(), grads.wrt(&xv).to_vec()))
+        Ok((y.value().to_vec(), grads.wrt(&xv)?.to_vec()))
     }
     let opts = CommOptions {
         timeout: Duration::from_secs(60),

@@ -20,7 +20,7 @@ impl Tape {
                 "loss must have one element; use backward_from with explicit cotangents",
             ));
         }
-        let seed = loss.value().full_like(1.0);
+        let seed = loss.value().full_like(1.0)?;
         self.backward_from(&[(loss.clone(), seed)], comm).await
     }
 
@@ -73,8 +73,11 @@ impl Tape {
                 .outputs
                 .iter()
                 .zip(&ys)
-                .map(|(&o, y)| grads[o].clone().unwrap_or_else(|| y.zeros_like()))
-                .collect();
+                .map(|(&o, y)| match grads[o].clone() {
+                    Some(g) => Ok(g),
+                    None => y.zeros_like(),
+                })
+                .collect::<Result<_>>()?;
             let gx = match &node.op {
                 Op::Collective(c) => dual(c, comm, &xs, &ys, &gs).await?,
                 Op::Local(op) => local_backward(op, &xs, &ys, &gs[0])?,
@@ -105,21 +108,21 @@ fn local_backward(op: &Local, xs: &[Tensor], ys: &[Tensor], g: &Tensor) -> Resul
         Local::Add => vec![g.sum_to(xs[0].shape())?, g.sum_to(xs[1].shape())?],
         Local::Sub => vec![
             g.sum_to(xs[0].shape())?,
-            g.scale(-1.0).sum_to(xs[1].shape())?,
+            g.scale(-1.0)?.sum_to(xs[1].shape())?,
         ],
         // d(ab)/da = b, d(ab)/db = a
         Local::Mul => vec![
             g.mul(&xs[1])?.sum_to(xs[0].shape())?,
             g.mul(&xs[0])?.sum_to(xs[1].shape())?,
         ],
-        Local::Scale(c) => vec![g.scale(*c)],
+        Local::Scale(c) => vec![g.scale(*c)?],
         // C = AB: dA = G Bᵀ, dB = Aᵀ G
         Local::MatMul => vec![g.matmul(&xs[1].t()?)?, xs[0].t()?.matmul(g)?],
-        Local::Sum => vec![xs[0].full_like(1.0).mul(g)?],
-        Local::Mean => vec![xs[0].full_like(1.0 / xs[0].numel() as f32).mul(g)?],
-        Local::Relu => vec![g.mul(&xs[0].unary(UnaryOp::Step))?],
+        Local::Sum => vec![xs[0].full_like(1.0)?.mul(g)?],
+        Local::Mean => vec![xs[0].full_like(1.0 / xs[0].numel() as f32)?.mul(g)?],
+        Local::Relu => vec![g.mul(&xs[0].unary(UnaryOp::Step)?)?],
         // d tanh(x)/dx = 1 - tanh(x)^2, from the saved output
-        Local::Tanh => vec![g.mul(&ys[0].full_like(1.0).sub(&ys[0].unary(UnaryOp::Square))?)?],
+        Local::Tanh => vec![g.mul(&ys[0].full_like(1.0)?.sub(&ys[0].unary(UnaryOp::Square)?)?)?],
         Local::Reshape => vec![g.reshape(xs[0].shape())?],
         Local::Slice { dim, start } => {
             // Put g back in place, zeros around it.
@@ -130,14 +133,14 @@ fn local_backward(op: &Local, xs: &[Tensor], ys: &[Tensor], g: &Tensor) -> Resul
             let with = |n: usize| {
                 let mut s = full.to_vec();
                 s[dim] = n;
-                Tensor::zeros(&s)
+                Tensor::zeros(&s).to_device(&g.device())
             };
             if start > 0 {
-                parts.push(with(start));
+                parts.push(with(start)?);
             }
             parts.push(g.clone());
             if start + len < full[dim] {
-                parts.push(with(full[dim] - start - len));
+                parts.push(with(full[dim] - start - len)?);
             }
             vec![Tensor::concat(&parts, dim)?]
         }

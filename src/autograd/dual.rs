@@ -94,17 +94,26 @@ pub(crate) async fn dual<C: Communicator>(
     Ok(match c {
         Collective::Broadcast { root, group } => {
             let s = comm.reduce(&gs[0], *root, ReduceOp::Sum, group).await?;
-            vec![s.unwrap_or_else(|| xs[0].zeros_like())]
+            vec![match s {
+                Some(s) => s,
+                None => xs[0].zeros_like()?,
+            }]
         }
         Collective::Reduce { root, op, group } => {
             let x = &xs[0];
-            let g = gs.first().cloned().unwrap_or_else(|| x.zeros_like());
+            let g = match gs.first() {
+                Some(g) => g.clone(),
+                None => x.zeros_like()?,
+            };
             let n = group.size() as f32;
             match op {
                 ReduceOp::Sum => vec![comm.broadcast(&g, *root, group).await?],
-                ReduceOp::Avg => vec![comm.broadcast(&g, *root, group).await?.scale(1.0 / n)],
+                ReduceOp::Avg => vec![comm.broadcast(&g, *root, group).await?.scale(1.0 / n)?],
                 ReduceOp::Max | ReduceOp::Min => {
-                    let y = ys.first().cloned().unwrap_or_else(|| x.zeros_like());
+                    let y = match ys.first() {
+                        Some(y) => y.clone(),
+                        None => x.zeros_like()?,
+                    };
                     let gy = comm.broadcast(&stack(&[&g, &y])?, *root, group).await?;
                     let [g, y] = unstack(&gy, x.shape())?;
                     let mask = x.binary(BinaryOp::Eq, &y)?;
@@ -134,7 +143,7 @@ pub(crate) async fn dual<C: Communicator>(
             };
             match op {
                 ReduceOp::Sum => vec![summed(g).await?],
-                ReduceOp::Avg if *replicated => vec![g.scale(1.0 / n)],
+                ReduceOp::Avg if *replicated => vec![g.scale(1.0 / n)?],
                 ReduceOp::Avg => vec![comm.all_reduce(g, ReduceOp::Avg, group).await?],
                 ReduceOp::Max | ReduceOp::Min => {
                     let mask = x.binary(BinaryOp::Eq, y)?;
@@ -179,7 +188,7 @@ pub(crate) async fn dual<C: Communicator>(
                     .await?
                     .iter()
                     .map(|t| t.scale(1.0 / n))
-                    .collect(),
+                    .collect::<Result<_>>()?,
                 ReduceOp::Max | ReduceOp::Min => {
                     let gys = comm.all_gather(&stack(&[g, y])?, group).await?;
                     let mut parts = Vec::with_capacity(xs.len());
@@ -236,7 +245,13 @@ pub(crate) async fn dual<C: Communicator>(
                     .await?,
             ]
         }
-        Collective::Send { dst, group } => vec![comm.recv(xs[0].shape(), *dst, group).await?],
+        Collective::Send { dst, group } => {
+            vec![
+                comm.recv(xs[0].shape(), *dst, group)
+                    .await?
+                    .to_device(&xs[0].device())?,
+            ]
+        }
         Collective::Recv { src, group } => {
             comm.send(&gs[0], *src, group).await?;
             vec![]
@@ -252,8 +267,8 @@ pub(crate) async fn dual<C: Communicator>(
 
 /// `g * mask / max(ties, 1)`: the cotangent shared equally among the ranks holding the extreme.
 fn split_ties(g: &Tensor, mask: &Tensor, ties: &Tensor) -> Result<Tensor> {
-    g.mul(mask)?
-        .div(&ties.binary(BinaryOp::Max, &Tensor::scalar(1.0))?)
+    let one = Tensor::scalar(1.0).to_device(&ties.device())?;
+    g.mul(mask)?.div(&ties.binary(BinaryOp::Max, &one)?)
 }
 
 /// `prod_{k != me} x_k` over the group, exact with zeros (all_gather, then prefix/suffix products).

@@ -265,10 +265,11 @@ impl Grads {
         self.grads.get(v.id).and_then(Option::as_ref)
     }
 
-    /// The gradient of `v`, zeros if none reached it.
-    pub fn wrt(&self, v: &Var) -> Tensor {
-        self.get(v)
-            .cloned()
-            .unwrap_or_else(|| v.value().zeros_like())
+    /// The gradient of `v`, zeros (on `v`'s device) if none reached it.
+    pub fn wrt(&self, v: &Var) -> Result<Tensor> {
+        match self.get(v) {
+            Some(g) => Ok(g.clone()),
+            None => v.value().zeros_like(),
+        }
     }
 }

@@ -103,35 +103,30 @@ impl Var {
     }
 
     /// `c * self`.
-    pub fn scale(&self, c: f32) -> Var {
-        self.unary(Op::Local(Local::Scale(c)), |t| Ok(t.scale(c)))
-            .expect("scale cannot fail")
+    pub fn scale(&self, c: f32) -> Result<Var> {
+        self.unary(Op::Local(Local::Scale(c)), |t| t.scale(c))
     }
 
     /// Sum of all elements (0-D).
-    pub fn sum(&self) -> Var {
-        self.unary(Op::Local(Local::Sum), |t| Ok(t.sum_all()))
-            .expect("sum cannot fail")
+    pub fn sum(&self) -> Result<Var> {
+        self.unary(Op::Local(Local::Sum), Tensor::sum_all)
     }
 
     /// Mean of all elements (0-D). The mean of an empty tensor is NaN, as in NumPy.
-    pub fn mean(&self) -> Var {
+    pub fn mean(&self) -> Result<Var> {
         self.unary(Op::Local(Local::Mean), |t| {
-            Ok(t.sum_all().scale(1.0 / t.numel() as f32))
+            t.sum_all()?.scale(1.0 / t.numel() as f32)
         })
-        .expect("mean cannot fail")
     }
 
     /// `max(x, 0)`.
-    pub fn relu(&self) -> Var {
-        self.unary(Op::Local(Local::Relu), |t| Ok(t.unary(UnaryOp::Relu)))
-            .expect("relu cannot fail")
+    pub fn relu(&self) -> Result<Var> {
+        self.unary(Op::Local(Local::Relu), |t| t.unary(UnaryOp::Relu))
     }
 
     /// `tanh(x)`.
-    pub fn tanh(&self) -> Var {
-        self.unary(Op::Local(Local::Tanh), |t| Ok(t.unary(UnaryOp::Tanh)))
-            .expect("tanh cannot fail")
+    pub fn tanh(&self) -> Result<Var> {
+        self.unary(Op::Local(Local::Tanh), |t| t.unary(UnaryOp::Tanh))
     }
 
     /// Same values, new shape.
@@ -176,6 +171,6 @@ impl Var {
                 "prediction and target must match",
             ));
         }
-        Ok(self.sub(target)?.square()?.mean())
+        self.sub(target)?.square()?.mean()
     }
 }

@@ -4,8 +4,10 @@
 //! on it. Kernels live in `shaders/` (one file per family, each kernel with a bounds guard) and are
 //! dispatched from here: the device setup is apart from the work so tests can inject it.
 //!
-//! Status: the kernels are complete and tested against the CPU backend; [`crate::Tensor`] does not
-//! hold GPU storage yet (that, and running the collectives' local steps here, is the next step).
+//! [`crate::Tensor`]s hold `GpuBuf`s (`Tensor::to_device`), and every tensor op runs here. The
+//! collectives still take their local steps on the host: GPU inputs are read back at the entry of
+//! each collective and results uploaded again (running reduce-into and the chunk copies here, with
+//! readback only of the bytes a transport sends, is the next step).
 //!
 //! Bit-exactness: add, sub, mul, max, min, eq and the reduce-into step use the same single IEEE
 //! operation per element as the CPU backend and match it bit for bit on normal numbers (GPUs may
@@ -326,6 +328,60 @@ impl Gpu {
             len: data.len(),
             gpu: self.clone(),
         })
+    }
+
+    /// Read a buffer back to the host, blocking this thread on the device (native only; no async
+    /// executor involved, so it may be called from inside one).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn read_blocking(&self, b: &GpuBuf) -> Result<Vec<f32>> {
+        if b.len == 0 {
+            return Ok(Vec::new());
+        }
+        let size = (b.len * 4) as u64;
+        let staging = self.0.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut enc = self.0.device.create_command_encoder(&Default::default());
+        enc.copy_buffer_to_buffer(&b.buf, 0, &staging, 0, size);
+        self.0.queue.submit([enc.finish()]);
+        let (tx, rx) = std::sync::mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| {
+            let _ = tx.send(r);
+        });
+        // Another thread polling the same device may be the one that runs our callback, so wait
+        // for it (polling again meanwhile) rather than assume our own poll ran it.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let mut wait = wgpu::PollType::wait_indefinitely();
+        let mapped = loop {
+            self.0
+                .device
+                .poll(wait)
+                .map_err(|e| gpu_err("read", format!("device poll failed: {e}")))?;
+            wait = wgpu::PollType::Poll;
+            match rx.recv_timeout(std::time::Duration::from_millis(5)) {
+                Ok(r) => break r,
+                Err(_) if std::time::Instant::now() < deadline => continue,
+                Err(_) => {
+                    return Err(gpu_err(
+                        "read",
+                        "the readback never completed (device lost?)",
+                    ));
+                }
+            }
+        };
+        mapped.map_err(|e| gpu_err("read", format!("cannot map the readback buffer: {e}")))?;
+        let out = {
+            let view = staging
+                .get_mapped_range(..)
+                .map_err(|e| gpu_err("read", format!("mapped range: {e}")))?;
+            bytemuck::cast_slice::<u8, f32>(&view).to_vec()
+        };
+        staging.unmap();
+        self.check("read")?;
+        Ok(out)
     }
 
     /// Read a buffer back to the host.

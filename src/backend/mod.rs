@@ -12,19 +12,74 @@ pub mod gpu;
 use std::sync::Arc;
 
 /// The backend a tensor lives on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Device {
     /// Host memory, plain Rust loops. The reference backend.
     Cpu,
+    /// A wgpu device running the WGSL kernels of `shaders/`.
+    #[cfg(feature = "wgpu")]
+    Gpu(gpu::Gpu),
 }
 
 impl Device {
     /// Short name used in messages and tables.
-    pub fn name(self) -> &'static str {
+    pub fn name(&self) -> &'static str {
         match self {
             Device::Cpu => "cpu",
+            #[cfg(feature = "wgpu")]
+            Device::Gpu(_) => "wgpu",
         }
     }
+
+    /// One line saying which backend this is (adapter name, backend, device type for a GPU).
+    pub fn describe(&self) -> String {
+        match self {
+            Device::Cpu => "cpu".to_string(),
+            #[cfg(feature = "wgpu")]
+            Device::Gpu(g) => format!("wgpu: {}", g.describe()),
+        }
+    }
+}
+
+/// Which backend to run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Choice {
+    /// A GPU when an adapter exists, else the CPU.
+    #[default]
+    Auto,
+    /// The CPU backend.
+    Cpu,
+    /// A GPU; an error if there is none.
+    Gpu,
+}
+
+/// Pick the compute backend and say which in one log line on stderr (adapter name, backend and
+/// device type, or why there is no GPU).
+pub async fn select(choice: Choice) -> crate::Result<Device> {
+    let device = match choice {
+        Choice::Cpu => Device::Cpu,
+        #[cfg(feature = "wgpu")]
+        Choice::Gpu => Device::Gpu(gpu::Gpu::new().await?),
+        #[cfg(feature = "wgpu")]
+        Choice::Auto => match gpu::Gpu::new().await {
+            Ok(g) => Device::Gpu(g),
+            Err(e) => {
+                eprintln!("distgrad: compute backend: cpu ({e})");
+                return Ok(Device::Cpu);
+            }
+        },
+        #[cfg(not(feature = "wgpu"))]
+        Choice::Gpu => {
+            return Err(crate::Error::Gpu {
+                op: "select",
+                detail: "this build has no GPU backend (feature `wgpu`)".into(),
+            });
+        }
+        #[cfg(not(feature = "wgpu"))]
+        Choice::Auto => Device::Cpu,
+    };
+    eprintln!("distgrad: compute backend: {}", device.describe());
+    Ok(device)
 }
 
 /// The numbers of one tensor, contiguous and row-major, on one backend. Cheap to clone (shared).
@@ -32,6 +87,9 @@ impl Device {
 pub enum Storage {
     /// Host memory shared by reference count: clones, reshapes and zero-copy sends share it.
     Cpu(Arc<Vec<f32>>),
+    /// A buffer on a GPU (shared too; read back only at the transport boundary or on request).
+    #[cfg(feature = "wgpu")]
+    Gpu(gpu::GpuBuf),
 }
 
 impl Storage {
@@ -39,6 +97,8 @@ impl Storage {
     pub fn device(&self) -> Device {
         match self {
             Storage::Cpu(_) => Device::Cpu,
+            #[cfg(feature = "wgpu")]
+            Storage::Gpu(b) => Device::Gpu(b.gpu().clone()),
         }
     }
 }

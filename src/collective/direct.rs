@@ -42,12 +42,12 @@ pub(crate) async fn all_reduce<T: Transport>(
     op: ReduceOp,
 ) -> Result<Tensor> {
     let parts = exchange_all(call, x).await?;
-    Tensor::from_vec(fold(call, x.cpu(), &parts, op), x.shape())
+    Tensor::from_vec(fold(call, x.cpu()?, &parts, op), x.shape())
 }
 
 /// Send `x` to every other rank, receive every other rank's equal-size tensor (`None` at our index).
 async fn exchange_all<T: Transport>(call: &Call<'_, T>, x: &Tensor) -> Result<Vec<Option<Bytes>>> {
-    let xb = x.to_le_bytes();
+    let xb = x.to_le_bytes()?;
     for k in 1..call.n {
         call.send((call.me + k) % call.n, xb.clone()).await?;
     }
@@ -83,7 +83,7 @@ pub(crate) async fn reduce_scatter<T: Transport>(
 ) -> Result<Tensor> {
     for k in 1..call.n {
         let j = (call.me + k) % call.n;
-        call.send(j, xs[j].to_le_bytes()).await?;
+        call.send(j, xs[j].to_le_bytes()?).await?;
     }
     let want = xs[call.me].numel() * 4;
     let mut parts = vec![None; call.n];
@@ -93,7 +93,7 @@ pub(crate) async fn reduce_scatter<T: Transport>(
         }
     }
     Tensor::from_vec(
-        fold(call, xs[call.me].cpu(), &parts, op),
+        fold(call, xs[call.me].cpu()?, &parts, op),
         xs[call.me].shape(),
     )
 }
@@ -105,7 +105,7 @@ pub(crate) async fn gather<T: Transport>(
     root: usize,
 ) -> Result<Option<Vec<Tensor>>> {
     if call.me != root {
-        call.send(root, x.to_le_bytes()).await?;
+        call.send(root, x.to_le_bytes()?).await?;
         return Ok(None);
     }
     let mut out = Vec::with_capacity(call.n);
@@ -131,7 +131,7 @@ pub(crate) async fn scatter<T: Transport>(
             xs.ok_or_else(|| Error::invalid("scatter", "the root must pass the list to scatter"))?;
         for k in 1..call.n {
             let j = (root + k) % call.n;
-            call.send(j, encode_tensor(&xs[j])).await?;
+            call.send(j, encode_tensor(&xs[j])?).await?;
         }
         return Ok(xs[root].clone());
     }
@@ -146,7 +146,7 @@ pub(crate) async fn all_to_all<T: Transport>(
 ) -> Result<Vec<Tensor>> {
     for k in 1..call.n {
         let j = (call.me + k) % call.n;
-        call.send(j, encode_tensor(&xs[j])).await?;
+        call.send(j, encode_tensor(&xs[j])?).await?;
     }
     let mut out = Vec::with_capacity(call.n);
     for (i, x) in xs.iter().enumerate() {
@@ -178,7 +178,7 @@ pub(crate) async fn all_to_all_single<T: Transport>(
     let piece = |j: usize| x.slice(0, starts[j], in_splits[j]);
     for k in 1..call.n {
         let j = (call.me + k) % call.n;
-        call.send(j, piece(j)?.to_le_bytes()).await?;
+        call.send(j, piece(j)?.to_le_bytes()?).await?;
     }
     let mut parts = Vec::with_capacity(call.n);
     for (i, &rows) in out_splits.iter().enumerate() {
@@ -220,7 +220,7 @@ pub(crate) async fn permute<T: Transport>(
 ) -> Result<Tensor> {
     let me = call.me;
     if let Some(&(_, d)) = pairs.iter().find(|(s, d)| *s == me && *d != me) {
-        call.send(d, x.to_le_bytes()).await?;
+        call.send(d, x.to_le_bytes()?).await?;
     }
     match pairs.iter().find(|(_, d)| *d == me) {
         Some(&(s, _)) if s == me => Ok(x.clone()),
@@ -228,7 +228,7 @@ pub(crate) async fn permute<T: Transport>(
             let b = call.recv_exact(s, x.numel() * 4).await?;
             Tensor::from_le_bytes(&b, x.shape())
         }
-        None => Ok(x.zeros_like()),
+        None => x.zeros_like(),
     }
 }
 

@@ -23,6 +23,7 @@ use futures::pin_mut;
 
 use super::sig::{CallSig, Kind};
 use super::{Communicator, Group, ReduceOp, direct, ring, tree};
+use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::transport::{Channel, Tag, Transport};
@@ -417,16 +418,26 @@ impl<T: Transport> Call<'_, T> {
     }
 }
 
+/// Collectives run their local steps on the host for now: GPU inputs are read back at the entry
+/// (the transport boundary) and outputs go back to the inputs' device.
+fn to_host(xs: &[Tensor]) -> Result<Vec<Tensor>> {
+    xs.iter().map(|x| x.to_device(&Device::Cpu)).collect()
+}
+
+fn to_device(xs: &[Tensor], d: &Device) -> Result<Vec<Tensor>> {
+    xs.iter().map(|x| x.to_device(d)).collect()
+}
+
 /// Whole-tensor wire form: `[u32 ndim][u64 dim]*[f32 LE data]`.
-pub fn encode_tensor(t: &Tensor) -> Bytes {
-    let data = t.to_le_bytes();
+pub fn encode_tensor(t: &Tensor) -> Result<Bytes> {
+    let data = t.to_le_bytes()?;
     let mut b = BytesMut::with_capacity(4 + 8 * t.shape().len() + data.len());
     b.put_u32_le(t.shape().len() as u32);
     for &d in t.shape() {
         b.put_u64_le(d as u64);
     }
     b.put_slice(&data);
-    b.freeze()
+    Ok(b.freeze())
 }
 
 /// Parse [`encode_tensor`]'s output; `None` if malformed.
@@ -497,6 +508,8 @@ impl<T: Transport> Communicator for P2p<T> {
 
     async fn broadcast(&self, x: &Tensor, root: usize, group: &Group) -> Result<Tensor> {
         self.guarded(async {
+            let dev = x.device();
+            let x = &x.to_device(&Device::Cpu)?;
             group.check_rank("broadcast", "root", root)?;
             let call = self
                 .begin(
@@ -506,7 +519,7 @@ impl<T: Transport> Communicator for P2p<T> {
                 .await?;
             let r = tree::broadcast(&call, x, root).await;
             let r = self.agree(&call, r, 3).await;
-            self.finish(call, r).await
+            self.finish(call, r).await?.to_device(&dev)
         })
         .await
     }
@@ -519,6 +532,8 @@ impl<T: Transport> Communicator for P2p<T> {
         group: &Group,
     ) -> Result<Option<Tensor>> {
         self.guarded(async {
+            let dev = x.device();
+            let x = &x.to_device(&Device::Cpu)?;
             group.check_rank("reduce", "root", root)?;
             let call = self
                 .begin(
@@ -531,13 +546,18 @@ impl<T: Transport> Communicator for P2p<T> {
                 .await?;
             let r = tree::reduce(&call, x, root, op).await;
             let r = self.agree(&call, r, 3).await;
-            self.finish(call, r).await
+            self.finish(call, r)
+                .await?
+                .map(|t| t.to_device(&dev))
+                .transpose()
         })
         .await
     }
 
     async fn all_reduce(&self, x: &Tensor, op: ReduceOp, group: &Group) -> Result<Tensor> {
         self.guarded(async {
+            let dev = x.device();
+            let x = &x.to_device(&Device::Cpu)?;
             let n = group.size();
             let ring = n > 1 && x.numel() * 4 >= self.opts.ring_threshold && x.numel() >= n;
             // The algorithm (and the ring's segment size) is part of the call: ranks configured
@@ -557,13 +577,15 @@ impl<T: Transport> Communicator for P2p<T> {
             } else {
                 direct::all_reduce(&call, x, op).await
             };
-            self.finish(call, r).await
+            self.finish(call, r).await?.to_device(&dev)
         })
         .await
     }
 
     async fn gather(&self, x: &Tensor, root: usize, group: &Group) -> Result<Option<Vec<Tensor>>> {
         self.guarded(async {
+            let dev = x.device();
+            let x = &x.to_device(&Device::Cpu)?;
             group.check_rank("gather", "root", root)?;
             let call = self
                 .begin(
@@ -573,13 +595,21 @@ impl<T: Transport> Communicator for P2p<T> {
                 .await?;
             let r = direct::gather(&call, x, root).await;
             let r = self.agree(&call, r, 3).await;
-            self.finish(call, r).await
+            self.finish(call, r)
+                .await?
+                .map(|l| to_device(&l, &dev))
+                .transpose()
         })
         .await
     }
 
     async fn scatter(&self, xs: Option<&[Tensor]>, root: usize, group: &Group) -> Result<Tensor> {
         self.guarded(async {
+            let dev = xs
+                .and_then(|l| l.first())
+                .map_or(Device::Cpu, Tensor::device);
+            let host = xs.map(to_host).transpose()?;
+            let xs = host.as_deref();
             group.check_rank("scatter", "root", root)?;
             let me = group.require_member("scatter")?;
             let mut sig = CallSig::new(Kind::Scatter).root(root);
@@ -602,13 +632,15 @@ impl<T: Transport> Communicator for P2p<T> {
             let call = self.begin(group, sig).await?;
             let r = direct::scatter(&call, xs, root).await;
             let r = self.agree(&call, r, 3).await;
-            self.finish(call, r).await
+            self.finish(call, r).await?.to_device(&dev)
         })
         .await
     }
 
     async fn all_gather(&self, x: &Tensor, group: &Group) -> Result<Vec<Tensor>> {
         self.guarded(async {
+            let dev = x.device();
+            let x = &x.to_device(&Device::Cpu)?;
             let ring = group.size() > 1 && x.numel() * 4 >= self.opts.ring_threshold;
             let sig = CallSig::new(Kind::AllGather)
                 .shape(x.shape())
@@ -619,13 +651,15 @@ impl<T: Transport> Communicator for P2p<T> {
             } else {
                 direct::all_gather(&call, x).await
             };
-            self.finish(call, r).await
+            to_device(&self.finish(call, r).await?, &dev)
         })
         .await
     }
 
     async fn reduce_scatter(&self, xs: &[Tensor], op: ReduceOp, group: &Group) -> Result<Tensor> {
         self.guarded(async {
+            let dev = xs.first().map_or(Device::Cpu, Tensor::device);
+            let xs = &to_host(xs)?;
             let shape = list_shape("reduce_scatter", xs, group.size())?;
             let ring = group.size() > 1 && xs[0].numel() * 4 >= self.opts.ring_threshold;
             let sig = CallSig::new(Kind::ReduceScatter)
@@ -638,13 +672,15 @@ impl<T: Transport> Communicator for P2p<T> {
             } else {
                 direct::reduce_scatter(&call, xs, op).await
             };
-            self.finish(call, r).await
+            self.finish(call, r).await?.to_device(&dev)
         })
         .await
     }
 
     async fn all_to_all(&self, xs: &[Tensor], group: &Group) -> Result<Vec<Tensor>> {
         self.guarded(async {
+            let dev = xs.first().map_or(Device::Cpu, Tensor::device);
+            let xs = &to_host(xs)?;
             if xs.len() != group.size() {
                 return Err(Error::invalid(
                     "all_to_all",
@@ -657,7 +693,7 @@ impl<T: Transport> Communicator for P2p<T> {
             }
             let call = self.begin(group, CallSig::new(Kind::AllToAll)).await?;
             let r = direct::all_to_all(&call, xs).await;
-            self.finish(call, r).await
+            to_device(&self.finish(call, r).await?, &dev)
         })
         .await
     }
@@ -670,6 +706,8 @@ impl<T: Transport> Communicator for P2p<T> {
         group: &Group,
     ) -> Result<Tensor> {
         self.guarded(async {
+            let dev = x.device();
+            let x = &x.to_device(&Device::Cpu)?;
             let n = group.size();
             let op = "all_to_all_single";
             if x.shape().is_empty() {
@@ -701,13 +739,14 @@ impl<T: Transport> Communicator for P2p<T> {
                 .await?;
             let r = direct::all_to_all_single(&call, x, in_splits, out_splits).await;
             let r = self.agree(&call, r, 2).await;
-            self.finish(call, r).await
+            self.finish(call, r).await?.to_device(&dev)
         })
         .await
     }
 
     async fn send(&self, x: &Tensor, dst: usize, group: &Group) -> Result<()> {
         self.guarded(async {
+            let x = &x.to_device(&Device::Cpu)?;
             let me = group.require_member("send")?;
             group.check_rank("send", "destination", dst)?;
             if dst == me {
@@ -719,7 +758,7 @@ impl<T: Transport> Communicator for P2p<T> {
             }
             let seq = self.next_p2p_seq(group.id(), me, dst);
             let sb = sig.encode();
-            let data = encode_tensor(x);
+            let data = encode_tensor(x)?;
             let mut b = BytesMut::with_capacity(4 + sb.len() + data.len());
             b.put_u32_le(sb.len() as u32);
             b.put_slice(&sb);
@@ -816,6 +855,8 @@ impl<T: Transport> Communicator for P2p<T> {
 
     async fn permute(&self, x: &Tensor, pairs: &[(usize, usize)], group: &Group) -> Result<Tensor> {
         self.guarded(async {
+            let dev = x.device();
+            let x = &x.to_device(&Device::Cpu)?;
             super::check_pairs("permute", pairs, group.size())?;
             let extra = pairs
                 .iter()
@@ -829,7 +870,7 @@ impl<T: Transport> Communicator for P2p<T> {
                 .await?;
             let r = direct::permute(&call, x, pairs).await;
             let r = self.agree(&call, r, 3).await;
-            self.finish(call, r).await
+            self.finish(call, r).await?.to_device(&dev)
         })
         .await
     }

@@ -59,8 +59,8 @@ async fn all_reduce_range<T: Transport>(
         .into_iter()
         .map(|(s, l)| (base + s, l))
         .collect();
-    let xs = x.cpu();
-    let xb = x.to_le_bytes();
+    let xs = x.cpu()?;
+    let xb = x.to_le_bytes()?;
     let mine = |c: usize| &xs[chunks[c].0..chunks[c].0 + chunks[c].1];
 
     // Reduce-scatter: at step s send chunk me-s, receive chunk me-s-1 and fold in our part of it.
@@ -98,7 +98,7 @@ pub(crate) async fn all_gather<T: Transport>(
 ) -> Result<Vec<Tensor>> {
     let (n, me) = (call.n, call.me);
     let mut parts: Vec<Bytes> = vec![Bytes::new(); n];
-    let mut out = x.to_le_bytes();
+    let mut out = x.to_le_bytes()?;
     parts[me] = out.clone();
     for s in 0..n - 1 {
         let c = (me + 2 * n - s - 1) % n;
@@ -121,12 +121,12 @@ pub(crate) async fn reduce_scatter<T: Transport>(
     let (n, me) = (call.n, call.me);
     let bytes = xs[0].numel() * 4;
     // Block b starts at rank b+1 and ends, fully reduced, at rank b after n-1 steps.
-    let mut out = xs[(me + n - 1) % n].to_le_bytes();
+    let mut out = xs[(me + n - 1) % n].to_le_bytes()?;
     let mut last = Vec::new();
     for s in 0..n - 1 {
         let b = (me + 2 * n - 2 - s) % n;
         let got = step(call, out, bytes).await?;
-        let mut acc = cpu::combine_le_bytes(op.combine(), xs[b].cpu(), &got);
+        let mut acc = cpu::combine_le_bytes(op.combine(), xs[b].cpu()?, &got);
         if s == n - 2 {
             call.finish_reduction(op, &mut acc);
             last = acc;

@@ -17,7 +17,7 @@ pub(crate) async fn broadcast<T: Transport>(
     let n = call.n;
     let v = (call.me + n - root) % n;
     let real = |vr: usize| (vr + root) % n;
-    let mut data = x.to_le_bytes();
+    let mut data = x.to_le_bytes()?;
     let mut mask = 1;
     while mask < n {
         if v & mask != 0 {
@@ -51,7 +51,7 @@ pub(crate) async fn reduce<T: Transport>(
     let n = call.n;
     let v = (call.me + n - root) % n;
     let real = |vr: usize| (vr + root) % n;
-    let mut acc = x.cpu().to_vec();
+    let mut acc = x.cpu()?.to_vec();
     let mut mask = 1;
     while mask < n {
         if v & mask == 0 {

@@ -534,7 +534,10 @@ pub fn run_case(s: &Setup, coll: &Coll, inputs: &[Vec<Arr>], cots: &[Vec<Arr>]) 
         let grads = tape.backward_from(&seeds, &comm).await?;
         Ok(Some(RankResult {
             outs: outs.iter().map(|v| Arr::of(&v.value())).collect(),
-            grads: xs.iter().map(|x| Arr::of(&grads.wrt(x))).collect(),
+            grads: xs
+                .iter()
+                .map(|x| Ok(Arr::of(&grads.wrt(x)?)))
+                .collect::<distgrad::Result<_>>()?,
         }))
     });
     let mut by_group = vec![None; s.n()];

@@ -1,0 +1,202 @@
+//! Tensors living on the GPU: every tensor op against the CPU backend, and whole gradient programs
+//! (local ops + collectives + backward) run with GPU tensors equal to the same program on the CPU.
+//! Bit-exact where the kernels promise it (elementwise, reduce, copies), within tolerance for sums,
+//! matmul and tanh. Skips (with a message) without an adapter unless DISTGRAD_REQUIRE_GPU=1.
+#![cfg(feature = "wgpu")]
+
+use std::sync::OnceLock;
+
+use distgrad::backend::Device;
+use distgrad::backend::gpu::Gpu;
+use distgrad::{CommOptions, Communicator, ReduceOp, Tape, Tensor, Var, dist, run_local};
+
+fn gpu() -> Option<Device> {
+    static GPU: OnceLock<Result<Gpu, String>> = OnceLock::new();
+    let g = GPU.get_or_init(|| futures::executor::block_on(Gpu::new()).map_err(|e| e.to_string()));
+    match g {
+        Ok(g) => Some(Device::Gpu(g.clone())),
+        Err(e) if std::env::var("DISTGRAD_REQUIRE_GPU").as_deref() == Ok("1") => {
+            panic!("DISTGRAD_REQUIRE_GPU=1 but no GPU adapter: {e}")
+        }
+        Err(e) => {
+            println!("skipped: no GPU adapter ({e})");
+            None
+        }
+    }
+}
+
+fn vals(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0 + 1e-3
+        })
+        .collect()
+}
+
+fn t(seed: u64, shape: &[usize]) -> Tensor {
+    Tensor::from_vec(vals(seed, shape.iter().product()), shape).unwrap()
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_vec().iter().map(|x| x.to_bits()).collect()
+}
+
+fn close(a: &Tensor, b: &Tensor, tol: f32, what: &str) {
+    assert_eq!(a.shape(), b.shape(), "{what}: shapes");
+    for (i, (x, y)) in a.to_vec().iter().zip(b.to_vec()).enumerate() {
+        assert!(
+            (x - y).abs() <= tol * (1.0 + y.abs()),
+            "{what} at {i}: {x} vs {y}"
+        );
+    }
+}
+
+#[test]
+fn tensor_ops_on_the_gpu_match_the_cpu() {
+    let Some(d) = gpu() else { return };
+    let on = |x: &Tensor| x.to_device(&d).unwrap();
+    let (a, b, c) = (t(1, &[3, 4]), t(2, &[4]), t(3, &[3, 1]));
+    assert!(matches!(on(&a).device(), Device::Gpu(_)));
+    // exact: elementwise with broadcasting, unary, reshape, slice, concat, transpose
+    assert_eq!(
+        bits(&on(&a).add(&on(&b)).unwrap()),
+        bits(&a.add(&b).unwrap())
+    );
+    assert_eq!(
+        bits(&on(&a).mul(&on(&c)).unwrap()),
+        bits(&a.mul(&c).unwrap())
+    );
+    assert_eq!(
+        bits(&on(&a).scale(-1.5).unwrap()),
+        bits(&a.scale(-1.5).unwrap())
+    );
+    assert_eq!(
+        bits(&on(&a).slice(1, 1, 2).unwrap()),
+        bits(&a.slice(1, 1, 2).unwrap())
+    );
+    assert_eq!(bits(&on(&a).t().unwrap()), bits(&a.t().unwrap()));
+    assert_eq!(
+        bits(&on(&a).reshape(&[2, 6]).unwrap()),
+        bits(&a.reshape(&[2, 6]).unwrap())
+    );
+    let cat_gpu = Tensor::concat(&[on(&a), on(&c)], 1).unwrap();
+    assert_eq!(
+        bits(&cat_gpu),
+        bits(&Tensor::concat(&[a.clone(), c.clone()], 1).unwrap())
+    );
+    let others_gpu = Tensor::product_of_others(&[
+        on(&a),
+        on(&a.scale(2.0).unwrap()),
+        on(&a.scale(-1.0).unwrap()),
+    ])
+    .unwrap();
+    let others_cpu =
+        Tensor::product_of_others(&[a.clone(), a.scale(2.0).unwrap(), a.scale(-1.0).unwrap()])
+            .unwrap();
+    for (g, c) in others_gpu.iter().zip(&others_cpu) {
+        assert_eq!(bits(g), bits(c), "product of others");
+    }
+    // within tolerance: sums and matmul
+    close(
+        &on(&a).sum_all().unwrap(),
+        &a.sum_all().unwrap(),
+        1e-5,
+        "sum_all",
+    );
+    close(
+        &on(&a).sum_to(&[4]).unwrap(),
+        &a.sum_to(&[4]).unwrap(),
+        1e-5,
+        "sum_to",
+    );
+    let m = t(4, &[4, 5]);
+    close(
+        &on(&a).matmul(&on(&m)).unwrap(),
+        &a.matmul(&m).unwrap(),
+        1e-5,
+        "matmul",
+    );
+    // mixing devices is an error, not a silent copy
+    let e = on(&a).add(&b).unwrap_err().to_string();
+    assert!(e.contains("different backends"), "{e}");
+    // and back to the host
+    assert_eq!(bits(&on(&a).to_device(&Device::Cpu).unwrap()), bits(&a));
+}
+
+/// A data-parallel step with every collective kind the gradients need: returns each rank's
+/// (loss, gradients) as host vectors.
+fn program(device: Option<Device>, op: ReduceOp) -> Vec<(Vec<f32>, Vec<Vec<f32>>)> {
+    let res = run_local(3, CommOptions::default(), |comm| {
+        let device = device.clone();
+        async move {
+            let dev = device.unwrap_or(Device::Cpu);
+            let r = comm.rank() as u64;
+            let tape = Tape::new();
+            let w1 = tape.var(t(10, &[4, 6]).to_device(&dev)?);
+            let w2 = tape.var(t(11, &[6, 2]).to_device(&dev)?);
+            let x = tape.constant(t(20 + r, &[5, 4]).to_device(&dev)?);
+            let g = comm.world();
+            let h = x.matmul(&w1)?.tanh()?;
+            let y = h.matmul(&w2)?;
+            // all_gather + reduce_scatter (tensor-parallel style), then the reduce op under test
+            let parts = dist::all_gather(&comm, &y.slice(0, 0, 3)?, &g).await?;
+            let z = dist::reduce_scatter(&comm, &parts, ReduceOp::Sum, &g).await?;
+            let m = dist::all_reduce(&comm, &z.relu()?, op, &g).await?;
+            let b = dist::broadcast(&comm, &m, 2, &g).await?;
+            let loss = b.mul(&y.slice(0, 1, 3)?)?.mean()?;
+            let grads = tape.backward(&loss, &comm).await?;
+            Ok((
+                loss.value().try_to_vec()?,
+                vec![grads.wrt(&w1)?.try_to_vec()?, grads.wrt(&w2)?.try_to_vec()?],
+            ))
+        }
+    });
+    res.into_iter().map(|r| r.unwrap()).collect()
+}
+
+#[test]
+fn gradient_programs_on_the_gpu_match_the_cpu() {
+    let Some(d) = gpu() else { return };
+    for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Prod] {
+        let cpu = program(None, op);
+        let gpu = program(Some(d.clone()), op);
+        for (r, ((lc, gc), (lg, gg))) in cpu.iter().zip(&gpu).enumerate() {
+            let tol = |a: &[f32], b: &[f32], what: &str| {
+                for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                    assert!(
+                        (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                        "{op:?} rank {r} {what}[{i}]: gpu {x} vs cpu {y}"
+                    );
+                }
+            };
+            tol(lg, lc, "loss");
+            tol(&gg[0], &gc[0], "grad w1");
+            tol(&gg[1], &gc[1], "grad w2");
+        }
+    }
+}
+
+#[test]
+fn gradients_stay_on_the_gpu() {
+    let Some(d) = gpu() else { return };
+    let res = run_local(2, CommOptions::default(), |comm| {
+        let d = d.clone();
+        async move {
+            let tape = Tape::new();
+            let x: Var = tape.var(Tensor::vector(&[1.0, 2.0]).to_device(&d)?);
+            let y = dist::all_reduce(&comm, &x, ReduceOp::Sum, &comm.world()).await?;
+            let g = tape.backward(&y.sum()?, &comm).await?.wrt(&x)?;
+            Ok(matches!(g.device(), Device::Gpu(_)) && g.to_vec() == vec![2.0, 2.0])
+        }
+    });
+    for r in res {
+        assert!(
+            r.unwrap(),
+            "gradient of a GPU var must be a GPU tensor with the right values"
+        );
+    }
+}
