@@ -249,6 +249,7 @@ pub struct KernelRow {
 }
 
 /// Time `f` (best of `reps` after one warm-up) in seconds.
+#[cfg(feature = "wgpu")]
 fn best_of(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     f()?;
     let mut best = f64::INFINITY;

@@ -570,7 +570,7 @@ impl Tensor {
                 ));
             }
         }
-        if let View::Cpu(_) = first.view() {
+        if matches!(first.view(), View::Cpu(_)) {
             let slices = xs
                 .iter()
                 .map(Tensor::cpu)
