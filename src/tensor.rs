@@ -3,8 +3,6 @@
 //! Tensors are values: every op returns a new tensor (out-of-place, which is what autograd needs) and
 //! clones are cheap because storage is shared. Shapes are checked here, once, before any backend runs.
 
-use std::sync::Arc;
-
 use bytes::Bytes;
 
 #[cfg(feature = "wgpu")]
@@ -86,7 +84,7 @@ impl Tensor {
         debug_assert_eq!(shape.iter().product::<usize>(), data.len());
         Tensor {
             shape,
-            storage: Storage::Cpu(Arc::new(data)),
+            storage: Storage::Cpu(f32_bytes(data)),
         }
     }
 
@@ -100,7 +98,9 @@ impl Tensor {
 
     fn view(&self) -> View<'_> {
         match &self.storage {
-            Storage::Cpu(v) => View::Cpu(v),
+            // Every CPU storage is 4-byte aligned little-endian f32 by construction (`from_cpu`,
+            // `from_shared_le_bytes`), so this view cannot fail.
+            Storage::Cpu(b) => View::Cpu(bytemuck::try_cast_slice(b).unwrap_or_default()),
             #[cfg(feature = "wgpu")]
             Storage::Gpu(b) => View::Gpu(b),
         }
@@ -218,14 +218,7 @@ impl Tensor {
     /// copy); a GPU tensor is read back (the transport boundary).
     pub fn to_le_bytes(&self) -> Result<Bytes> {
         match &self.storage {
-            Storage::Cpu(v) if cfg!(target_endian = "little") => {
-                Ok(Bytes::from_owner(LeF32(v.clone())))
-            }
-            Storage::Cpu(v) => Ok(v
-                .iter()
-                .flat_map(|x| x.to_le_bytes())
-                .collect::<Vec<u8>>()
-                .into()),
+            Storage::Cpu(b) => Ok(b.clone()),
             #[cfg(feature = "wgpu")]
             Storage::Gpu(_) => Ok(f32_bytes(self.try_to_vec()?)),
         }
@@ -253,6 +246,34 @@ impl Tensor {
             shape.to_vec(),
             cpu::f32s_from_le_bytes(bytes),
         ))
+    }
+
+    /// A CPU tensor of `shape` over little-endian f32 `bytes`, sharing them when they are 4-byte
+    /// aligned (a message from an in-process peer: no copy), copying otherwise.
+    pub fn from_shared_le_bytes(bytes: Bytes, shape: &[usize]) -> Result<Self> {
+        if bytemuck::try_cast_slice::<u8, f32>(&bytes).is_err() {
+            return Self::from_le_bytes(&bytes, shape);
+        }
+        let n = checked_numel(shape).ok_or_else(|| {
+            Error::shape(
+                "Tensor::from_shared_le_bytes",
+                shape,
+                &[],
+                "element count overflows",
+            )
+        })?;
+        if bytes.len() != n * 4 {
+            return Err(Error::DataLength {
+                op: "Tensor::from_shared_le_bytes",
+                shape: shape.to_vec(),
+                expected: n,
+                got: bytes.len() / 4,
+            });
+        }
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            storage: Storage::Cpu(bytes),
+        })
     }
 
     fn mismatch(&self, op: &'static str, other: &Tensor) -> Error {
@@ -602,22 +623,15 @@ impl Tensor {
 
 /// Little-endian bytes of `v` without copying (on little-endian targets).
 pub(crate) fn f32_bytes(v: Vec<f32>) -> Bytes {
-    if cfg!(target_endian = "little") {
-        Bytes::from_owner(LeF32(Arc::new(v)))
-    } else {
-        v.iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect::<Vec<u8>>()
-            .into()
-    }
+    Bytes::from_owner(F32Vec(v))
 }
 
-/// Zero-copy owner that exposes an `Arc<Vec<f32>>` as little-endian bytes.
-struct LeF32(Arc<Vec<f32>>);
+/// Owner that exposes a `Vec<f32>` as its little-endian bytes (4-byte aligned, no copy).
+struct F32Vec(Vec<f32>);
 
-impl AsRef<[u8]> for LeF32 {
+impl AsRef<[u8]> for F32Vec {
     fn as_ref(&self) -> &[u8] {
-        bytemuck::cast_slice(self.0.as_slice())
+        bytemuck::cast_slice(&self.0)
     }
 }
 
@@ -665,4 +679,32 @@ pub fn broadcast_shape(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec
         };
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_bytes_are_used_in_place_when_aligned_and_copied_otherwise() {
+        let t = Tensor::vector(&[1.0, -2.5, 3.25]);
+        let b = t.to_le_bytes().unwrap();
+        let shared = Tensor::from_shared_le_bytes(b.clone(), &[3]).unwrap();
+        assert_eq!(shared.to_vec(), vec![1.0, -2.5, 3.25]);
+        let Storage::Cpu(inner) = shared.storage() else {
+            unreachable!()
+        };
+        assert_eq!(
+            inner.as_ptr(),
+            b.as_ptr(),
+            "aligned bytes must be shared, not copied"
+        );
+        // one byte in: misaligned, so the values are copied into aligned storage
+        let mut raw = vec![0u8];
+        raw.extend_from_slice(&b);
+        let odd = Bytes::from(raw).slice(1..);
+        let copied = Tensor::from_shared_le_bytes(odd, &[3]).unwrap();
+        assert_eq!(copied.to_vec(), vec![1.0, -2.5, 3.25]);
+        assert!(Tensor::from_shared_le_bytes(b, &[4]).is_err());
+    }
 }

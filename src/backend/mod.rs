@@ -9,7 +9,10 @@ pub mod cpu;
 #[cfg(feature = "wgpu")]
 pub mod gpu;
 
-use std::sync::Arc;
+#[cfg(target_endian = "big")]
+compile_error!(
+    "distgrad stores tensors as little-endian f32 and supports little-endian targets only"
+);
 
 /// The backend a tensor lives on.
 #[derive(Debug, Clone, PartialEq)]
@@ -85,8 +88,9 @@ pub async fn select(choice: Choice) -> crate::Result<Device> {
 /// The numbers of one tensor, contiguous and row-major, on one backend. Cheap to clone (shared).
 #[derive(Debug, Clone)]
 pub enum Storage {
-    /// Host memory shared by reference count: clones, reshapes and zero-copy sends share it.
-    Cpu(Arc<Vec<f32>>),
+    /// Host memory: little-endian f32, 4-byte aligned, shared by reference count. Clones,
+    /// reshapes, sends to in-process peers and tensors received from them all share it.
+    Cpu(bytes::Bytes),
     /// A buffer on a GPU (shared too; read back only at the transport boundary or on request).
     #[cfg(feature = "wgpu")]
     Gpu(gpu::GpuBuf),

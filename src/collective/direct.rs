@@ -70,7 +70,7 @@ pub(crate) async fn all_gather<T: Transport>(
         .iter()
         .map(|p| match p {
             None => Ok(x.clone()),
-            Some(b) => Tensor::from_le_bytes(b, x.shape()),
+            Some(b) => Tensor::from_shared_le_bytes(b.clone(), x.shape()),
         })
         .collect()
 }
@@ -114,7 +114,7 @@ pub(crate) async fn gather<T: Transport>(
             out.push(x.clone());
         } else {
             let b = call.recv_exact(j, x.numel() * 4).await?;
-            out.push(Tensor::from_le_bytes(&b, x.shape())?);
+            out.push(Tensor::from_shared_le_bytes(b, x.shape())?);
         }
     }
     Ok(Some(out))
@@ -207,7 +207,7 @@ pub(crate) async fn all_to_all_single<T: Transport>(
                 ),
             ));
         }
-        parts.push(Tensor::from_le_bytes(&b, &shape)?);
+        parts.push(Tensor::from_shared_le_bytes(b, &shape)?);
     }
     Tensor::concat(&parts, 0)
 }
@@ -226,7 +226,7 @@ pub(crate) async fn permute<T: Transport>(
         Some(&(s, _)) if s == me => Ok(x.clone()),
         Some(&(s, _)) => {
             let b = call.recv_exact(s, x.numel() * 4).await?;
-            Tensor::from_le_bytes(&b, x.shape())
+            Tensor::from_shared_le_bytes(b, x.shape())
         }
         None => x.zeros_like(),
     }

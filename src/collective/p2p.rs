@@ -457,7 +457,7 @@ pub fn decode_tensor(mut b: Bytes) -> Option<Tensor> {
     if n.checked_mul(4)? != b.len() {
         return None;
     }
-    Tensor::from_le_bytes(&b, &shape).ok()
+    Tensor::from_shared_le_bytes(b, &shape).ok()
 }
 
 fn list_shape(op: &'static str, xs: &[Tensor], n: usize) -> Result<Vec<usize>> {

@@ -108,7 +108,7 @@ pub(crate) async fn all_gather<T: Transport>(
     }
     parts
         .iter()
-        .map(|p| Tensor::from_le_bytes(p, x.shape()))
+        .map(|p| Tensor::from_shared_le_bytes(p.clone(), x.shape()))
         .collect()
 }
 

@@ -37,7 +37,7 @@ pub(crate) async fn broadcast<T: Transport>(
     if v == 0 {
         Ok(x.clone())
     } else {
-        Tensor::from_le_bytes(&data, x.shape())
+        Tensor::from_shared_le_bytes(data, x.shape())
     }
 }
 
