@@ -287,15 +287,7 @@ fn run_vjp(
         return Ok(());
     }
     let out = vjp::run_case(&case)?;
-    if json {
-        println!(
-            "{}",
-            serde_json::to_string(&out).map_err(|e| distgrad::Error::Input(e.to_string()))?
-        );
-    } else {
-        print!("{}", vjp::render_table(&case, &out));
-    }
-    Ok(())
+    print_answer(&case, &out, json)
 }
 
 fn run_bench(
@@ -519,15 +511,7 @@ fn run_demo(
             )));
         }
     };
-    if json {
-        println!(
-            "{}",
-            serde_json::to_string(&out).map_err(|e| distgrad::Error::Input(e.to_string()))?
-        );
-    } else {
-        print!("{}", vjp::render_table(&case, &out));
-    }
-    Ok(())
+    print_answer(&case, &out, json)
 }
 
 /// A relay on an ephemeral loopback port (its own thread and runtime) plus `world` worker processes.
@@ -644,4 +628,15 @@ fn run_kernel_bench() -> distgrad::Result<()> {
     Err(distgrad::Error::Input(
         "this build has no WGSL backend (build with the `wgpu` feature)".into(),
     ))
+}
+
+/// A case's answer as JSON (`--json`) or as the per-rank table.
+fn print_answer(case: &vjp::Case, out: &vjp::CaseOutput, json: bool) -> distgrad::Result<()> {
+    if json {
+        let text = serde_json::to_string(out).map_err(|e| distgrad::Error::Input(e.to_string()))?;
+        println!("{text}");
+    } else {
+        print!("{}", vjp::render_table(case, out));
+    }
+    Ok(())
 }

@@ -14,6 +14,29 @@ use crate::transport::local::LocalTransport;
 /// The communicator type of in-process ranks.
 pub type LocalComm = P2p<LocalTransport>;
 
+/// Each rank's result; a rank whose thread could not start or panicked yields an error.
+#[cfg(not(target_arch = "wasm32"))]
+fn join_ranks<R>(
+    handles: Vec<std::io::Result<std::thread::ScopedJoinHandle<'_, Result<R>>>>,
+) -> Vec<Result<R>> {
+    handles
+        .into_iter()
+        .enumerate()
+        .map(|(rank, h)| match h {
+            Ok(h) => h.join().unwrap_or_else(|_| {
+                Err(Error::Transport {
+                    rank,
+                    detail: "rank thread panicked".into(),
+                })
+            }),
+            Err(e) => Err(Error::Transport {
+                rank,
+                detail: format!("could not start rank thread: {e}"),
+            }),
+        })
+        .collect()
+}
+
 /// Run `f(comm)` on `world` ranks (one thread each) and return each rank's result, index = rank.
 /// Native only (a browser page has no threads; it runs ranks as tabs or on a local executor).
 /// A rank that panics yields an error (and its peers see it as gone).
@@ -37,22 +60,7 @@ where
                     .spawn_scoped(s, move || futures::executor::block_on(f(P2p::new(t, opts))))
             })
             .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, h)| match h {
-                Ok(h) => h.join().unwrap_or_else(|_| {
-                    Err(Error::Transport {
-                        rank,
-                        detail: "rank thread panicked".into(),
-                    })
-                }),
-                Err(e) => Err(Error::Transport {
-                    rank,
-                    detail: format!("could not start rank thread: {e}"),
-                }),
-            })
-            .collect()
+        join_ranks(handles)
     })
 }
 
@@ -116,22 +124,7 @@ where
                     })
             })
             .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, h)| match h {
-                Ok(h) => h.join().unwrap_or_else(|_| {
-                    Err(Error::Transport {
-                        rank,
-                        detail: "rank thread panicked".into(),
-                    })
-                }),
-                Err(e) => Err(Error::Transport {
-                    rank,
-                    detail: format!("could not start rank thread: {e}"),
-                }),
-            })
-            .collect()
+        join_ranks(handles)
     });
     let _ = stop_tx.send(());
     let _ = rt.block_on(server);

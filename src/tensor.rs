@@ -226,22 +226,7 @@ impl Tensor {
 
     /// A tensor of `shape` from little-endian f32 bytes (on the CPU).
     pub fn from_le_bytes(bytes: &[u8], shape: &[usize]) -> Result<Self> {
-        let n = checked_numel(shape).ok_or_else(|| {
-            Error::shape(
-                "Tensor::from_le_bytes",
-                shape,
-                &[],
-                "element count overflows",
-            )
-        })?;
-        if bytes.len() != n * 4 {
-            return Err(Error::DataLength {
-                op: "Tensor::from_le_bytes",
-                shape: shape.to_vec(),
-                expected: n,
-                got: bytes.len() / 4,
-            });
-        }
+        check_byte_len("Tensor::from_le_bytes", bytes.len(), shape)?;
         Ok(Self::from_cpu(
             shape.to_vec(),
             cpu::f32s_from_le_bytes(bytes),
@@ -251,24 +236,12 @@ impl Tensor {
     /// A CPU tensor of `shape` over little-endian f32 `bytes`, sharing them when they are 4-byte
     /// aligned (a message from an in-process peer: no copy), copying otherwise.
     pub fn from_shared_le_bytes(bytes: Bytes, shape: &[usize]) -> Result<Self> {
+        check_byte_len("Tensor::from_shared_le_bytes", bytes.len(), shape)?;
         if bytemuck::try_cast_slice::<u8, f32>(&bytes).is_err() {
-            return Self::from_le_bytes(&bytes, shape);
-        }
-        let n = checked_numel(shape).ok_or_else(|| {
-            Error::shape(
-                "Tensor::from_shared_le_bytes",
-                shape,
-                &[],
-                "element count overflows",
-            )
-        })?;
-        if bytes.len() != n * 4 {
-            return Err(Error::DataLength {
-                op: "Tensor::from_shared_le_bytes",
-                shape: shape.to_vec(),
-                expected: n,
-                got: bytes.len() / 4,
-            });
+            return Ok(Self::from_cpu(
+                shape.to_vec(),
+                cpu::f32s_from_le_bytes(&bytes),
+            ));
         }
         Ok(Tensor {
             shape: shape.to_vec(),
@@ -645,6 +618,21 @@ fn binary_name(op: BinaryOp) -> &'static str {
         BinaryOp::Min => "min",
         BinaryOp::Eq => "eq",
     }
+}
+
+/// `len` bytes must hold exactly the f32 elements of `shape`.
+fn check_byte_len(op: &'static str, len: usize, shape: &[usize]) -> Result<()> {
+    let n = checked_numel(shape)
+        .ok_or_else(|| Error::shape(op, shape, &[], "element count overflows"))?;
+    if n.checked_mul(4) != Some(len) {
+        return Err(Error::DataLength {
+            op,
+            shape: shape.to_vec(),
+            expected: n,
+            got: len / 4,
+        });
+    }
+    Ok(())
 }
 
 /// Product of the dims, `None` on overflow. Zero dims count as 1 so that no partial product of

@@ -7,25 +7,11 @@
 //! missing adapter is a failure.
 #![cfg(feature = "wgpu")]
 
-use std::sync::OnceLock;
-
 use distgrad::backend::gpu::{At, Gpu};
 use distgrad::backend::{BinaryOp, UnaryOp, cpu};
 
-fn gpu() -> Option<&'static Gpu> {
-    static GPU: OnceLock<Result<Gpu, String>> = OnceLock::new();
-    let g = GPU.get_or_init(|| futures::executor::block_on(Gpu::new()).map_err(|e| e.to_string()));
-    match g {
-        Ok(g) => Some(g),
-        Err(e) if std::env::var("DISTGRAD_REQUIRE_GPU").as_deref() == Ok("1") => {
-            panic!("DISTGRAD_REQUIRE_GPU=1 but no GPU adapter: {e}")
-        }
-        Err(e) => {
-            println!("skipped: no GPU adapter ({e})");
-            None
-        }
-    }
-}
+mod common_gpu;
+use common_gpu::gpu;
 
 /// Deterministic normal (non-denormal) values in about [-4, 4], with some exact repeats.
 fn vals(seed: u64, n: usize) -> Vec<f32> {

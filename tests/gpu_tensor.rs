@@ -4,25 +4,13 @@
 //! matmul and tanh. Skips (with a message) without an adapter unless DISTGRAD_REQUIRE_GPU=1.
 #![cfg(feature = "wgpu")]
 
-use std::sync::OnceLock;
-
 use distgrad::backend::Device;
-use distgrad::backend::gpu::Gpu;
 use distgrad::{CommOptions, Communicator, ReduceOp, Tape, Tensor, Var, dist, run_local};
 
+mod common_gpu;
+
 fn gpu() -> Option<Device> {
-    static GPU: OnceLock<Result<Gpu, String>> = OnceLock::new();
-    let g = GPU.get_or_init(|| futures::executor::block_on(Gpu::new()).map_err(|e| e.to_string()));
-    match g {
-        Ok(g) => Some(Device::Gpu(g.clone())),
-        Err(e) if std::env::var("DISTGRAD_REQUIRE_GPU").as_deref() == Ok("1") => {
-            panic!("DISTGRAD_REQUIRE_GPU=1 but no GPU adapter: {e}")
-        }
-        Err(e) => {
-            println!("skipped: no GPU adapter ({e})");
-            None
-        }
-    }
+    common_gpu::gpu().map(|g| Device::Gpu(g.clone()))
 }
 
 fn vals(seed: u64, n: usize) -> Vec<f32> {

@@ -330,13 +330,8 @@ impl Gpu {
         })
     }
 
-    /// Read a buffer back to the host, blocking this thread on the device (native only; no async
-    /// executor involved, so it may be called from inside one).
-    #[cfg(not(target_arch = "wasm32"))]
-    pub fn read_blocking(&self, b: &GpuBuf) -> Result<Vec<f32>> {
-        if b.len == 0 {
-            return Ok(Vec::new());
-        }
+    /// Copy `b` into a new mappable staging buffer (the first half of every readback).
+    fn stage(&self, b: &GpuBuf) -> wgpu::Buffer {
         let size = (b.len * 4) as u64;
         let staging = self.0.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
@@ -347,6 +342,30 @@ impl Gpu {
         let mut enc = self.0.device.create_command_encoder(&Default::default());
         enc.copy_buffer_to_buffer(&b.buf, 0, &staging, 0, size);
         self.0.queue.submit([enc.finish()]);
+        staging
+    }
+
+    /// Copy a mapped staging buffer's values out and unmap it (the second half of a readback).
+    fn unstage(&self, staging: &wgpu::Buffer) -> Result<Vec<f32>> {
+        let out = {
+            let view = staging
+                .get_mapped_range(..)
+                .map_err(|e| gpu_err("read", format!("mapped range: {e}")))?;
+            bytemuck::cast_slice::<u8, f32>(&view).to_vec()
+        };
+        staging.unmap();
+        self.check("read")?;
+        Ok(out)
+    }
+
+    /// Read a buffer back to the host, blocking this thread on the device (native only; no async
+    /// executor involved, so it may be called from inside one).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn read_blocking(&self, b: &GpuBuf) -> Result<Vec<f32>> {
+        if b.len == 0 {
+            return Ok(Vec::new());
+        }
+        let staging = self.stage(b);
         let (tx, rx) = std::sync::mpsc::channel();
         staging.map_async(wgpu::MapMode::Read, .., move |r| {
             let _ = tx.send(r);
@@ -373,15 +392,7 @@ impl Gpu {
             }
         };
         mapped.map_err(|e| gpu_err("read", format!("cannot map the readback buffer: {e}")))?;
-        let out = {
-            let view = staging
-                .get_mapped_range(..)
-                .map_err(|e| gpu_err("read", format!("mapped range: {e}")))?;
-            bytemuck::cast_slice::<u8, f32>(&view).to_vec()
-        };
-        staging.unmap();
-        self.check("read")?;
-        Ok(out)
+        self.unstage(&staging)
     }
 
     /// Read a buffer back to the host.
@@ -389,16 +400,7 @@ impl Gpu {
         if b.len == 0 {
             return Ok(Vec::new());
         }
-        let size = (b.len * 4) as u64;
-        let staging = self.0.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("readback"),
-            size,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        let mut enc = self.0.device.create_command_encoder(&Default::default());
-        enc.copy_buffer_to_buffer(&b.buf, 0, &staging, 0, size);
-        self.0.queue.submit([enc.finish()]);
+        let staging = self.stage(b);
         let (tx, rx) = futures::channel::oneshot::channel();
         staging.map_async(wgpu::MapMode::Read, .., move |r| {
             let _ = tx.send(r);
@@ -411,15 +413,7 @@ impl Gpu {
         rx.await
             .map_err(|_| gpu_err("read", "map callback dropped (device lost?)"))?
             .map_err(|e| gpu_err("read", format!("cannot map the readback buffer: {e}")))?;
-        let out = {
-            let view = staging
-                .get_mapped_range(..)
-                .map_err(|e| gpu_err("read", format!("mapped range: {e}")))?;
-            bytemuck::cast_slice::<u8, f32>(&view).to_vec()
-        };
-        staging.unmap();
-        self.check("read")?;
-        Ok(out)
+        self.unstage(&staging)
     }
 
     fn meta(&self, words: &[u32]) -> wgpu::Buffer {
