@@ -1,642 +1,662 @@
 //! The `distgrad` command line: `vjp` (one collective forward + backward, per-rank table), `bench`
 //! (collective bandwidth and tape overhead), `relay` (the WebSocket relay), `worker` (one rank
 //! through a relay) and `demo` (a relay plus N worker processes).
-
-use std::io::Read as _;
-use std::process::ExitCode;
-
-use clap::{Parser, Subcommand};
-use distgrad::bench::{self, BenchOp};
-use distgrad::vjp::{self, Which};
-use distgrad::{CommOptions, Communicator, ReduceOp};
+//!
+//! The CLI is native only: on wasm32 (the browser build of the library) this binary is an empty
+//! stub so that `cargo test --target wasm32-unknown-unknown` can build the crate's targets.
 
 #[cfg(not(target_arch = "wasm32"))]
-#[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-#[derive(Parser)]
-#[command(
-    name = "distgrad",
-    version,
-    about = "Distributed autograd through collectives"
-)]
-struct Cli {
-    #[command(subcommand)]
-    cmd: Cmd,
+fn main() -> std::process::ExitCode {
+    cli::main()
 }
 
-#[derive(Subcommand)]
-enum Cmd {
-    /// Run one collective forward and backward on N in-process ranks and show every rank's inputs,
-    /// outputs, cotangents and gradients, and the dual collective the backward pass ran.
-    ///
-    /// `distgrad vjp all_gather --world 4` runs a built-in example; `distgrad vjp case.json` (or `-`
-    /// for stdin) runs a case file (schema: see the README).
-    Vjp {
-        /// A collective name (built-in example) or a case file path (`-` = stdin).
-        what: String,
-        /// World size for the built-in example.
-        #[arg(long, default_value_t = 4)]
-        world: usize,
-        /// Reduce op for the built-in example (sum, avg, prod, min, max).
-        #[arg(long, default_value = "sum")]
-        op: String,
-        /// Root (group rank) for the built-in example.
-        #[arg(long, default_value_t = 0)]
-        root: usize,
-        /// Subgroup for the built-in example, as comma-separated global ranks.
-        #[arg(long, value_delimiter = ',')]
-        group: Option<Vec<usize>>,
-        /// Print the machine-readable JSON output instead of the table.
-        #[arg(long)]
-        json: bool,
-        /// Print the case itself as JSON (e.g. to edit and feed back) and exit.
-        #[arg(long)]
-        print_case: bool,
-    },
-    /// Run the relay: rooms, rank assignment, routing of data frames, WebRTC signaling, and (with
-    /// --static) the web app's files, on one port.
-    Relay {
-        /// Address to listen on.
-        #[arg(long, default_value = "127.0.0.1:8080")]
-        addr: String,
-        /// Serve this folder (the built web app) at `/`.
-        #[arg(long = "static")]
-        static_dir: Option<std::path::PathBuf>,
-        /// Largest data frame in bytes (clients split larger messages).
-        #[arg(long, default_value_t = 1 << 20)]
-        max_frame: usize,
-        /// Largest world size of a room.
-        #[arg(long, default_value_t = 64)]
-        max_members: u32,
-        /// Most rooms at once.
-        #[arg(long, default_value_t = 256)]
-        max_rooms: usize,
-        /// Bytes that may queue for one member before its senders are slowed down.
-        #[arg(long, default_value_t = 16 << 20)]
-        max_pending_bytes: usize,
-        /// Close connections silent for this many seconds.
-        #[arg(long, default_value_t = 30)]
-        idle_timeout_secs: u64,
-        /// Allowed browser origins (repeat or comma-separate); default: any.
-        #[arg(long, value_delimiter = ',')]
-        allowed_origin: Option<Vec<String>>,
-    },
-    /// Join a relay room as one rank and run a case (built-in example or file) forward and backward.
-    Worker {
-        /// Relay WebSocket URL.
-        #[arg(long, default_value = "ws://127.0.0.1:8080/ws")]
-        relay: String,
-        /// Room name.
-        #[arg(long)]
-        room: String,
-        /// World size.
-        #[arg(long)]
-        world: usize,
-        /// Wanted rank (default: any free rank).
-        #[arg(long)]
-        rank: Option<u32>,
-        /// Room token (default: create the room with a random token, printed).
-        #[arg(long)]
-        token: Option<String>,
-        /// Collective of the built-in example.
-        #[arg(long, default_value = "all_reduce")]
-        collective: String,
-        /// A case file instead of the built-in example.
-        #[arg(long)]
-        case: Option<std::path::PathBuf>,
-        /// Reduce op for the built-in example.
-        #[arg(long, default_value = "sum")]
-        op: String,
-        /// Root (group rank) for the built-in example.
-        #[arg(long, default_value_t = 0)]
-        root: usize,
-        /// Print this rank's result as one JSON line.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Start a relay and N worker processes on this machine, run a collective forward and backward,
-    /// and print the same per-rank table as `vjp`.
-    Demo {
-        /// Number of ranks.
-        #[arg(long, default_value_t = 4)]
-        world: usize,
-        /// `relay` (processes through a local relay) or `local` (threads).
-        #[arg(long, default_value = "relay")]
-        transport: String,
-        /// Collective of the built-in example.
-        #[arg(long, default_value = "all_reduce")]
-        collective: String,
-        /// Reduce op.
-        #[arg(long, default_value = "sum")]
-        op: String,
-        /// Root (group rank).
-        #[arg(long, default_value_t = 0)]
-        root: usize,
-        /// Print the machine-readable JSON output (as `vjp --json`) instead of the table.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Benchmarks: an nccl-tests-style table of collectives (with a memcpy line measured in the same
-    /// run) and the tape's overhead per local op.
-    Bench {
-        /// `collectives` (default) or `kernels` (the WGSL kernels against a 1-thread CPU loop).
-        #[arg(default_value = "collectives")]
-        what: String,
-        /// Transport: `local` (ranks as threads of this process) or `relay`.
-        #[arg(long, default_value = "local")]
-        transport: String,
-        /// Number of ranks.
-        #[arg(long, default_value_t = 4)]
-        world: usize,
-        /// Smallest payload in bytes.
-        #[arg(long, default_value_t = 4)]
-        min_bytes: usize,
-        /// Largest payload in bytes (per rank).
-        #[arg(long, default_value_t = 64 << 20)]
-        max_bytes: usize,
-        /// Collectives, comma-separated.
-        #[arg(
-            long,
-            value_delimiter = ',',
-            default_value = "all_reduce,all_gather,broadcast"
-        )]
-        ops: Vec<String>,
-    },
-}
+#[cfg(target_arch = "wasm32")]
+fn main() {}
 
-fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let r = match cli.cmd {
-        Cmd::Vjp {
-            what,
-            world,
-            op,
-            root,
-            group,
-            json,
-            print_case,
-        } => run_vjp(&what, world, &op, root, group, json, print_case),
-        Cmd::Bench { what, .. } if what == "kernels" => run_kernel_bench(),
-        Cmd::Bench {
-            what: _,
-            transport,
-            world,
-            min_bytes,
-            max_bytes,
-            ops,
-        } => run_bench(&transport, world, min_bytes, max_bytes, &ops),
-        Cmd::Relay {
-            addr,
-            static_dir,
-            max_frame,
-            max_members,
-            max_rooms,
-            max_pending_bytes,
-            idle_timeout_secs,
-            allowed_origin,
-        } => {
-            let cfg = distgrad::relay::RelayConfig {
+#[cfg(not(target_arch = "wasm32"))]
+mod cli {
+    use std::io::Read as _;
+    use std::process::ExitCode;
+
+    use clap::{Parser, Subcommand};
+    use distgrad::bench::{self, BenchOp};
+    use distgrad::vjp::{self, Which};
+    use distgrad::{CommOptions, Communicator, ReduceOp};
+
+    #[global_allocator]
+    static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+    #[derive(Parser)]
+    #[command(
+        name = "distgrad",
+        version,
+        about = "Distributed autograd through collectives"
+    )]
+    struct Cli {
+        #[command(subcommand)]
+        cmd: Cmd,
+    }
+
+    #[derive(Subcommand)]
+    enum Cmd {
+        /// Run one collective forward and backward on N in-process ranks and show every rank's inputs,
+        /// outputs, cotangents and gradients, and the dual collective the backward pass ran.
+        ///
+        /// `distgrad vjp all_gather --world 4` runs a built-in example; `distgrad vjp case.json` (or `-`
+        /// for stdin) runs a case file (schema: see the README).
+        Vjp {
+            /// A collective name (built-in example) or a case file path (`-` = stdin).
+            what: String,
+            /// World size for the built-in example.
+            #[arg(long, default_value_t = 4)]
+            world: usize,
+            /// Reduce op for the built-in example (sum, avg, prod, min, max).
+            #[arg(long, default_value = "sum")]
+            op: String,
+            /// Root (group rank) for the built-in example.
+            #[arg(long, default_value_t = 0)]
+            root: usize,
+            /// Subgroup for the built-in example, as comma-separated global ranks.
+            #[arg(long, value_delimiter = ',')]
+            group: Option<Vec<usize>>,
+            /// Print the machine-readable JSON output instead of the table.
+            #[arg(long)]
+            json: bool,
+            /// Print the case itself as JSON (e.g. to edit and feed back) and exit.
+            #[arg(long)]
+            print_case: bool,
+        },
+        /// Run the relay: rooms, rank assignment, routing of data frames, WebRTC signaling, and (with
+        /// --static) the web app's files, on one port.
+        Relay {
+            /// Address to listen on.
+            #[arg(long, default_value = "127.0.0.1:8080")]
+            addr: String,
+            /// Serve this folder (the built web app) at `/`.
+            #[arg(long = "static")]
+            static_dir: Option<std::path::PathBuf>,
+            /// Largest data frame in bytes (clients split larger messages).
+            #[arg(long, default_value_t = 1 << 20)]
+            max_frame: usize,
+            /// Largest world size of a room.
+            #[arg(long, default_value_t = 64)]
+            max_members: u32,
+            /// Most rooms at once.
+            #[arg(long, default_value_t = 256)]
+            max_rooms: usize,
+            /// Bytes that may queue for one member before its senders are slowed down.
+            #[arg(long, default_value_t = 16 << 20)]
+            max_pending_bytes: usize,
+            /// Close connections silent for this many seconds.
+            #[arg(long, default_value_t = 30)]
+            idle_timeout_secs: u64,
+            /// Allowed browser origins (repeat or comma-separate); default: any.
+            #[arg(long, value_delimiter = ',')]
+            allowed_origin: Option<Vec<String>>,
+        },
+        /// Join a relay room as one rank and run a case (built-in example or file) forward and backward.
+        Worker {
+            /// Relay WebSocket URL.
+            #[arg(long, default_value = "ws://127.0.0.1:8080/ws")]
+            relay: String,
+            /// Room name.
+            #[arg(long)]
+            room: String,
+            /// World size.
+            #[arg(long)]
+            world: usize,
+            /// Wanted rank (default: any free rank).
+            #[arg(long)]
+            rank: Option<u32>,
+            /// Room token (default: create the room with a random token, printed).
+            #[arg(long)]
+            token: Option<String>,
+            /// Collective of the built-in example.
+            #[arg(long, default_value = "all_reduce")]
+            collective: String,
+            /// A case file instead of the built-in example.
+            #[arg(long)]
+            case: Option<std::path::PathBuf>,
+            /// Reduce op for the built-in example.
+            #[arg(long, default_value = "sum")]
+            op: String,
+            /// Root (group rank) for the built-in example.
+            #[arg(long, default_value_t = 0)]
+            root: usize,
+            /// Print this rank's result as one JSON line.
+            #[arg(long)]
+            json: bool,
+        },
+        /// Start a relay and N worker processes on this machine, run a collective forward and backward,
+        /// and print the same per-rank table as `vjp`.
+        Demo {
+            /// Number of ranks.
+            #[arg(long, default_value_t = 4)]
+            world: usize,
+            /// `relay` (processes through a local relay) or `local` (threads).
+            #[arg(long, default_value = "relay")]
+            transport: String,
+            /// Collective of the built-in example.
+            #[arg(long, default_value = "all_reduce")]
+            collective: String,
+            /// Reduce op.
+            #[arg(long, default_value = "sum")]
+            op: String,
+            /// Root (group rank).
+            #[arg(long, default_value_t = 0)]
+            root: usize,
+            /// Print the machine-readable JSON output (as `vjp --json`) instead of the table.
+            #[arg(long)]
+            json: bool,
+        },
+        /// Benchmarks: an nccl-tests-style table of collectives (with a memcpy line measured in the same
+        /// run) and the tape's overhead per local op.
+        Bench {
+            /// `collectives` (default) or `kernels` (the WGSL kernels against a 1-thread CPU loop).
+            #[arg(default_value = "collectives")]
+            what: String,
+            /// Transport: `local` (ranks as threads of this process) or `relay`.
+            #[arg(long, default_value = "local")]
+            transport: String,
+            /// Number of ranks.
+            #[arg(long, default_value_t = 4)]
+            world: usize,
+            /// Smallest payload in bytes.
+            #[arg(long, default_value_t = 4)]
+            min_bytes: usize,
+            /// Largest payload in bytes (per rank).
+            #[arg(long, default_value_t = 64 << 20)]
+            max_bytes: usize,
+            /// Collectives, comma-separated.
+            #[arg(
+                long,
+                value_delimiter = ',',
+                default_value = "all_reduce,all_gather,broadcast"
+            )]
+            ops: Vec<String>,
+        },
+    }
+
+    pub fn main() -> ExitCode {
+        let cli = Cli::parse();
+        let r = match cli.cmd {
+            Cmd::Vjp {
+                what,
+                world,
+                op,
+                root,
+                group,
+                json,
+                print_case,
+            } => run_vjp(&what, world, &op, root, group, json, print_case),
+            Cmd::Bench { what, .. } if what == "kernels" => run_kernel_bench(),
+            Cmd::Bench {
+                what: _,
+                transport,
+                world,
+                min_bytes,
+                max_bytes,
+                ops,
+            } => run_bench(&transport, world, min_bytes, max_bytes, &ops),
+            Cmd::Relay {
+                addr,
+                static_dir,
                 max_frame,
                 max_members,
                 max_rooms,
                 max_pending_bytes,
-                idle_timeout: std::time::Duration::from_secs(idle_timeout_secs.max(1)),
-                allowed_origins: allowed_origin,
-                static_dir,
-                ..Default::default()
-            };
-            run_relay(&addr, cfg)
-        }
-        Cmd::Worker {
-            relay,
-            room,
-            world,
-            rank,
-            token,
-            collective,
-            case,
-            op,
-            root,
-            json,
-        } => {
-            let opts = WorkerOpts {
+                idle_timeout_secs,
+                allowed_origin,
+            } => {
+                let cfg = distgrad::relay::RelayConfig {
+                    max_frame,
+                    max_members,
+                    max_rooms,
+                    max_pending_bytes,
+                    idle_timeout: std::time::Duration::from_secs(idle_timeout_secs.max(1)),
+                    allowed_origins: allowed_origin,
+                    static_dir,
+                    ..Default::default()
+                };
+                run_relay(&addr, cfg)
+            }
+            Cmd::Worker {
                 relay,
                 room,
                 world,
                 rank,
                 token,
-            };
-            run_worker(&opts, &collective, case.as_deref(), &op, root, json)
-        }
-        Cmd::Demo {
-            world,
-            transport,
-            collective,
-            op,
-            root,
-            json,
-        } => run_demo(world, &transport, &collective, &op, root, json),
-    };
-    match r {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("distgrad: {e}");
-            ExitCode::from(2)
-        }
-    }
-}
-
-fn run_vjp(
-    what: &str,
-    world: usize,
-    op: &str,
-    root: usize,
-    group: Option<Vec<usize>>,
-    json: bool,
-    print_case: bool,
-) -> distgrad::Result<()> {
-    let case = if let Ok(which) = Which::parse(what) {
-        vjp::example_case(which, world, ReduceOp::parse(op)?, root, group)?
-    } else if what == "-" {
-        let mut s = String::new();
-        std::io::stdin()
-            .read_to_string(&mut s)
-            .map_err(|e| distgrad::Error::Input(format!("reading stdin: {e}")))?;
-        vjp::parse_case(&s)?
-    } else if std::path::Path::new(what).exists() {
-        let s = std::fs::read_to_string(what)
-            .map_err(|e| distgrad::Error::Input(format!("reading {what}: {e}")))?;
-        vjp::parse_case(&s)?
-    } else {
-        // Neither a collective nor a file: say both.
-        let e = Which::parse(what)
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
-        return Err(distgrad::Error::Input(format!(
-            "{what:?} is not a file; {e}"
-        )));
-    };
-    if print_case {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&case)
-                .map_err(|e| distgrad::Error::Input(e.to_string()))?
-        );
-        return Ok(());
-    }
-    let out = vjp::run_case(&case)?;
-    print_answer(&case, &out, json)
-}
-
-fn run_bench(
-    transport: &str,
-    world: usize,
-    min: usize,
-    max: usize,
-    ops: &[String],
-) -> distgrad::Result<()> {
-    if world == 0 || world > 64 {
-        return Err(distgrad::Error::Input(format!(
-            "world must be 1..=64, got {world}"
-        )));
-    }
-    let ops: Vec<BenchOp> = ops
-        .iter()
-        .map(|s| BenchOp::parse(s))
-        .collect::<distgrad::Result<_>>()?;
-    let sizes = bench::sizes(min, max);
-    let memcpy = bench::memcpy_gbps(max.max(1 << 20));
-    let what = match transport {
-        "local" => "in-process threads",
-        "relay" => "threads, each with its own WebSocket to a relay on 127.0.0.1 in this process",
-        other => {
-            return Err(distgrad::Error::Input(format!(
-                "unknown transport {other:?} (local or relay)"
-            )));
-        }
-    };
-    println!("# distgrad bench: transport={transport} ({what}), world={world}");
-    println!(
-        "# memcpy {}: {memcpy:.2} GB/s (single thread, same run)",
-        bench::fmt_bytes(max.max(1 << 20))
-    );
-    println!("# busbw factors (nccl-tests): all_reduce 2(n-1)/n, all_gather (n-1)/n, broadcast 1");
-    println!("{}", bench::table_header());
-    let results = match transport {
-        "local" => distgrad::run_local(world, CommOptions::default(), |comm| {
-            let (ops, sizes) = (&ops, &sizes);
-            async move { rank_bench(&comm, ops, sizes, memcpy).await }
-        }),
-        _ => distgrad::run::run_over_relay(
-            world,
-            distgrad::relay::RelayConfig::default(),
-            CommOptions::for_network(),
-            async |comm| rank_bench(comm, &ops, &sizes, memcpy).await,
-        )?,
-    };
-    let mut rank0 = None;
-    for (r, res) in results.into_iter().enumerate() {
-        match res {
-            Ok(v) if r == 0 => rank0 = Some(v),
-            Ok(_) => {}
+                collective,
+                case,
+                op,
+                root,
+                json,
+            } => {
+                let opts = WorkerOpts {
+                    relay,
+                    room,
+                    world,
+                    rank,
+                    token,
+                };
+                run_worker(&opts, &collective, case.as_deref(), &op, root, json)
+            }
+            Cmd::Demo {
+                world,
+                transport,
+                collective,
+                op,
+                root,
+                json,
+            } => run_demo(world, &transport, &collective, &op, root, json),
+        };
+        match r {
+            Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
-                return Err(distgrad::Error::Input(format!(
-                    "bench failed on rank {r}: {e}"
-                )));
+                eprintln!("distgrad: {e}");
+                ExitCode::from(2)
             }
         }
     }
-    let (rows, (p50, p99)) =
-        rank0.ok_or_else(|| distgrad::Error::Input("no result from rank 0".into()))?;
-    if let Some(r) = rows.iter().rev().find(|r| r.op == BenchOp::AllReduce) {
-        println!(
-            "# all_reduce at {}: busbw {:.3} GB/s = {:.2}x memcpy",
-            bench::fmt_bytes(r.bytes),
-            r.busbw,
-            r.busbw / memcpy
-        );
-    }
-    println!(
-        "# 16-byte all_reduce latency on rank 0: p50 {:.1} us, p99 {:.1} us",
-        p50.as_secs_f64() * 1e6,
-        p99.as_secs_f64() * 1e6
-    );
-    let (taped, raw) = bench::tape_overhead(200_000)?;
-    println!(
-        "# tape overhead: {taped:.3} us per recorded op on 1-element tensors vs {raw:.3} us untaped ({:.3} us/op added)",
-        taped - raw
-    );
-    Ok(())
-}
 
-type RankBench = (Vec<bench::Row>, (std::time::Duration, std::time::Duration));
-
-/// One rank's whole benchmark: the table (printed by rank 0 as it goes), then the latency.
-async fn rank_bench<C: Communicator>(
-    comm: &C,
-    ops: &[BenchOp],
-    sizes: &[usize],
-    memcpy: f64,
-) -> distgrad::Result<RankBench> {
-    let rows = bench::bench_all(comm, ops, sizes, memcpy, comm.rank() == 0).await?;
-    let lat = bench::latency_16b(comm, 2000).await?;
-    Ok((rows, lat))
-}
-
-fn runtime(multi: bool) -> distgrad::Result<tokio::runtime::Runtime> {
-    let b = if multi {
-        tokio::runtime::Builder::new_multi_thread()
-    } else {
-        tokio::runtime::Builder::new_current_thread()
-    }
-    .enable_all()
-    .build();
-    b.map_err(|e| distgrad::Error::Input(format!("cannot start the async runtime: {e}")))
-}
-
-fn run_relay(addr: &str, cfg: distgrad::relay::RelayConfig) -> distgrad::Result<()> {
-    runtime(true)?.block_on(async {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(|e| distgrad::Error::Input(format!("cannot listen on {addr}: {e}")))?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| distgrad::Error::Input(e.to_string()))?;
-        println!("distgrad relay listening on ws://{local}/ws");
-        if let Some(d) = &cfg.static_dir {
-            println!("serving {} at http://{local}/", d.display());
-        }
-        let shutdown = async {
-            let _ = tokio::signal::ctrl_c().await;
-            println!("distgrad relay: shutting down");
-        };
-        distgrad::relay::serve(listener, cfg, shutdown)
-            .await
-            .map_err(|e| distgrad::Error::Input(format!("relay failed: {e}")))
-    })
-}
-
-struct WorkerOpts {
-    relay: String,
-    room: String,
-    world: usize,
-    rank: Option<u32>,
-    token: Option<String>,
-}
-
-fn load_case(
-    collective: &str,
-    case: Option<&std::path::Path>,
-    world: usize,
-    op: &str,
-    root: usize,
-) -> distgrad::Result<vjp::Case> {
-    match case {
-        Some(path) => {
-            let s = std::fs::read_to_string(path)
-                .map_err(|e| distgrad::Error::Input(format!("reading {}: {e}", path.display())))?;
-            vjp::parse_case(&s)
-        }
-        None => vjp::example_case(
-            Which::parse(collective)?,
-            world,
-            ReduceOp::parse(op)?,
-            root,
-            None,
-        ),
-    }
-}
-
-fn run_worker(
-    o: &WorkerOpts,
-    collective: &str,
-    case: Option<&std::path::Path>,
-    op: &str,
-    root: usize,
-    json: bool,
-) -> distgrad::Result<()> {
-    let case = load_case(collective, case, o.world, op, root)?;
-    let prepared = vjp::Prepared::new(&case)?;
-    let world =
-        u32::try_from(o.world).map_err(|_| distgrad::Error::Input("world too large".into()))?;
-    let mut join = distgrad::transport::ws::JoinOptions::new(&o.room, world);
-    join.rank = o.rank;
-    join.token = o.token.clone();
-    let result = runtime(false)?.block_on(async {
-        let t = distgrad::transport::ws::WsTransport::connect(&o.relay, join).await?;
-        if o.token.is_none() {
-            eprintln!("room {:?} token: {}", o.room, t.token());
-        }
-        let comm = distgrad::P2p::new(t, vjp::case_options());
-        let r = vjp::run_rank(&comm, &prepared).await;
-        comm.into_transport().close().await;
-        r
-    })?;
-    if json {
-        println!(
-            "{}",
-            serde_json::to_string(&result).map_err(|e| distgrad::Error::Input(e.to_string()))?
-        );
-    } else {
-        println!("dual: {}", result.dual.join(" + "));
-        println!(
-            "outputs: {}",
-            serde_json::to_string(&result.outputs).unwrap_or_default()
-        );
-        println!(
-            "grads: {}",
-            serde_json::to_string(&result.grads).unwrap_or_default()
-        );
-    }
-    Ok(())
-}
-
-fn run_demo(
-    world: usize,
-    transport: &str,
-    collective: &str,
-    op: &str,
-    root: usize,
-    json: bool,
-) -> distgrad::Result<()> {
-    let case = load_case(collective, None, world, op, root)?;
-    let out = match transport {
-        "local" => vjp::run_case(&case)?,
-        "relay" => demo_over_relay(&case, collective, op, root)?,
-        other => {
+    fn run_vjp(
+        what: &str,
+        world: usize,
+        op: &str,
+        root: usize,
+        group: Option<Vec<usize>>,
+        json: bool,
+        print_case: bool,
+    ) -> distgrad::Result<()> {
+        let case = if let Ok(which) = Which::parse(what) {
+            vjp::example_case(which, world, ReduceOp::parse(op)?, root, group)?
+        } else if what == "-" {
+            let mut s = String::new();
+            std::io::stdin()
+                .read_to_string(&mut s)
+                .map_err(|e| distgrad::Error::Input(format!("reading stdin: {e}")))?;
+            vjp::parse_case(&s)?
+        } else if std::path::Path::new(what).exists() {
+            let s = std::fs::read_to_string(what)
+                .map_err(|e| distgrad::Error::Input(format!("reading {what}: {e}")))?;
+            vjp::parse_case(&s)?
+        } else {
+            // Neither a collective nor a file: say both.
+            let e = Which::parse(what)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
             return Err(distgrad::Error::Input(format!(
-                "unknown transport {other:?} (relay or local)"
+                "{what:?} is not a file; {e}"
+            )));
+        };
+        if print_case {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&case)
+                    .map_err(|e| distgrad::Error::Input(e.to_string()))?
+            );
+            return Ok(());
+        }
+        let out = vjp::run_case(&case)?;
+        print_answer(&case, &out, json)
+    }
+
+    fn run_bench(
+        transport: &str,
+        world: usize,
+        min: usize,
+        max: usize,
+        ops: &[String],
+    ) -> distgrad::Result<()> {
+        if world == 0 || world > 64 {
+            return Err(distgrad::Error::Input(format!(
+                "world must be 1..=64, got {world}"
             )));
         }
-    };
-    print_answer(&case, &out, json)
-}
-
-/// A relay on an ephemeral loopback port (its own thread and runtime) plus `world` worker processes.
-fn demo_over_relay(
-    case: &vjp::Case,
-    collective: &str,
-    op: &str,
-    root: usize,
-) -> distgrad::Result<vjp::CaseOutput> {
-    let world = case.world;
-    let prepared = vjp::Prepared::new(case)?;
-    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let rt = runtime(true)?;
-    let relay = std::thread::spawn(move || {
-        rt.block_on(async move {
-            let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
-                Ok(l) => l,
+        let ops: Vec<BenchOp> = ops
+            .iter()
+            .map(|s| BenchOp::parse(s))
+            .collect::<distgrad::Result<_>>()?;
+        let sizes = bench::sizes(min, max);
+        let memcpy = bench::memcpy_gbps(max.max(1 << 20));
+        let what = match transport {
+            "local" => "in-process threads",
+            "relay" => {
+                "threads, each with its own WebSocket to a relay on 127.0.0.1 in this process"
+            }
+            other => {
+                return Err(distgrad::Error::Input(format!(
+                    "unknown transport {other:?} (local or relay)"
+                )));
+            }
+        };
+        println!("# distgrad bench: transport={transport} ({what}), world={world}");
+        println!(
+            "# memcpy {}: {memcpy:.2} GB/s (single thread, same run)",
+            bench::fmt_bytes(max.max(1 << 20))
+        );
+        println!(
+            "# busbw factors (nccl-tests): all_reduce 2(n-1)/n, all_gather (n-1)/n, broadcast 1"
+        );
+        println!("{}", bench::table_header());
+        let results = match transport {
+            "local" => distgrad::run_local(world, CommOptions::default(), |comm| {
+                let (ops, sizes) = (&ops, &sizes);
+                async move { rank_bench(&comm, ops, sizes, memcpy).await }
+            }),
+            _ => distgrad::run::run_over_relay(
+                world,
+                distgrad::relay::RelayConfig::default(),
+                CommOptions::for_network(),
+                async |comm| rank_bench(comm, &ops, &sizes, memcpy).await,
+            )?,
+        };
+        let mut rank0 = None;
+        for (r, res) in results.into_iter().enumerate() {
+            match res {
+                Ok(v) if r == 0 => rank0 = Some(v),
+                Ok(_) => {}
                 Err(e) => {
-                    let _ = addr_tx.send(Err(e.to_string()));
-                    return;
-                }
-            };
-            let _ = addr_tx.send(listener.local_addr().map_err(|e| e.to_string()));
-            let cfg = distgrad::relay::RelayConfig::default();
-            let _ = distgrad::relay::serve(listener, cfg, async {
-                let _ = stop_rx.await;
-            })
-            .await;
-        })
-    });
-    let addr = addr_rx
-        .recv()
-        .map_err(|_| distgrad::Error::Input("relay thread died".into()))?
-        .map_err(|e| distgrad::Error::Input(format!("relay: {e}")))?;
-    let url = format!("ws://{addr}/ws");
-    let token = distgrad::relay::random_token();
-    eprintln!("demo: relay at {url}, room \"demo\", {world} worker processes");
-    let exe = std::env::current_exe().map_err(|e| distgrad::Error::Input(e.to_string()))?;
-    let children: Vec<_> = (0..world)
-        .map(|r| {
-            std::process::Command::new(&exe)
-                .args([
-                    "worker", "--relay", &url, "--room", "demo", "--token", &token, "--json",
-                ])
-                .args(["--world", &world.to_string(), "--rank", &r.to_string()])
-                .args([
-                    "--collective",
-                    collective,
-                    "--op",
-                    op,
-                    "--root",
-                    &root.to_string(),
-                ])
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-        })
-        .collect();
-    let mut results = Vec::with_capacity(world);
-    for (r, c) in children.into_iter().enumerate() {
-        let res = c
-            .map_err(|e| distgrad::Error::Input(format!("starting worker {r}: {e}")))
-            .and_then(|c| {
-                c.wait_with_output()
-                    .map_err(|e| distgrad::Error::Input(format!("worker {r}: {e}")))
-            })
-            .and_then(|out| {
-                if !out.status.success() {
                     return Err(distgrad::Error::Input(format!(
-                        "worker {r} failed: {}",
-                        String::from_utf8_lossy(&out.stderr).trim()
+                        "bench failed on rank {r}: {e}"
                     )));
                 }
-                serde_json::from_slice::<vjp::RankResult>(&out.stdout)
-                    .map_err(|e| distgrad::Error::Input(format!("worker {r} output: {e}")))
-            });
-        results.push(res);
-    }
-    let _ = stop_tx.send(());
-    let _ = relay.join();
-    vjp::assemble(&prepared, results)
-}
-
-#[cfg(feature = "wgpu")]
-fn run_kernel_bench() -> distgrad::Result<()> {
-    let gpu = futures::executor::block_on(distgrad::backend::gpu::Gpu::new())?;
-    let n = 16 << 20;
-    println!(
-        "# distgrad bench kernels: adapter {}, {} f32 per input",
-        gpu.describe(),
-        n
-    );
-    let memcpy = bench::memcpy_gbps(n * 4);
-    println!("# memcpy (1 thread, same run): {memcpy:.2} GB/s copied");
-    println!(
-        "{:>24} {:>10} {:>14} {:>10}",
-        "kernel", "GPU GB/s", "1-thread CPU", "ratio"
-    );
-    for r in bench::kernels(&gpu, n)? {
+            }
+        }
+        let (rows, (p50, p99)) =
+            rank0.ok_or_else(|| distgrad::Error::Input("no result from rank 0".into()))?;
+        if let Some(r) = rows.iter().rev().find(|r| r.op == BenchOp::AllReduce) {
+            println!(
+                "# all_reduce at {}: busbw {:.3} GB/s = {:.2}x memcpy",
+                bench::fmt_bytes(r.bytes),
+                r.busbw,
+                r.busbw / memcpy
+            );
+        }
         println!(
-            "{:>24} {:>10.2} {:>14.2} {:>10.2}",
-            r.name,
-            r.gpu_gbps,
-            r.cpu_gbps,
-            r.gpu_gbps / r.cpu_gbps
+            "# 16-byte all_reduce latency on rank 0: p50 {:.1} us, p99 {:.1} us",
+            p50.as_secs_f64() * 1e6,
+            p99.as_secs_f64() * 1e6
         );
+        let (taped, raw) = bench::tape_overhead(200_000)?;
+        println!(
+            "# tape overhead: {taped:.3} us per recorded op on 1-element tensors vs {raw:.3} us untaped ({:.3} us/op added)",
+            taped - raw
+        );
+        Ok(())
     }
-    Ok(())
-}
 
-#[cfg(not(feature = "wgpu"))]
-fn run_kernel_bench() -> distgrad::Result<()> {
-    Err(distgrad::Error::Input(
-        "this build has no WGSL backend (build with the `wgpu` feature)".into(),
-    ))
-}
+    type RankBench = (Vec<bench::Row>, (std::time::Duration, std::time::Duration));
 
-/// A case's answer as JSON (`--json`) or as the per-rank table.
-fn print_answer(case: &vjp::Case, out: &vjp::CaseOutput, json: bool) -> distgrad::Result<()> {
-    if json {
-        let text = serde_json::to_string(out).map_err(|e| distgrad::Error::Input(e.to_string()))?;
-        println!("{text}");
-    } else {
-        print!("{}", vjp::render_table(case, out));
+    /// One rank's whole benchmark: the table (printed by rank 0 as it goes), then the latency.
+    async fn rank_bench<C: Communicator>(
+        comm: &C,
+        ops: &[BenchOp],
+        sizes: &[usize],
+        memcpy: f64,
+    ) -> distgrad::Result<RankBench> {
+        let rows = bench::bench_all(comm, ops, sizes, memcpy, comm.rank() == 0).await?;
+        let lat = bench::latency_16b(comm, 2000).await?;
+        Ok((rows, lat))
     }
-    Ok(())
+
+    fn runtime(multi: bool) -> distgrad::Result<tokio::runtime::Runtime> {
+        let b = if multi {
+            tokio::runtime::Builder::new_multi_thread()
+        } else {
+            tokio::runtime::Builder::new_current_thread()
+        }
+        .enable_all()
+        .build();
+        b.map_err(|e| distgrad::Error::Input(format!("cannot start the async runtime: {e}")))
+    }
+
+    fn run_relay(addr: &str, cfg: distgrad::relay::RelayConfig) -> distgrad::Result<()> {
+        runtime(true)?.block_on(async {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| distgrad::Error::Input(format!("cannot listen on {addr}: {e}")))?;
+            let local = listener
+                .local_addr()
+                .map_err(|e| distgrad::Error::Input(e.to_string()))?;
+            println!("distgrad relay listening on ws://{local}/ws");
+            if let Some(d) = &cfg.static_dir {
+                println!("serving {} at http://{local}/", d.display());
+            }
+            let shutdown = async {
+                let _ = tokio::signal::ctrl_c().await;
+                println!("distgrad relay: shutting down");
+            };
+            distgrad::relay::serve(listener, cfg, shutdown)
+                .await
+                .map_err(|e| distgrad::Error::Input(format!("relay failed: {e}")))
+        })
+    }
+
+    struct WorkerOpts {
+        relay: String,
+        room: String,
+        world: usize,
+        rank: Option<u32>,
+        token: Option<String>,
+    }
+
+    fn load_case(
+        collective: &str,
+        case: Option<&std::path::Path>,
+        world: usize,
+        op: &str,
+        root: usize,
+    ) -> distgrad::Result<vjp::Case> {
+        match case {
+            Some(path) => {
+                let s = std::fs::read_to_string(path).map_err(|e| {
+                    distgrad::Error::Input(format!("reading {}: {e}", path.display()))
+                })?;
+                vjp::parse_case(&s)
+            }
+            None => vjp::example_case(
+                Which::parse(collective)?,
+                world,
+                ReduceOp::parse(op)?,
+                root,
+                None,
+            ),
+        }
+    }
+
+    fn run_worker(
+        o: &WorkerOpts,
+        collective: &str,
+        case: Option<&std::path::Path>,
+        op: &str,
+        root: usize,
+        json: bool,
+    ) -> distgrad::Result<()> {
+        let case = load_case(collective, case, o.world, op, root)?;
+        let prepared = vjp::Prepared::new(&case)?;
+        let world =
+            u32::try_from(o.world).map_err(|_| distgrad::Error::Input("world too large".into()))?;
+        let mut join = distgrad::transport::ws::JoinOptions::new(&o.room, world);
+        join.rank = o.rank;
+        join.token = o.token.clone();
+        let result = runtime(false)?.block_on(async {
+            let t = distgrad::transport::ws::WsTransport::connect(&o.relay, join).await?;
+            if o.token.is_none() {
+                eprintln!("room {:?} token: {}", o.room, t.token());
+            }
+            let comm = distgrad::P2p::new(t, vjp::case_options());
+            let r = vjp::run_rank(&comm, &prepared).await;
+            comm.into_transport().close().await;
+            r
+        })?;
+        if json {
+            println!(
+                "{}",
+                serde_json::to_string(&result)
+                    .map_err(|e| distgrad::Error::Input(e.to_string()))?
+            );
+        } else {
+            println!("dual: {}", result.dual.join(" + "));
+            println!(
+                "outputs: {}",
+                serde_json::to_string(&result.outputs).unwrap_or_default()
+            );
+            println!(
+                "grads: {}",
+                serde_json::to_string(&result.grads).unwrap_or_default()
+            );
+        }
+        Ok(())
+    }
+
+    fn run_demo(
+        world: usize,
+        transport: &str,
+        collective: &str,
+        op: &str,
+        root: usize,
+        json: bool,
+    ) -> distgrad::Result<()> {
+        let case = load_case(collective, None, world, op, root)?;
+        let out = match transport {
+            "local" => vjp::run_case(&case)?,
+            "relay" => demo_over_relay(&case, collective, op, root)?,
+            other => {
+                return Err(distgrad::Error::Input(format!(
+                    "unknown transport {other:?} (relay or local)"
+                )));
+            }
+        };
+        print_answer(&case, &out, json)
+    }
+
+    /// A relay on an ephemeral loopback port (its own thread and runtime) plus `world` worker processes.
+    fn demo_over_relay(
+        case: &vjp::Case,
+        collective: &str,
+        op: &str,
+        root: usize,
+    ) -> distgrad::Result<vjp::CaseOutput> {
+        let world = case.world;
+        let prepared = vjp::Prepared::new(case)?;
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let rt = runtime(true)?;
+        let relay = std::thread::spawn(move || {
+            rt.block_on(async move {
+                let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
+                    Ok(l) => l,
+                    Err(e) => {
+                        let _ = addr_tx.send(Err(e.to_string()));
+                        return;
+                    }
+                };
+                let _ = addr_tx.send(listener.local_addr().map_err(|e| e.to_string()));
+                let cfg = distgrad::relay::RelayConfig::default();
+                let _ = distgrad::relay::serve(listener, cfg, async {
+                    let _ = stop_rx.await;
+                })
+                .await;
+            })
+        });
+        let addr = addr_rx
+            .recv()
+            .map_err(|_| distgrad::Error::Input("relay thread died".into()))?
+            .map_err(|e| distgrad::Error::Input(format!("relay: {e}")))?;
+        let url = format!("ws://{addr}/ws");
+        let token = distgrad::relay::random_token();
+        eprintln!("demo: relay at {url}, room \"demo\", {world} worker processes");
+        let exe = std::env::current_exe().map_err(|e| distgrad::Error::Input(e.to_string()))?;
+        let children: Vec<_> = (0..world)
+            .map(|r| {
+                std::process::Command::new(&exe)
+                    .args([
+                        "worker", "--relay", &url, "--room", "demo", "--token", &token, "--json",
+                    ])
+                    .args(["--world", &world.to_string(), "--rank", &r.to_string()])
+                    .args([
+                        "--collective",
+                        collective,
+                        "--op",
+                        op,
+                        "--root",
+                        &root.to_string(),
+                    ])
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+            })
+            .collect();
+        let mut results = Vec::with_capacity(world);
+        for (r, c) in children.into_iter().enumerate() {
+            let res = c
+                .map_err(|e| distgrad::Error::Input(format!("starting worker {r}: {e}")))
+                .and_then(|c| {
+                    c.wait_with_output()
+                        .map_err(|e| distgrad::Error::Input(format!("worker {r}: {e}")))
+                })
+                .and_then(|out| {
+                    if !out.status.success() {
+                        return Err(distgrad::Error::Input(format!(
+                            "worker {r} failed: {}",
+                            String::from_utf8_lossy(&out.stderr).trim()
+                        )));
+                    }
+                    serde_json::from_slice::<vjp::RankResult>(&out.stdout)
+                        .map_err(|e| distgrad::Error::Input(format!("worker {r} output: {e}")))
+                });
+            results.push(res);
+        }
+        let _ = stop_tx.send(());
+        let _ = relay.join();
+        vjp::assemble(&prepared, results)
+    }
+
+    #[cfg(feature = "wgpu")]
+    fn run_kernel_bench() -> distgrad::Result<()> {
+        let gpu = futures::executor::block_on(distgrad::backend::gpu::Gpu::new())?;
+        let n = 16 << 20;
+        println!(
+            "# distgrad bench kernels: adapter {}, {} f32 per input",
+            gpu.describe(),
+            n
+        );
+        let memcpy = bench::memcpy_gbps(n * 4);
+        println!("# memcpy (1 thread, same run): {memcpy:.2} GB/s copied");
+        println!(
+            "{:>24} {:>10} {:>14} {:>10}",
+            "kernel", "GPU GB/s", "1-thread CPU", "ratio"
+        );
+        for r in bench::kernels(&gpu, n)? {
+            println!(
+                "{:>24} {:>10.2} {:>14.2} {:>10.2}",
+                r.name,
+                r.gpu_gbps,
+                r.cpu_gbps,
+                r.gpu_gbps / r.cpu_gbps
+            );
+        }
+        Ok(())
+    }
+
+    #[cfg(not(feature = "wgpu"))]
+    fn run_kernel_bench() -> distgrad::Result<()> {
+        Err(distgrad::Error::Input(
+            "this build has no WGSL backend (build with the `wgpu` feature)".into(),
+        ))
+    }
+
+    /// A case's answer as JSON (`--json`) or as the per-rank table.
+    fn print_answer(case: &vjp::Case, out: &vjp::CaseOutput, json: bool) -> distgrad::Result<()> {
+        if json {
+            let text =
+                serde_json::to_string(out).map_err(|e| distgrad::Error::Input(e.to_string()))?;
+            println!("{text}");
+        } else {
+            print!("{}", vjp::render_table(case, out));
+        }
+        Ok(())
+    }
 }

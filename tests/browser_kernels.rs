@@ -1,0 +1,75 @@
+//! WGSL kernels in a real browser: headless Chromium with WebGPU (SwiftShader), checked against the
+//! CPU backend. Run with `cargo test --target wasm32-unknown-unknown --test browser_kernels`
+//! (needs wasm-bindgen-cli and chromium + chromium-driver; `.ci/run` installs them).
+#![cfg(all(target_arch = "wasm32", feature = "wgpu"))]
+
+use distgrad::backend::gpu::Gpu;
+use distgrad::backend::{BinaryOp, Device, UnaryOp, cpu};
+use distgrad::{Tensor, tensor::broadcast_shape};
+use wasm_bindgen_test::{wasm_bindgen_test, wasm_bindgen_test_configure};
+
+wasm_bindgen_test_configure!(run_in_browser);
+
+fn vals(seed: u32, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 1000) as f32 / 125.0 - 4.0)
+        .collect()
+}
+
+#[wasm_bindgen_test]
+async fn webgpu_kernels_match_the_cpu() {
+    let gpu = Gpu::new()
+        .await
+        .expect("headless Chromium with --enable-unsafe-webgpu has an adapter");
+    web_sys_log(&format!("adapter: {}", gpu.describe()));
+    let n = 1000;
+    let (a, b) = (vals(1, n), vals(2, n));
+    let (ga, gb) = (gpu.upload(&a).unwrap(), gpu.upload(&b).unwrap());
+    for op in [BinaryOp::Add, BinaryOp::Mul, BinaryOp::Max] {
+        let got = gpu
+            .read(&gpu.binary(op, &ga, &gb, n, None).unwrap())
+            .await
+            .unwrap();
+        let want = cpu::binary_same(op, &a, &b);
+        assert_eq!(
+            got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "{op:?}"
+        );
+    }
+    // reduce-into, the local step of every reducing collective
+    let acc = gpu.upload(&a).unwrap();
+    gpu.reduce_into(BinaryOp::Add, &acc, &gb).unwrap();
+    let mut want = a.clone();
+    cpu::reduce_into(BinaryOp::Add, &mut want, &b);
+    assert_eq!(gpu.read(&acc).await.unwrap(), want);
+    // tensor level: broadcasting and unary ops on the device, read back asynchronously
+    let d = Device::Gpu(gpu.clone());
+    let x = Tensor::from_vec(vals(3, 12), &[3, 4]).unwrap();
+    let y = Tensor::from_vec(vals(4, 4), &[4]).unwrap();
+    let z = x
+        .to_device(&d)
+        .unwrap()
+        .add(&y.to_device(&d).unwrap())
+        .unwrap()
+        .unary(UnaryOp::Relu)
+        .unwrap();
+    assert_eq!(
+        broadcast_shape("t", x.shape(), y.shape()).unwrap(),
+        z.shape()
+    );
+    assert_eq!(
+        z.read().await.unwrap(),
+        x.add(&y)
+            .unwrap()
+            .unary(UnaryOp::Relu)
+            .unwrap()
+            .read()
+            .await
+            .unwrap()
+    );
+}
+
+fn web_sys_log(s: &str) {
+    wasm_bindgen_test::console_log!("{s}");
+}
