@@ -11,6 +11,10 @@
 //!
 //! World sizes 1..=8 for all_reduce, {1, 2, 3, 5, 8} for the others, roots n-1 and n/2, and the
 //! subgroup case world 5 / group [4, 1, 3] for every collective.
+//!
+//! Every test runs on each backend (`<test>::cpu`, and `<test>::gpu` when there is a GPU), inputs
+//! as tensors on that device; the FD tolerance is far above the GPU's rounding. On the GPU the
+//! single-collective tests run a representative subset of world sizes: see [`sizes`].
 
 mod common;
 
@@ -19,6 +23,28 @@ use distgrad::{Communicator, ReduceOp, Tape, Tensor, Var, dist};
 
 const EPS: f32 = 1e-2;
 const SIZES: [usize; 5] = [1, 2, 3, 5, 8];
+
+/// Largest world of the single-collective FD cases on a GPU.
+const GPU_MAX_WORLD: usize = 3;
+
+/// The world sizes of a single-collective FD test on `d`: all of `all` on the CPU; on a GPU those
+/// up to [`GPU_MAX_WORLD`] (the subgroup case, a group of 3 in a world of 5, runs on both).
+///
+/// Why a subset: the GPU in CI is lavapipe (Vulkan in software), and every perturbed forward
+/// uploads, reads back and re-uploads each rank's tensors, so the cost grows like n³ (n⁴ for the
+/// list collectives): the full set took ~120 s extra in a debug build (the two reduce_scatter tests
+/// ~75 s, mostly at n = 8), against ~6 s for this subset. What the GPU changes is where the local
+/// math of the duals runs (Eq masks, tie splits, products of the other ranks' inputs, 1/N scales,
+/// stack/unstack), and n ∈ {1, 2, 3} exercises all of it: every collective, every ReduceOp, both
+/// algorithms (uneven ring chunks at n = 3), both objectives, roots n-1 and n/2, the empty product
+/// of a single rank. Larger worlds change only the host-side schedules (collectives read GPU inputs
+/// back at their entry), which the CPU run covers at every size. The multi-collective programs
+/// below, the adjoint suite and the hand-derived suite run their full sets on the GPU.
+fn sizes(d: &Device, all: impl IntoIterator<Item = usize>) -> Vec<usize> {
+    all.into_iter()
+        .filter(|&n| is_cpu(d) || n <= GPU_MAX_WORLD)
+        .collect()
+}
 
 /// Inputs for a finite-difference case: moderate magnitudes (|x| in [0.3, 1.5]), adjusted for the
 /// reduce op (distinct values for MAX/MIN, zeros for PROD).
@@ -134,16 +160,15 @@ fn case(s: &Setup, coll: &Coll, shape: &[usize], seed: u64) {
     fd_check(s, coll, &xs, seed);
 }
 
-fn sub() -> Setup {
-    Setup::sub(SUB_WORLD, &SUB_GROUP)
+fn sub(d: &Device) -> Setup {
+    Setup::sub(d, SUB_WORLD, &SUB_GROUP)
 }
 
-#[test]
-fn all_reduce_every_op_world_1_to_8() {
-    for n in 1..=8 {
+fn all_reduce_every_op_world_1_to_8(d: &Device) {
+    for n in sizes(d, 1..=8) {
         for op in ReduceOp::ALL {
             case(
-                &Setup::world(n),
+                &Setup::world(d, n),
                 &Coll::AllReduce { op },
                 &[3],
                 10 * n as u64,
@@ -151,17 +176,16 @@ fn all_reduce_every_op_world_1_to_8() {
         }
     }
     for op in ReduceOp::ALL {
-        case(&sub(), &Coll::AllReduce { op }, &[3], 1);
+        case(&sub(d), &Coll::AllReduce { op }, &[3], 1);
     }
 }
 
-#[test]
-fn all_reduce_every_op_ring() {
+fn all_reduce_every_op_ring(d: &Device) {
     // numel 8 >= n: the ring path, uneven chunks for n = 3, 5.
-    for n in [2, 3, 5, 8] {
+    for n in sizes(d, [2, 3, 5, 8]) {
         for op in ReduceOp::ALL {
             case(
-                &Setup::world(n).ring(),
+                &Setup::world(d, n).ring(),
                 &Coll::AllReduce { op },
                 &[8],
                 20 + n as u64,
@@ -169,17 +193,16 @@ fn all_reduce_every_op_ring() {
         }
     }
     for op in ReduceOp::ALL {
-        case(&sub().ring(), &Coll::AllReduce { op }, &[4], 2);
+        case(&sub(d).ring(), &Coll::AllReduce { op }, &[4], 2);
     }
 }
 
-#[test]
-fn reduce_every_op_roots() {
-    for n in SIZES {
+fn reduce_every_op_roots(d: &Device) {
+    for n in sizes(d, SIZES) {
         for root in roots(n) {
             for op in ReduceOp::ALL {
                 case(
-                    &Setup::world(n),
+                    &Setup::world(d, n),
                     &Coll::Reduce { root, op },
                     &[3],
                     30 + n as u64,
@@ -189,17 +212,16 @@ fn reduce_every_op_roots() {
     }
     for root in [2, 1] {
         for op in ReduceOp::ALL {
-            case(&sub(), &Coll::Reduce { root, op }, &[3], 3);
+            case(&sub(d), &Coll::Reduce { root, op }, &[3], 3);
         }
     }
 }
 
-#[test]
-fn reduce_scatter_every_op() {
-    for n in SIZES {
+fn reduce_scatter_every_op(d: &Device) {
+    for n in sizes(d, SIZES) {
         for op in ReduceOp::ALL {
             case(
-                &Setup::world(n),
+                &Setup::world(d, n),
                 &Coll::ReduceScatter { op },
                 &[2],
                 40 + n as u64,
@@ -207,16 +229,15 @@ fn reduce_scatter_every_op() {
         }
     }
     for op in ReduceOp::ALL {
-        case(&sub(), &Coll::ReduceScatter { op }, &[2], 4);
+        case(&sub(d), &Coll::ReduceScatter { op }, &[2], 4);
     }
 }
 
-#[test]
-fn reduce_scatter_every_op_ring() {
-    for n in [2, 3, 5, 8] {
+fn reduce_scatter_every_op_ring(d: &Device) {
+    for n in sizes(d, [2, 3, 5, 8]) {
         for op in ReduceOp::ALL {
             case(
-                &Setup::world(n).ring(),
+                &Setup::world(d, n).ring(),
                 &Coll::ReduceScatter { op },
                 &[2],
                 50 + n as u64,
@@ -224,16 +245,15 @@ fn reduce_scatter_every_op_ring() {
         }
     }
     for op in ReduceOp::ALL {
-        case(&sub().ring(), &Coll::ReduceScatter { op }, &[2], 5);
+        case(&sub(d).ring(), &Coll::ReduceScatter { op }, &[2], 5);
     }
 }
 
-#[test]
-fn broadcast_roots() {
-    for n in SIZES {
+fn broadcast_roots(d: &Device) {
+    for n in sizes(d, SIZES) {
         for root in roots(n) {
             case(
-                &Setup::world(n),
+                &Setup::world(d, n),
                 &Coll::Broadcast { root },
                 &[3],
                 60 + n as u64,
@@ -241,16 +261,15 @@ fn broadcast_roots() {
         }
     }
     for root in [2, 1] {
-        case(&sub(), &Coll::Broadcast { root }, &[3], 6);
+        case(&sub(d), &Coll::Broadcast { root }, &[3], 6);
     }
 }
 
-#[test]
-fn gather_roots() {
-    for n in SIZES {
+fn gather_roots(d: &Device) {
+    for n in sizes(d, SIZES) {
         for root in roots(n) {
             case(
-                &Setup::world(n),
+                &Setup::world(d, n),
                 &Coll::Gather { root },
                 &[2],
                 70 + n as u64,
@@ -258,16 +277,15 @@ fn gather_roots() {
         }
     }
     for root in [2, 1] {
-        case(&sub(), &Coll::Gather { root }, &[2], 7);
+        case(&sub(d), &Coll::Gather { root }, &[2], 7);
     }
 }
 
-#[test]
-fn scatter_roots() {
-    for n in SIZES {
+fn scatter_roots(d: &Device) {
+    for n in sizes(d, SIZES) {
         for root in roots(n) {
             case(
-                &Setup::world(n),
+                &Setup::world(d, n),
                 &Coll::Scatter { root },
                 &[2],
                 80 + n as u64,
@@ -275,56 +293,53 @@ fn scatter_roots() {
         }
     }
     for root in [2, 1] {
-        case(&sub(), &Coll::Scatter { root }, &[2], 8);
+        case(&sub(d), &Coll::Scatter { root }, &[2], 8);
     }
 }
 
-#[test]
-fn all_gather() {
-    for n in SIZES {
-        case(&Setup::world(n), &Coll::AllGather, &[2], 90 + n as u64);
+fn all_gather(d: &Device) {
+    for n in sizes(d, SIZES) {
+        case(&Setup::world(d, n), &Coll::AllGather, &[2], 90 + n as u64);
     }
-    for n in [2, 3, 5] {
+    for n in sizes(d, [2, 3, 5]) {
         case(
-            &Setup::world(n).ring(),
+            &Setup::world(d, n).ring(),
             &Coll::AllGather,
             &[2],
             95 + n as u64,
         );
     }
-    case(&sub(), &Coll::AllGather, &[2], 9);
+    case(&sub(d), &Coll::AllGather, &[2], 9);
 }
 
-#[test]
-fn all_to_all_list() {
-    for n in SIZES {
+fn all_to_all_list(d: &Device) {
+    for n in sizes(d, SIZES) {
         case(
-            &Setup::world(n),
+            &Setup::world(d, n),
             &Coll::AllToAll { ragged: false },
             &[2],
             100 + n as u64,
         );
         case(
-            &Setup::world(n),
+            &Setup::world(d, n),
             &Coll::AllToAll { ragged: true },
             &[],
             110 + n as u64,
         );
     }
-    case(&sub(), &Coll::AllToAll { ragged: false }, &[2], 10);
-    case(&sub(), &Coll::AllToAll { ragged: true }, &[], 11);
+    case(&sub(d), &Coll::AllToAll { ragged: false }, &[2], 10);
+    case(&sub(d), &Coll::AllToAll { ragged: true }, &[], 11);
 }
 
-#[test]
-fn all_to_all_single_uneven() {
-    for n in SIZES {
+fn all_to_all_single_uneven(d: &Device) {
+    for n in sizes(d, SIZES) {
         for variant in 0..2 {
             let coll = Coll::AllToAllSingle {
                 in_splits: a2a_splits(n, variant),
                 cols: 1,
             };
             case(
-                &Setup::world(n),
+                &Setup::world(d, n),
                 &coll,
                 &[],
                 120 + 2 * n as u64 + variant as u64,
@@ -335,15 +350,14 @@ fn all_to_all_single_uneven() {
         in_splits: a2a_splits(3, 0),
         cols: 2,
     };
-    case(&sub(), &coll, &[], 12);
+    case(&sub(d), &coll, &[], 12);
 }
 
-#[test]
-fn permute_full_and_partial() {
-    for n in SIZES {
+fn permute_full_and_partial(d: &Device) {
+    for n in sizes(d, SIZES) {
         for pairs in permute_cases(n) {
             case(
-                &Setup::world(n),
+                &Setup::world(d, n),
                 &Coll::Permute { pairs },
                 &[2],
                 140 + n as u64,
@@ -351,33 +365,34 @@ fn permute_full_and_partial() {
         }
     }
     for pairs in permute_cases(3) {
-        case(&sub(), &Coll::Permute { pairs }, &[2], 13);
+        case(&sub(d), &Coll::Permute { pairs }, &[2], 13);
     }
 }
 
-#[test]
-fn send_recv() {
-    for n in [2, 3, 5, 8] {
+fn send_recv(d: &Device) {
+    for n in sizes(d, [2, 3, 5, 8]) {
         let coll = Coll::SendRecv {
             pairs: send_recv_pairs(n),
             shape: vec![2],
         };
-        case(&Setup::world(n), &coll, &[], 150 + n as u64);
+        case(&Setup::world(d, n), &coll, &[], 150 + n as u64);
     }
     let coll = Coll::SendRecv {
         pairs: send_recv_pairs(3),
         shape: vec![2],
     };
-    case(&sub(), &coll, &[], 14);
+    case(&sub(d), &coll, &[], 14);
 }
 
-#[test]
-fn all_reduce_every_op_replicated_objective() {
+fn all_reduce_every_op_replicated_objective(d: &Device) {
     // Objective::Replicated: the all_reduce output is invariant and counted ONCE, so with the same
     // cotangent c on every rank J_rep = ⟨c, y⟩ = (Σ_ranks ⟨c, y⟩) / n: the FD of the summed
     // objective divided by n.
-    let mut cases: Vec<Setup> = (1..=8).map(|n| Setup::world(n).replicated()).collect();
-    cases.push(sub().replicated());
+    let mut cases: Vec<Setup> = sizes(d, 1..=8)
+        .into_iter()
+        .map(|n| Setup::world(d, n).replicated())
+        .collect();
+    cases.push(sub(d).replicated());
     for s in cases {
         for op in ReduceOp::ALL {
             let n = s.n();
@@ -389,11 +404,10 @@ fn all_reduce_every_op_replicated_objective() {
     }
 }
 
-#[test]
-fn other_collectives_under_replicated_objective() {
+fn other_collectives_under_replicated_objective(d: &Device) {
     // Inputs are plain per-rank vars and these outputs are per-rank (varying): the objective is
     // still the sum over ranks, exactly as in the default convention.
-    for s in [Setup::world(3).replicated(), sub().replicated()] {
+    for s in [Setup::world(d, 3).replicated(), sub(d).replicated()] {
         let n = s.n();
         let colls = [
             Coll::Broadcast { root: n - 1 },
@@ -500,7 +514,8 @@ async fn program<C: Communicator>(
 }
 
 /// Backward of `p` vs central FD (step `H`) of J = Σ_ranks loss_r, every element of every rank.
-/// `xs` is indexed by GLOBAL rank (non-members' entries are unused).
+/// `xs` is indexed by GLOBAL rank (non-members' entries are unused). Inputs live on `s.device`, so
+/// on a GPU the local ops (mul, tanh, sum, add, scale) run there too.
 fn program_fd(p: Program, s: &Setup, seed: u64) {
     const H: f32 = 3e-3;
     let mut rng = Rng::new(seed);
@@ -516,14 +531,16 @@ fn program_fd(p: Program, s: &Setup, seed: u64) {
         }
     }
     let (xs, ps) = (&xs, &ps);
+    let dev = &s.device;
     let res = distgrad::run_local(s.world, s.opts.clone(), |comm| async move {
         let me = comm.rank();
         let tape = Tape::new();
-        let a = tape.var(Tensor::vector(&xs[me]));
+        let a = tape.var(Tensor::vector(&xs[me]).to_device(dev)?);
         let Some(loss) = program(p, s, &comm, &tape, &a).await? else {
             return Ok(None);
         };
-        let grad = tape.backward(&loss, &comm).await?.wrt(&a)?.to_vec();
+        let grad = tape.backward(&loss, &comm).await?.wrt(&a)?;
+        let grad = (grad.try_to_vec()?, grad.device().name());
         let mut losses = Vec::new();
         for q in ps {
             let mut x = xs[me].clone();
@@ -533,7 +550,7 @@ fn program_fd(p: Program, s: &Setup, seed: u64) {
                 x[e] = v;
             }
             let tape = Tape::new();
-            let a = tape.var(Tensor::vector(&x));
+            let a = tape.var(Tensor::vector(&x).to_device(dev)?);
             let loss = program(p, s, &comm, &tape, &a)
                 .await?
                 .expect("same membership");
@@ -541,19 +558,30 @@ fn program_fd(p: Program, s: &Setup, seed: u64) {
         }
         Ok(Some((grad, losses)))
     });
+    let ctx = |global: usize| {
+        format!(
+            "[device={} world={} group={:?} {p:?} global_rank={global}]",
+            dev.name(),
+            s.world,
+            s.group
+        )
+    };
     let mut grads: Vec<Option<Vec<f32>>> = vec![None; s.world];
     let mut total = vec![0.0f64; ps.len()];
     for (global, r) in res.into_iter().enumerate() {
         match r {
-            Ok(Some((g, l))) => {
+            Ok(Some(((g, g_dev), l))) => {
+                assert_eq!(
+                    g_dev,
+                    dev.name(),
+                    "{}: gradient must be on the input's device",
+                    ctx(global)
+                );
                 grads[global] = Some(g);
                 total.iter_mut().zip(l).for_each(|(t, x)| *t += x);
             }
             Ok(None) => {}
-            Err(e) => panic!(
-                "[world={} group={:?} {p:?} global_rank={global}]: {e}",
-                s.world, s.group
-            ),
+            Err(e) => panic!("{}: {e}", ctx(global)),
         }
     }
     let mut i = 1;
@@ -566,25 +594,47 @@ fn program_fd(p: Program, s: &Setup, seed: u64) {
             let g = grads[r].as_ref().map_or(0.0, |g| g[e] as f64);
             assert!(
                 g.is_finite() && (fd - g).abs() <= 1e-2 + 2e-2 * g.abs().max(fd.abs()),
-                "[world={} group={:?} {p:?} global_rank={r}]: dJ/da[{e}]: backward {g}, central FD {fd}",
-                s.world,
-                s.group,
+                "{}: dJ/da[{e}]: backward {g}, central FD {fd}",
+                ctx(r)
             );
         }
     }
 }
 
-#[test]
-fn chained_collectives_fd() {
-    for (i, s) in [Setup::world(1), Setup::world(2), Setup::world(4), sub()]
-        .iter()
-        .enumerate()
+fn chained_collectives_fd(d: &Device) {
+    for (i, s) in [
+        Setup::world(d, 1),
+        Setup::world(d, 2),
+        Setup::world(d, 4),
+        sub(d),
+    ]
+    .iter()
+    .enumerate()
     {
         program_fd(Program::Chain, s, 190 + i as u64);
     }
 }
 
-#[test]
-fn two_subgroups_and_world_fd() {
-    program_fd(Program::TwoSubgroups, &Setup::world(4), 195);
+fn two_subgroups_and_world_fd(d: &Device) {
+    program_fd(Program::TwoSubgroups, &Setup::world(d, 4), 195);
 }
+
+on_every_device!(
+    all_reduce_every_op_world_1_to_8,
+    all_reduce_every_op_ring,
+    reduce_every_op_roots,
+    reduce_scatter_every_op,
+    reduce_scatter_every_op_ring,
+    broadcast_roots,
+    gather_roots,
+    scatter_roots,
+    all_gather,
+    all_to_all_list,
+    all_to_all_single_uneven,
+    permute_full_and_partial,
+    send_recv,
+    all_reduce_every_op_replicated_objective,
+    other_collectives_under_replicated_objective,
+    chained_collectives_fd,
+    two_subgroups_and_world_fd,
+);

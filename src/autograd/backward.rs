@@ -144,6 +144,7 @@ fn local_backward(op: &Local, xs: &[Tensor], ys: &[Tensor], g: &Tensor) -> Resul
             }
             vec![Tensor::concat(&parts, dim)?]
         }
+        Local::ToDevice(from) => vec![g.to_device(from)?],
         Local::Concat { dim } => {
             let mut start = 0;
             let mut out = Vec::with_capacity(xs.len());

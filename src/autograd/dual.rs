@@ -170,7 +170,12 @@ pub(crate) async fn dual<C: Communicator>(
         }
         Collective::Gather { root, group } => {
             let list = (!gs.is_empty()).then_some(gs);
-            vec![comm.scatter(list, *root, group).await?]
+            // Non-roots pass no list: bring the gradient to the input's device explicitly.
+            vec![
+                comm.scatter(list, *root, group)
+                    .await?
+                    .to_device(&xs[0].device())?,
+            ]
         }
         Collective::Scatter { root, group } => {
             comm.gather(&gs[0], *root, group).await?.unwrap_or_default()

@@ -54,8 +54,15 @@ pub(crate) enum Local {
     Relu,
     Tanh,
     Reshape,
-    Slice { dim: usize, start: usize },
-    Concat { dim: usize },
+    Slice {
+        dim: usize,
+        start: usize,
+    },
+    Concat {
+        dim: usize,
+    },
+    /// Moved to another device; holds the device it came from.
+    ToDevice(crate::backend::Device),
 }
 
 #[derive(Debug, Clone)]

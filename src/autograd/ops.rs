@@ -156,6 +156,13 @@ impl Var {
             .remove(0))
     }
 
+    /// The same values on `device` (CPU ↔ GPU). Differentiable: the gradient goes back to this
+    /// var's device.
+    pub fn to_device(&self, device: &crate::backend::Device) -> Result<Var> {
+        let from = self.value().device();
+        self.unary(Op::Local(Local::ToDevice(from)), |t| t.to_device(device))
+    }
+
     /// `self * self` (composite).
     pub fn square(&self) -> Result<Var> {
         self.mul(self)

@@ -46,6 +46,9 @@ pub struct CommOptions {
     pub confirm: bool,
     /// Record every call's signature (see [`P2p::take_calls`]); used by `distgrad vjp` to show duals.
     pub record_calls: bool,
+    /// Where tensors that arrive without an input of this rank's to follow are placed: `recv`'s
+    /// result and `scatter`'s on non-root ranks. Other outputs live on their inputs' device.
+    pub device: Device,
 }
 
 impl Default for CommOptions {
@@ -56,6 +59,7 @@ impl Default for CommOptions {
             segment_bytes: 256 * 1024,
             confirm: true,
             record_calls: false,
+            device: Device::Cpu,
         }
     }
 }
@@ -607,7 +611,7 @@ impl<T: Transport> Communicator for P2p<T> {
         self.guarded(async {
             let dev = xs
                 .and_then(|l| l.first())
-                .map_or(Device::Cpu, Tensor::device);
+                .map_or(self.opts.device.clone(), Tensor::device);
             let host = xs.map(to_host).transpose()?;
             let xs = host.as_deref();
             group.check_rank("scatter", "root", root)?;
@@ -847,7 +851,9 @@ impl<T: Transport> Communicator for P2p<T> {
                         peer_call: format!("{theirs}"),
                     });
                 }
-                decode_tensor(msg).ok_or_else(|| protocol("malformed tensor"))
+                decode_tensor(msg)
+                    .ok_or_else(|| protocol("malformed tensor"))?
+                    .to_device(&self.opts.device)
             }
         })
         .await

@@ -6,19 +6,73 @@
 //! - [`oracle`]: an independent forward of every collective, written as plain loops over the ranks'
 //!   inputs (f64 accumulation). It never calls the library's collective code.
 //! - [`run_case`]: runs one collective + backward on N ranks (threads, `run_local`) with given
-//!   per-rank inputs and cotangents and returns per-rank outputs and input gradients. It also checks,
-//!   for every case, that every rank's gradients are finite and that all_reduce outputs are bitwise
-//!   identical on every rank of the group.
+//!   per-rank inputs and cotangents, on the setup's device (CPU or GPU tensors), and returns
+//!   per-rank outputs and input gradients read back to the host. It also checks, for every case,
+//!   that every rank's gradients are finite and live on the inputs' device, and that all_reduce
+//!   outputs are bitwise identical on every rank of the group.
 //! - [`objectives`]: the scalar objective `Σ_ranks ⟨cot_r, out_r⟩` for a batch of single-element
 //!   perturbations, all evaluated in ONE `run_local` (every rank runs the same sequence of
 //!   collectives), which keeps the finite-difference tests fast.
+//! - [`on_every_device!`]: candle's `test_device!`: one `#[test]` per backend for a test body
+//!   `fn(&Device)`: `<name>::cpu` always, `<name>::gpu` on the test GPU ([`gpu_device`]; skipped
+//!   with a message when there is no adapter, unless DISTGRAD_REQUIRE_GPU=1).
 #![allow(dead_code)]
 
 use std::time::Duration;
 
+pub use distgrad::backend::Device;
 use distgrad::{
     CommOptions, Communicator, Group, Objective, ReduceOp, Tape, Tensor, Var, dist, run_local,
 };
+
+#[cfg(feature = "wgpu")]
+#[path = "../common_gpu/mod.rs"]
+mod common_gpu;
+
+// ---------------------------------------------------------------------------------------------
+// Backends
+// ---------------------------------------------------------------------------------------------
+
+/// The test GPU as a device, or `None` (after printing "skipped: ...") when there is no adapter
+/// (a failure instead under DISTGRAD_REQUIRE_GPU=1) or the build has no GPU backend.
+pub fn gpu_device() -> Option<Device> {
+    #[cfg(feature = "wgpu")]
+    {
+        common_gpu::gpu().map(|g| Device::Gpu(g.clone()))
+    }
+    #[cfg(not(feature = "wgpu"))]
+    {
+        println!("skipped: this build has no GPU backend (feature `wgpu`)");
+        None
+    }
+}
+
+/// `on_every_device!(name, ...)`: for each test body `fn name(d: &Device)`, a module `name` with
+/// the tests `cpu` (always) and `gpu` (when [`gpu_device`] has one), like candle's `test_device!`.
+/// Run one backend with `cargo test --test grad_hand ::gpu`.
+macro_rules! on_every_device {
+    ($($name:ident),+ $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn cpu() {
+                super::$name(&$crate::common::Device::Cpu);
+            }
+
+            #[test]
+            fn gpu() {
+                if let Some(d) = $crate::common::gpu_device() {
+                    super::$name(&d);
+                }
+            }
+        }
+    )+};
+}
+pub(crate) use on_every_device;
+
+/// Whether `d` is the host backend.
+pub fn is_cpu(d: &Device) -> bool {
+    matches!(d, Device::Cpu)
+}
 
 // ---------------------------------------------------------------------------------------------
 // Deterministic pseudo-random numbers
@@ -126,8 +180,14 @@ impl Arr {
         Tensor::from_vec(self.data.clone(), &self.shape).expect("Arr -> Tensor")
     }
 
-    pub fn of(t: &Tensor) -> Self {
-        Arr::new(t.shape(), t.to_vec())
+    /// This array as a tensor on `d`.
+    pub fn tensor_on(&self, d: &Device) -> distgrad::Result<Tensor> {
+        self.tensor().to_device(d)
+    }
+
+    /// A tensor's values, read back to the host from whatever device holds them.
+    pub fn of(t: &Tensor) -> distgrad::Result<Self> {
+        Ok(Arr::new(t.shape(), t.try_to_vec()?))
     }
 }
 
@@ -200,7 +260,8 @@ pub enum Coll {
     },
 }
 
-/// Where a case runs: world size, the group (global ranks, index = group rank) and comm options.
+/// Where a case runs: world size, the group (global ranks, index = group rank), comm options and
+/// the device every rank's inputs and cotangents live on.
 #[derive(Debug, Clone)]
 pub struct Setup {
     pub world: usize,
@@ -208,26 +269,41 @@ pub struct Setup {
     pub opts: CommOptions,
     /// The tape's objective convention (inputs are always plain per-rank `tape.var`s).
     pub objective: Objective,
+    /// The backend of the inputs and cotangents (every rank moves them there with `to_device`).
+    pub device: Device,
 }
 
 impl Setup {
-    /// The whole world of `n` ranks, default options (short timeout so a hang fails fast).
-    pub fn world(n: usize) -> Self {
-        Setup {
-            world: n,
-            group: (0..n).collect(),
-            opts: test_opts(),
-            objective: Objective::SumOfRankLosses,
-        }
+    /// The whole world of `n` ranks on `d`, default options (short timeout so a hang fails fast).
+    pub fn world(d: &Device, n: usize) -> Self {
+        Setup::sub(d, n, &(0..n).collect::<Vec<_>>())
     }
 
-    /// A subgroup (global ranks, index = group rank) of a world of `world` ranks.
-    pub fn sub(world: usize, group: &[usize]) -> Self {
+    /// A subgroup (global ranks, index = group rank) of a world of `world` ranks, on `d`.
+    pub fn sub(d: &Device, world: usize, group: &[usize]) -> Self {
         Setup {
             world,
             group: group.to_vec(),
-            opts: test_opts(),
+            // received tensors (recv, scatter off the root) land on the case's device too
+            opts: CommOptions {
+                device: d.clone(),
+                ..test_opts()
+            },
             objective: Objective::SumOfRankLosses,
+            device: d.clone(),
+        }
+    }
+
+    /// The same case on the CPU backend (the reference a GPU run is compared with where the CPU
+    /// result is exact and the GPU may round).
+    pub fn on_cpu(&self) -> Self {
+        Setup {
+            device: Device::Cpu,
+            opts: CommOptions {
+                device: Device::Cpu,
+                ..self.opts.clone()
+            },
+            ..self.clone()
         }
     }
 
@@ -252,16 +328,28 @@ impl Setup {
         self.group == (0..self.world).collect::<Vec<_>>()
     }
 
-    /// Context for assertion messages.
+    /// Context for assertion messages (names the device).
     pub fn ctx(&self, coll: &Coll, group_rank: usize) -> String {
         format!(
-            "[world={} group={:?} ring_threshold={} {:?} group_rank={} global_rank={}]",
+            "[device={} world={} group={:?} ring_threshold={} {:?} group_rank={} global_rank={}]",
+            self.device.name(),
             self.world,
             self.group,
             self.opts.ring_threshold,
             coll,
             group_rank,
             self.group[group_rank]
+        )
+    }
+
+    /// Context for messages about the whole case (all ranks).
+    pub fn ctx_all(&self, what: &str) -> String {
+        format!(
+            "[device={} world={} group={:?} ring_threshold={} {what} all ranks]",
+            self.device.name(),
+            self.world,
+            self.group,
+            self.opts.ring_threshold
         )
     }
 
@@ -488,19 +576,24 @@ pub async fn exec<C: Communicator>(
     })
 }
 
-/// One group rank's outputs and input gradients.
+/// One group rank's outputs and input gradients (read back to the host), and the name of the device
+/// each of them lived on.
 #[derive(Debug, Clone)]
 pub struct RankResult {
     pub outs: Vec<Arr>,
     pub grads: Vec<Arr>,
+    pub out_devices: Vec<&'static str>,
+    pub grad_devices: Vec<&'static str>,
 }
 
 /// Run `coll` + backward (seeded with `cots`) on every rank. `inputs` and `cots` are indexed by
-/// group rank; ranks outside the group do nothing. Returns results indexed by group rank.
+/// group rank and moved to `s.device` on each rank; ranks outside the group do nothing. Returns
+/// results indexed by group rank, read back with `try_to_vec`.
 ///
 /// Checks on every call: every member succeeds; output count equals the cotangent count; every
-/// gradient has its input's shape and is finite; all_reduce outputs are bitwise identical on all
-/// ranks of the group.
+/// gradient has its input's shape, lives on the inputs' device and is finite; a rank that passed
+/// inputs gets its outputs on their device; all_reduce outputs are bitwise identical on all ranks
+/// of the group.
 pub fn run_case(s: &Setup, coll: &Coll, inputs: &[Vec<Arr>], cots: &[Vec<Arr>]) -> Vec<RankResult> {
     assert_eq!(
         inputs.len(),
@@ -512,13 +605,17 @@ pub fn run_case(s: &Setup, coll: &Coll, inputs: &[Vec<Arr>], cots: &[Vec<Arr>]) 
         s.n(),
         "run_case: one cotangent list per group rank"
     );
+    let d = &s.device;
     let results = run_local(s.world, s.opts.clone(), |comm| async move {
         let g = s.make_group(&comm)?;
         let Some(me) = g.rank() else {
             return Ok(None);
         };
         let tape = Tape::with_objective(s.objective);
-        let xs: Vec<Var> = inputs[me].iter().map(|a| tape.var(a.tensor())).collect();
+        let xs: Vec<Var> = inputs[me]
+            .iter()
+            .map(|a| Ok(tape.var(a.tensor_on(d)?)))
+            .collect::<distgrad::Result<_>>()?;
         let outs = exec(&comm, &g, &tape, coll, &xs).await?;
         assert_eq!(
             outs.len(),
@@ -529,15 +626,22 @@ pub fn run_case(s: &Setup, coll: &Coll, inputs: &[Vec<Arr>], cots: &[Vec<Arr>]) 
         let seeds: Vec<(Var, Tensor)> = outs
             .iter()
             .cloned()
-            .zip(cots[me].iter().map(Arr::tensor))
-            .collect();
+            .zip(cots[me].iter())
+            .map(|(o, c)| Ok((o, c.tensor_on(d)?)))
+            .collect::<distgrad::Result<_>>()?;
         let grads = tape.backward_from(&seeds, &comm).await?;
+        let grads: Vec<Tensor> = xs
+            .iter()
+            .map(|x| grads.wrt(x))
+            .collect::<distgrad::Result<_>>()?;
         Ok(Some(RankResult {
-            outs: outs.iter().map(|v| Arr::of(&v.value())).collect(),
-            grads: xs
+            outs: outs
                 .iter()
-                .map(|x| Ok(Arr::of(&grads.wrt(x)?)))
+                .map(|v| Arr::of(&v.value()))
                 .collect::<distgrad::Result<_>>()?,
+            grads: grads.iter().map(Arr::of).collect::<distgrad::Result<_>>()?,
+            out_devices: outs.iter().map(|v| v.value().device().name()).collect(),
+            grad_devices: grads.iter().map(|g| g.device().name()).collect(),
         }))
     });
     let mut by_group = vec![None; s.n()];
@@ -548,12 +652,14 @@ pub fn run_case(s: &Setup, coll: &Coll, inputs: &[Vec<Arr>], cots: &[Vec<Arr>]) 
             (None, Ok(None)) => {}
             (Some(gr), Ok(None)) => panic!("{}: member returned no result", s.ctx(coll, gr)),
             (None, Ok(Some(_))) => panic!(
-                "world={} {coll:?}: non-member global rank {global} ran",
+                "device={} world={} {coll:?}: non-member global rank {global} ran",
+                d.name(),
                 s.world
             ),
             (Some(gr), Err(e)) => panic!("{}: error: {e}", s.ctx(coll, gr)),
             (None, Err(e)) => panic!(
-                "world={} {coll:?}: non-member global rank {global} failed: {e}",
+                "device={} world={} {coll:?}: non-member global rank {global} failed: {e}",
+                d.name(),
                 s.world
             ),
         }
@@ -569,11 +675,37 @@ pub fn run_case(s: &Setup, coll: &Coll, inputs: &[Vec<Arr>], cots: &[Vec<Arr>]) 
             "{}: one gradient per input",
             s.ctx(coll, gr)
         );
-        for (k, (g, x)) in rr.grads.iter().zip(&inputs[gr]).enumerate() {
+        // Outputs follow the inputs' device. Received tensors (recv, scatter off the root) have no
+        // input to follow and come back on the host today: not checked here, so that the values of
+        // those cases are still checked on the GPU; grad_hand's `*_used_with_a_local_var` tests
+        // pin down why a host tensor there breaks a GPU program.
+        if !inputs[gr].is_empty() && !matches!(coll, Coll::SendRecv { .. }) {
+            for (k, dev) in rr.out_devices.iter().enumerate() {
+                assert_eq!(
+                    *dev,
+                    d.name(),
+                    "{}: output {k} must be on the inputs' device",
+                    s.ctx(coll, gr)
+                );
+            }
+        }
+        for (k, ((g, x), dev)) in rr
+            .grads
+            .iter()
+            .zip(&inputs[gr])
+            .zip(&rr.grad_devices)
+            .enumerate()
+        {
             assert_eq!(
                 g.shape,
                 x.shape,
                 "{}: shape of gradient of input {k}",
+                s.ctx(coll, gr)
+            );
+            assert_eq!(
+                *dev,
+                d.name(),
+                "{}: gradient of input {k} must be on the input's device",
                 s.ctx(coll, gr)
             );
             if x.data.iter().all(|v| v.is_finite())
@@ -686,7 +818,10 @@ pub fn objectives(
                 mine[p.input].data[p.elem] = p.value;
             }
             let tape = Tape::with_objective(s.objective);
-            let xs: Vec<Var> = mine.iter().map(|a| tape.var(a.tensor())).collect();
+            let xs: Vec<Var> = mine
+                .iter()
+                .map(|a| Ok(tape.var(a.tensor_on(&s.device)?)))
+                .collect::<distgrad::Result<_>>()?;
             let outs = exec(&comm, &g, &tape, coll, &xs).await?;
             assert_eq!(
                 outs.len(),
@@ -694,12 +829,11 @@ pub fn objectives(
                 "{}: number of outputs",
                 s.ctx(coll, me)
             );
-            vals.push(
-                outs.iter()
-                    .zip(&cots[me])
-                    .map(|(o, c)| dot(&o.value().to_vec(), &c.data))
-                    .sum::<f64>(),
-            );
+            let mut val = 0.0;
+            for (o, c) in outs.iter().zip(&cots[me]) {
+                val += dot(&o.value().try_to_vec()?, &c.data);
+            }
+            vals.push(val);
         }
         Ok(Some(vals))
     });
@@ -709,8 +843,10 @@ pub fn objectives(
             Ok(Some(v)) => total.iter_mut().zip(v).for_each(|(t, x)| *t += x),
             Ok(None) => {}
             Err(e) => panic!(
-                "world={} group={:?} {coll:?}: global rank {global} failed: {e}",
-                s.world, s.group
+                "device={} world={} group={:?} {coll:?}: global rank {global} failed: {e}",
+                s.device.name(),
+                s.world,
+                s.group
             ),
         }
     }
