@@ -65,6 +65,10 @@ mod cli {
             /// Print the case itself as JSON (e.g. to edit and feed back) and exit.
             #[arg(long)]
             print_case: bool,
+            /// Compute backend: `cpu` (the reference, default), `gpu` (error if none) or `auto`
+            /// (a GPU when an adapter exists, else the CPU; one log line says which).
+            #[arg(long, default_value = "cpu")]
+            device: String,
         },
         /// Run the relay: rooms, rank assignment, routing of data frames, WebRTC signaling, and (with
         /// --static) the web app's files, on one port.
@@ -188,7 +192,8 @@ mod cli {
                 group,
                 json,
                 print_case,
-            } => run_vjp(&what, world, &op, root, group, json, print_case),
+                device,
+            } => run_vjp(&what, world, &op, root, group, json, print_case, &device),
             Cmd::Bench { what, .. } if what == "kernels" => run_kernel_bench(),
             Cmd::Bench {
                 what: _,
@@ -259,6 +264,7 @@ mod cli {
         }
     }
 
+    #[allow(clippy::too_many_arguments)] // one per CLI flag
     fn run_vjp(
         what: &str,
         world: usize,
@@ -267,7 +273,18 @@ mod cli {
         group: Option<Vec<usize>>,
         json: bool,
         print_case: bool,
+        device: &str,
     ) -> distgrad::Result<()> {
+        let choice = match device {
+            "cpu" => distgrad::backend::Choice::Cpu,
+            "gpu" => distgrad::backend::Choice::Gpu,
+            "auto" => distgrad::backend::Choice::Auto,
+            other => {
+                return Err(distgrad::Error::Input(format!(
+                    "unknown device {other:?} (cpu, gpu or auto)"
+                )));
+            }
+        };
         let case = if let Ok(which) = Which::parse(what) {
             vjp::example_case(which, world, ReduceOp::parse(op)?, root, group)?
         } else if what == "-" {
@@ -298,7 +315,12 @@ mod cli {
             );
             return Ok(());
         }
-        let out = vjp::run_case(&case)?;
+        let device = if choice == distgrad::backend::Choice::Cpu {
+            distgrad::backend::Device::Cpu
+        } else {
+            futures::executor::block_on(distgrad::backend::select(choice))?
+        };
+        let out = vjp::run_case_on(&case, &device)?;
         print_answer(&case, &out, json)
     }
 

@@ -415,11 +415,20 @@ pub async fn run_rank<T: Transport>(comm: &P2p<T>, prepared: &Prepared) -> Resul
         });
     }
     let tape = Tape::new();
-    let xs: Vec<Var> = p.inputs[me].iter().map(|t| tape.var(t.clone())).collect();
+    // Inputs and cotangents live on the communicator's device (CPU unless chosen otherwise).
+    let device = &comm.options().device;
+    let xs: Vec<Var> = p.inputs[me]
+        .iter()
+        .map(|t| Ok(tape.var(t.to_device(device)?)))
+        .collect::<Result<_>>()?;
     let ys = forward(comm, &tape, p, &xs, me, &group).await?;
     comm.take_calls();
     let seeds: Vec<(Var, Tensor)> = match &p.cotangents {
-        Some(c) => ys.iter().cloned().zip(c[me].iter().cloned()).collect(),
+        Some(c) => ys
+            .iter()
+            .zip(&c[me])
+            .map(|(y, t)| Ok((y.clone(), t.to_device(device)?)))
+            .collect::<Result<_>>()?,
         None => ys
             .iter()
             .map(|y| Ok((y.clone(), y.value().full_like(1.0)?)))
@@ -490,11 +499,21 @@ pub fn assemble(prepared: &Prepared, results: Vec<Result<RankResult>>) -> Result
     })
 }
 
-/// Run a case on `world` in-process ranks (native: ranks are threads).
+/// Run a case on `world` in-process ranks (native: ranks are threads), on the CPU.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn run_case(case: &Case) -> Result<CaseOutput> {
+    run_case_on(case, &crate::backend::Device::Cpu)
+}
+
+/// Run a case on `world` in-process ranks with every tensor on `device`.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn run_case_on(case: &Case, device: &crate::backend::Device) -> Result<CaseOutput> {
     let prepared = Prepared::new(case)?;
-    let results = run_local(prepared.world(), case_options(), |comm| {
+    let opts = CommOptions {
+        device: device.clone(),
+        ..case_options()
+    };
+    let results = run_local(prepared.world(), opts, |comm| {
         let p = &prepared;
         async move { run_rank(&comm, p).await }
     });

@@ -203,3 +203,43 @@ fn bad_input_is_a_clear_error_with_exit_code_2() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not a file"));
 }
+
+#[test]
+fn the_gpu_backend_gives_the_same_answers() {
+    // Every reducing collective and op, through the CLI, on the GPU and on the CPU reference.
+    // Without an adapter: skipped (unless DISTGRAD_REQUIRE_GPU=1, as in CI with lavapipe).
+    for c in [
+        "all_reduce",
+        "reduce",
+        "reduce_scatter",
+        "all_gather",
+        "scatter",
+    ] {
+        for op in ["sum", "avg", "prod", "min", "max"] {
+            if op != "sum" && matches!(c, "all_gather" | "scatter") {
+                continue;
+            }
+            let args = [
+                "vjp", c, "--world", "3", "--op", op, "--root", "1", "--json",
+            ];
+            let cpu = ok_json(&args, None);
+            let gpu_args: Vec<&str> = args.iter().copied().chain(["--device", "gpu"]).collect();
+            let out = distgrad(&gpu_args, None);
+            if !out.status.success() {
+                let err = String::from_utf8_lossy(&out.stderr);
+                if err.contains("no GPU adapter")
+                    && std::env::var("DISTGRAD_REQUIRE_GPU").as_deref() != Ok("1")
+                {
+                    println!("skipped: no GPU adapter ({err})");
+                    return;
+                }
+                panic!("{c} {op} on the GPU failed: {err}");
+            }
+            let gpu: Value = serde_json::from_slice(&out.stdout).expect("JSON output");
+            assert_eq!(
+                gpu, cpu,
+                "{c} op={op}: GPU answer differs from the CPU reference"
+            );
+        }
+    }
+}
