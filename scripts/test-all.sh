@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Every test: the native suite (`cargo test`, GPU tests on lavapipe) and the browser suite
-# (wasm-bindgen-test in headless Chromium with WebGPU). Installs what it needs, skipping what is
-# already there: lavapipe, chromium + chromium-driver (apt, as root), the wasm32 target, and
-# wasm-bindgen-cli at exactly the version in Cargo.lock.
+# Every test: the native suite (`cargo test`, GPU tests on lavapipe), the browser unit suite
+# (wasm-bindgen-test in headless Chromium with WebGPU) and the end-to-end suite (the web app built
+# with trunk, 4 tabs as ranks over the relay and over WebRTC, a mixed native + browser group, a tab
+# closed mid-run). Installs what it needs, skipping what is already there: lavapipe, chromium +
+# chromium-driver (apt, as root), the wasm32 target, wasm-bindgen-cli at exactly the version in
+# Cargo.lock, trunk, and the npm packages of tests/browser (scripts/web-tools.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/distgrad-target}"
@@ -10,7 +12,7 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/distgrad-target}"
 say() { printf '\n-- %s\n' "$1"; }
 
 apt_need=()
-for p in mesa-vulkan-drivers libvulkan1 chromium chromium-driver; do
+for p in mesa-vulkan-drivers libvulkan1 chromium chromium-driver iproute2; do
   dpkg -s "$p" >/dev/null 2>&1 || apt_need+=("$p")
 done
 if [ ${#apt_need[@]} -gt 0 ]; then
@@ -30,13 +32,24 @@ fi
 say "native tests"
 cargo test --locked
 
-say "browser tests (headless Chromium, WebGPU)"
-if command -v rustup >/dev/null; then
-  rustup target list --installed | grep -q '^wasm32-unknown-unknown' || rustup target add wasm32-unknown-unknown
-fi
-wbg=$(awk '/^name = "wasm-bindgen"$/ { getline; gsub(/version = |"/, ""); print; exit }' Cargo.lock)
-if [ "$(wasm-bindgen --version 2>/dev/null | awk '{print $2}')" != "$wbg" ]; then
-  say "installing wasm-bindgen-cli $wbg (a few minutes, once)"
-  cargo install wasm-bindgen-cli --version "$wbg"
-fi
+say "browser tools"
+source scripts/web-tools.sh
+
+say "browser unit tests (headless Chromium, WebGPU)"
 cargo test --locked --target wasm32-unknown-unknown --test browser_kernels
+
+say "end-to-end: the web app in 4 tabs (tests/browser/e2e.mjs)"
+trunk build --release
+cargo build --locked --bin distgrad
+bin="$CARGO_TARGET_DIR/debug/distgrad"
+out="$CARGO_TARGET_DIR/browser-test-output"
+node tests/browser/e2e.mjs --bin "$bin" --dist dist --net relay --out "$out"
+# WebRTC only inside a loopback-only network namespace, so ICE never tries another interface.
+if unshare -n true 2>/dev/null; then
+  unshare -n sh -c 'ip link set lo up && exec node tests/browser/e2e.mjs --bin "$0" --dist dist --net webrtc --out "$1"' "$bin" "$out"
+elif unshare -rn true 2>/dev/null; then
+  unshare -rn sh -c 'ip link set lo up && exec node tests/browser/e2e.mjs --bin "$0" --dist dist --net webrtc --out "$1"' "$bin" "$out"
+else
+  echo "SKIPPED: the WebRTC end-to-end run needs a network namespace (unshare -n: run as root or enable user namespaces)"
+fi
+echo "screenshots: $out"

@@ -40,7 +40,9 @@
 //!   [`transport::Mailbox`], the in-process transport and (native) the WebSocket transport.
 //! - [`wire`]: the one wire format (data-frame header, JSON control messages) of relay and clients.
 //! - `relay` (native): the WebSocket relay server: rooms, ranks, routing, signaling, static files.
-//! - [`run`]: run N ranks as threads ([`run_local`]).
+//! - [`run`]: run N ranks in one process: as threads (`run_local`) or interleaved on one task
+//!   ([`run::run_interleaved`], also in a browser page).
+//! - `web` (wasm32): the browser side: the rank page and the WebSocket + WebRTC transport.
 //! - [`vjp`]: the JSON case format and runner behind `distgrad vjp`.
 //! - [`bench`]: the benchmarks behind `distgrad bench`.
 //! - [`error`]: the one error enum.
@@ -59,6 +61,8 @@ pub mod run;
 pub mod tensor;
 pub mod transport;
 pub mod vjp;
+#[cfg(target_arch = "wasm32")]
+pub mod web;
 pub mod wire;
 
 pub use autograd::{Grads, Objective, Tape, Var};

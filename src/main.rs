@@ -2,8 +2,8 @@
 //! (collective bandwidth and tape overhead), `relay` (the WebSocket relay), `worker` (one rank
 //! through a relay) and `demo` (a relay plus N worker processes).
 //!
-//! The CLI is native only: on wasm32 (the browser build of the library) this binary is an empty
-//! stub so that `cargo test --target wasm32-unknown-unknown` can build the crate's targets.
+//! The CLI is native only: on wasm32 this binary is the web app (`trunk build` compiles it for the
+//! browser; see `distgrad::web`).
 
 #[cfg(not(target_arch = "wasm32"))]
 fn main() -> std::process::ExitCode {
@@ -11,7 +11,9 @@ fn main() -> std::process::ExitCode {
 }
 
 #[cfg(target_arch = "wasm32")]
-fn main() {}
+fn main() {
+    distgrad::web::start();
+}
 
 #[cfg(not(target_arch = "wasm32"))]
 mod cli {
@@ -130,6 +132,10 @@ mod cli {
             /// Print this rank's result as one JSON line.
             #[arg(long)]
             json: bool,
+            /// Seconds a collective may wait for a peer (browser tabs that are slow to start, or
+            /// still trying WebRTC, need more than the default).
+            #[arg(long, default_value_t = 10)]
+            timeout_secs: u64,
         },
         /// Start a relay and N worker processes on this machine, run a collective forward and backward,
         /// and print the same per-rank table as `vjp`.
@@ -236,6 +242,7 @@ mod cli {
                 op,
                 root,
                 json,
+                timeout_secs,
             } => {
                 let opts = WorkerOpts {
                     relay,
@@ -243,6 +250,7 @@ mod cli {
                     world,
                     rank,
                     token,
+                    timeout: std::time::Duration::from_secs(timeout_secs.max(1)),
                 };
                 run_worker(&opts, &collective, case.as_deref(), &op, root, json)
             }
@@ -462,6 +470,7 @@ mod cli {
         world: usize,
         rank: Option<u32>,
         token: Option<String>,
+        timeout: std::time::Duration,
     }
 
     fn load_case(
@@ -508,7 +517,13 @@ mod cli {
             if o.token.is_none() {
                 eprintln!("room {:?} token: {}", o.room, t.token());
             }
-            let comm = distgrad::P2p::new(t, vjp::case_options());
+            let comm = distgrad::P2p::new(
+                t,
+                CommOptions {
+                    timeout: o.timeout,
+                    ..vjp::case_options()
+                },
+            );
             let r = vjp::run_rank(&comm, &prepared).await;
             comm.into_transport().close().await;
             r

@@ -1,14 +1,14 @@
-//! Run N ranks as threads of this process over the in-process transport, each driving its own
-//! future with a simple executor (no async runtime needed).
+//! Run N ranks in this process over the in-process transport: as threads, each driving its own
+//! future with a simple executor (no async runtime needed), or interleaved on the caller's task
+//! ([`run_interleaved`], which also works in a browser page).
 
-#[cfg(not(target_arch = "wasm32"))]
 use std::future::Future;
 
-#[cfg(not(target_arch = "wasm32"))]
 use crate::collective::CommOptions;
 use crate::collective::P2p;
 #[cfg(not(target_arch = "wasm32"))]
-use crate::error::{Error, Result};
+use crate::error::Error;
+use crate::error::Result;
 use crate::transport::local::LocalTransport;
 
 /// The communicator type of in-process ranks.
@@ -62,6 +62,20 @@ where
             .collect();
         join_ranks(handles)
     })
+}
+
+/// Run `f(comm)` on `world` ranks interleaved on the calling task (one thread: a browser page's
+/// "simulated ranks", or anywhere threads are unwanted); result index = rank. The ranks' futures are
+/// polled together, so a rank waiting on a peer lets the others progress.
+pub async fn run_interleaved<R, F, Fut>(world: usize, opts: CommOptions, f: F) -> Vec<Result<R>>
+where
+    F: Fn(LocalComm) -> Fut,
+    Fut: Future<Output = Result<R>>,
+{
+    let ranks = LocalTransport::world(world)
+        .into_iter()
+        .map(|t| f(P2p::new(t, opts.clone())));
+    futures::future::join_all(ranks).await
 }
 
 /// Run `f(comm)` on `world` ranks (threads, each with its own tokio runtime and its own WebSocket)

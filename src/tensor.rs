@@ -151,6 +151,22 @@ impl Tensor {
         }
     }
 
+    /// This tensor on `device`, reading a GPU tensor back asynchronously: works in a browser, where
+    /// [`Tensor::to_device`] cannot leave the GPU.
+    pub async fn moved_to(&self, device: &Device) -> Result<Tensor> {
+        if &self.device() == device {
+            return Ok(self.clone());
+        }
+        match (self.view(), device) {
+            (View::Cpu(_), _) => self.to_device(device),
+            #[cfg(feature = "wgpu")]
+            (View::Gpu(_), _) => {
+                let host = Self::from_cpu(self.shape.clone(), self.read().await?);
+                host.to_device(device)
+            }
+        }
+    }
+
     /// The values, row-major, in host memory; works on every backend and target (a GPU tensor is
     /// read back asynchronously, as a browser requires).
     pub async fn read(&self) -> Result<Vec<f32>> {

@@ -67,14 +67,22 @@ impl TensorJson {
 
     /// From a tensor (non-finite values become `null`); GPU tensors are read back.
     pub fn from_tensor(t: &Tensor) -> Result<Self> {
-        Ok(TensorJson {
-            shape: t.shape().to_vec(),
-            data: t
-                .try_to_vec()?
+        Ok(Self::from_values(t.shape(), t.try_to_vec()?))
+    }
+
+    /// From a tensor on any device, read back asynchronously (works in a browser).
+    pub async fn read(t: &Tensor) -> Result<Self> {
+        Ok(Self::from_values(t.shape(), t.read().await?))
+    }
+
+    fn from_values(shape: &[usize], values: Vec<f32>) -> Self {
+        TensorJson {
+            shape: shape.to_vec(),
+            data: values
                 .into_iter()
                 .map(|x| x.is_finite().then_some(x))
                 .collect(),
-        })
+        }
     }
 }
 
@@ -192,14 +200,16 @@ impl Which {
             })
     }
 
-    fn uses_op(self) -> bool {
+    /// Whether the collective takes a reduce op.
+    pub fn uses_op(self) -> bool {
         matches!(
             self,
             Which::Reduce | Which::AllReduce | Which::ReduceScatter
         )
     }
 
-    fn uses_root(self) -> bool {
+    /// Whether the collective takes a root.
+    pub fn uses_root(self) -> bool {
         matches!(
             self,
             Which::Broadcast | Which::Reduce | Which::Gather | Which::Scatter
@@ -435,15 +445,17 @@ pub async fn run_rank<T: Transport>(comm: &P2p<T>, prepared: &Prepared) -> Resul
             .collect::<Result<_>>()?,
     };
     let grads = tape.backward_from(&seeds, comm).await?;
+    let mut outputs = Vec::with_capacity(ys.len());
+    for y in &ys {
+        outputs.push(TensorJson::read(&y.value()).await?);
+    }
+    let mut gxs = Vec::with_capacity(xs.len());
+    for x in &xs {
+        gxs.push(TensorJson::read(&grads.wrt(x)?).await?);
+    }
     Ok(RankResult {
-        outputs: ys
-            .iter()
-            .map(|y| TensorJson::from_tensor(&y.value()))
-            .collect::<Result<_>>()?,
-        grads: xs
-            .iter()
-            .map(|x| TensorJson::from_tensor(&grads.wrt(x)?))
-            .collect::<Result<_>>()?,
+        outputs,
+        grads: gxs,
         dual: comm
             .take_calls()
             .iter()
@@ -520,6 +532,25 @@ pub fn run_case_on(case: &Case, device: &crate::backend::Device) -> Result<CaseO
     assemble(&prepared, results)
 }
 
+/// Run a case on `world` in-process ranks interleaved on the calling task (any target: a browser
+/// page's simulated ranks), with every tensor on `device`.
+pub async fn run_case_interleaved(
+    case: &Case,
+    device: &crate::backend::Device,
+) -> Result<CaseOutput> {
+    let prepared = Prepared::new(case)?;
+    let opts = CommOptions {
+        device: device.clone(),
+        ..case_options()
+    };
+    let results = crate::run::run_interleaved(prepared.world(), opts, |comm| {
+        let p = &prepared;
+        async move { run_rank(&comm, p).await }
+    })
+    .await;
+    assemble(&prepared, results)
+}
+
 fn short_sig(s: &crate::collective::CallSig) -> String {
     let mut args = Vec::new();
     if let Some(op) = s.op {
@@ -576,6 +607,17 @@ async fn forward<C: Communicator>(
 /// each collective's effect visible, cotangents `[1, r+1]` on rank `r`.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn example_case(
+    which: Which,
+    world: usize,
+    op: ReduceOp,
+    root: usize,
+    group: Option<Vec<usize>>,
+) -> Result<Case> {
+    futures::executor::block_on(example_case_async(which, world, op, root, group))
+}
+
+/// [`example_case`] on any target (its forward probe runs the ranks interleaved on this task).
+pub async fn example_case_async(
     which: Which,
     world: usize,
     op: ReduceOp,
@@ -649,7 +691,7 @@ pub fn example_case(
     }
     // Cotangents [1, r+1] (or [1] per row) for every output, shaped like the outputs: run forward once
     // with default ones to learn the output shapes.
-    let probe = run_case(&case)?;
+    let probe = run_case_interleaved(&case, &crate::backend::Device::Cpu).await?;
     case.cotangents = Some(
         probe
             .outputs
@@ -670,7 +712,8 @@ pub fn example_case(
     Ok(case)
 }
 
-fn fmt_t(t: &TensorJson) -> String {
+/// A tensor as the tables print it: `[1, 2]`, or `[2, 1]:[1, 2]` beyond one dimension.
+pub fn fmt_t(t: &TensorJson) -> String {
     let vals: Vec<String> = t
         .data
         .iter()

@@ -3,6 +3,7 @@
 //! (needs wasm-bindgen-cli and chromium + chromium-driver; `.ci/run` installs them).
 #![cfg(all(target_arch = "wasm32", feature = "wgpu"))]
 
+use distgrad::ReduceOp;
 use distgrad::backend::gpu::Gpu;
 use distgrad::backend::{BinaryOp, Device, UnaryOp, cpu};
 use distgrad::{Tensor, tensor::broadcast_shape};
@@ -72,4 +73,46 @@ async fn webgpu_kernels_match_the_cpu() {
 
 fn web_sys_log(s: &str) {
     wasm_bindgen_test::console_log!("{s}");
+}
+
+/// Every collective forward + backward with the ranks simulated inside the page (in-process
+/// transport, interleaved on one task: the single-tab mode), tensors on WebGPU, against the same
+/// ranks on the CPU; and hand-checked values for one case.
+#[wasm_bindgen_test]
+async fn collectives_in_one_page_on_webgpu_match_the_cpu() {
+    use distgrad::vjp::{self, Which};
+    let gpu = Device::Gpu(Gpu::new().await.expect("WebGPU adapter"));
+    let world = 3;
+    for which in Which::ALL {
+        let ops: &[ReduceOp] = if which.uses_op() {
+            &ReduceOp::ALL
+        } else {
+            &[ReduceOp::Sum]
+        };
+        for &op in ops {
+            let root = if which.uses_root() { 2 } else { 0 };
+            let case = vjp::example_case_async(which, world, op, root, None)
+                .await
+                .unwrap();
+            let on_cpu = vjp::run_case_interleaved(&case, &Device::Cpu)
+                .await
+                .unwrap();
+            let on_gpu = vjp::run_case_interleaved(&case, &gpu).await.unwrap();
+            assert_eq!(on_gpu, on_cpu, "{} {}", which.name(), op.name());
+        }
+    }
+    // Hand-derived: all_reduce(MAX) of [r+1, 2(3-r)] over 3 ranks is [3, 6]; the gradient goes
+    // to the holder of each maximum (rank 2 for element 0, rank 0 for element 1) with the summed
+    // cotangent [1+1+1, 1+2+3].
+    let case = vjp::example_case_async(Which::AllReduce, 3, ReduceOp::Max, 0, None)
+        .await
+        .unwrap();
+    let out = vjp::run_case_interleaved(&case, &gpu).await.unwrap();
+    let v = |t: &vjp::TensorJson| t.data.iter().map(|x| x.unwrap()).collect::<Vec<f32>>();
+    for r in 0..3 {
+        assert_eq!(v(&out.outputs[r][0]), [3.0, 6.0]);
+    }
+    assert_eq!(v(&out.grads[0][0]), [0.0, 6.0]);
+    assert_eq!(v(&out.grads[1][0]), [0.0, 0.0]);
+    assert_eq!(v(&out.grads[2][0]), [3.0, 0.0]);
 }

@@ -80,6 +80,9 @@ impl Tape {
                 .collect::<Result<_>>()?;
             let gx = match &node.op {
                 Op::Collective(c) => dual(c, comm, &xs, &ys, &gs).await?,
+                // A device move's gradient moves back; reading a GPU tensor is asynchronous in a
+                // browser, so this one local op is handled here.
+                Op::Local(Local::ToDevice(from)) => vec![gs[0].moved_to(from).await?],
                 Op::Local(op) => local_backward(op, &xs, &ys, &gs[0])?,
             };
             for (&i, g) in node.inputs.iter().zip(gx) {

@@ -14,6 +14,10 @@
 //! flush denormals). Division, tanh, sums and matmul are within a stated tolerance (WGSL allows
 //! 2.5 ulp for division; sums and matmul add in a different order).
 
+// wgpu's WebGPU types are neither Send nor Sync on wasm32 (one thread there); the Arcs are shared
+// across threads natively.
+#![cfg_attr(target_arch = "wasm32", allow(clippy::arc_with_non_send_sync))]
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 

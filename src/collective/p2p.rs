@@ -424,8 +424,12 @@ impl<T: Transport> Call<'_, T> {
 
 /// Collectives run their local steps on the host for now: GPU inputs are read back at the entry
 /// (the transport boundary) and outputs go back to the inputs' device.
-fn to_host(xs: &[Tensor]) -> Result<Vec<Tensor>> {
-    xs.iter().map(|x| x.to_device(&Device::Cpu)).collect()
+async fn to_host(xs: &[Tensor]) -> Result<Vec<Tensor>> {
+    let mut out = Vec::with_capacity(xs.len());
+    for x in xs {
+        out.push(x.moved_to(&Device::Cpu).await?);
+    }
+    Ok(out)
 }
 
 fn to_device(xs: &[Tensor], d: &Device) -> Result<Vec<Tensor>> {
@@ -513,7 +517,7 @@ impl<T: Transport> Communicator for P2p<T> {
     async fn broadcast(&self, x: &Tensor, root: usize, group: &Group) -> Result<Tensor> {
         self.guarded(async {
             let dev = x.device();
-            let x = &x.to_device(&Device::Cpu)?;
+            let x = &x.moved_to(&Device::Cpu).await?;
             group.check_rank("broadcast", "root", root)?;
             let call = self
                 .begin(
@@ -537,7 +541,7 @@ impl<T: Transport> Communicator for P2p<T> {
     ) -> Result<Option<Tensor>> {
         self.guarded(async {
             let dev = x.device();
-            let x = &x.to_device(&Device::Cpu)?;
+            let x = &x.moved_to(&Device::Cpu).await?;
             group.check_rank("reduce", "root", root)?;
             let call = self
                 .begin(
@@ -561,7 +565,7 @@ impl<T: Transport> Communicator for P2p<T> {
     async fn all_reduce(&self, x: &Tensor, op: ReduceOp, group: &Group) -> Result<Tensor> {
         self.guarded(async {
             let dev = x.device();
-            let x = &x.to_device(&Device::Cpu)?;
+            let x = &x.moved_to(&Device::Cpu).await?;
             let n = group.size();
             let ring = n > 1 && x.numel() * 4 >= self.opts.ring_threshold && x.numel() >= n;
             // The algorithm (and the ring's segment size) is part of the call: ranks configured
@@ -589,7 +593,7 @@ impl<T: Transport> Communicator for P2p<T> {
     async fn gather(&self, x: &Tensor, root: usize, group: &Group) -> Result<Option<Vec<Tensor>>> {
         self.guarded(async {
             let dev = x.device();
-            let x = &x.to_device(&Device::Cpu)?;
+            let x = &x.moved_to(&Device::Cpu).await?;
             group.check_rank("gather", "root", root)?;
             let call = self
                 .begin(
@@ -612,7 +616,10 @@ impl<T: Transport> Communicator for P2p<T> {
             let dev = xs
                 .and_then(|l| l.first())
                 .map_or(self.opts.device.clone(), Tensor::device);
-            let host = xs.map(to_host).transpose()?;
+            let host = match xs {
+                Some(l) => Some(to_host(l).await?),
+                None => None,
+            };
             let xs = host.as_deref();
             group.check_rank("scatter", "root", root)?;
             let me = group.require_member("scatter")?;
@@ -644,7 +651,7 @@ impl<T: Transport> Communicator for P2p<T> {
     async fn all_gather(&self, x: &Tensor, group: &Group) -> Result<Vec<Tensor>> {
         self.guarded(async {
             let dev = x.device();
-            let x = &x.to_device(&Device::Cpu)?;
+            let x = &x.moved_to(&Device::Cpu).await?;
             let ring = group.size() > 1 && x.numel() * 4 >= self.opts.ring_threshold;
             let sig = CallSig::new(Kind::AllGather)
                 .shape(x.shape())
@@ -663,7 +670,7 @@ impl<T: Transport> Communicator for P2p<T> {
     async fn reduce_scatter(&self, xs: &[Tensor], op: ReduceOp, group: &Group) -> Result<Tensor> {
         self.guarded(async {
             let dev = xs.first().map_or(Device::Cpu, Tensor::device);
-            let xs = &to_host(xs)?;
+            let xs = &to_host(xs).await?;
             let shape = list_shape("reduce_scatter", xs, group.size())?;
             let ring = group.size() > 1 && xs[0].numel() * 4 >= self.opts.ring_threshold;
             let sig = CallSig::new(Kind::ReduceScatter)
@@ -684,7 +691,7 @@ impl<T: Transport> Communicator for P2p<T> {
     async fn all_to_all(&self, xs: &[Tensor], group: &Group) -> Result<Vec<Tensor>> {
         self.guarded(async {
             let dev = xs.first().map_or(Device::Cpu, Tensor::device);
-            let xs = &to_host(xs)?;
+            let xs = &to_host(xs).await?;
             if xs.len() != group.size() {
                 return Err(Error::invalid(
                     "all_to_all",
@@ -711,7 +718,7 @@ impl<T: Transport> Communicator for P2p<T> {
     ) -> Result<Tensor> {
         self.guarded(async {
             let dev = x.device();
-            let x = &x.to_device(&Device::Cpu)?;
+            let x = &x.moved_to(&Device::Cpu).await?;
             let n = group.size();
             let op = "all_to_all_single";
             if x.shape().is_empty() {
@@ -750,7 +757,7 @@ impl<T: Transport> Communicator for P2p<T> {
 
     async fn send(&self, x: &Tensor, dst: usize, group: &Group) -> Result<()> {
         self.guarded(async {
-            let x = &x.to_device(&Device::Cpu)?;
+            let x = &x.moved_to(&Device::Cpu).await?;
             let me = group.require_member("send")?;
             group.check_rank("send", "destination", dst)?;
             if dst == me {
@@ -862,7 +869,7 @@ impl<T: Transport> Communicator for P2p<T> {
     async fn permute(&self, x: &Tensor, pairs: &[(usize, usize)], group: &Group) -> Result<Tensor> {
         self.guarded(async {
             let dev = x.device();
-            let x = &x.to_device(&Device::Cpu)?;
+            let x = &x.moved_to(&Device::Cpu).await?;
             super::check_pairs("permute", pairs, group.size())?;
             let extra = pairs
                 .iter()

@@ -1,0 +1,738 @@
+//! The browser's [`Transport`]: a WebSocket to the relay, plus (optionally) a full mesh of WebRTC
+//! data channels signaled through it. Each peer is reached over one [`LinkKind`]: its data channel
+//! when that connected, else the relay (per pair, decided once after the room is full). Incoming
+//! frames from either path land in the one [`Mailbox`].
+//!
+//! Frames are the relay's wire format ([`crate::wire`]) on both paths; over WebRTC a frame is at
+//! most 256 KiB (Chromium's data-channel message limit), and its source rank is the channel's peer,
+//! whatever the header says. Sends wait while the browser's send buffer is above a high-water mark,
+//! so a large tensor does not pile up in memory or overflow a data channel.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
+use futures::channel::mpsc;
+use js_sys::{ArrayBuffer, Reflect, Uint8Array};
+use wasm_bindgen::JsCast;
+use wasm_bindgen::prelude::*;
+use wasm_bindgen_futures::JsFuture;
+use web_sys::{
+    BinaryType, MessageEvent, RtcConfiguration, RtcDataChannel, RtcDataChannelInit,
+    RtcDataChannelState, RtcDataChannelType, RtcIceGatheringState, RtcPeerConnection, RtcSdpType,
+    RtcSessionDescriptionInit, WebSocket,
+};
+
+use crate::error::{Error, Result};
+use crate::transport::{Mailbox, Tag, Transport};
+use crate::wire::{Control, HEADER_LEN, Header, LEFT_CLEANLY};
+
+/// Largest WebRTC data-channel message Chromium accepts (`sctp.maxMessageSize`).
+pub const RTC_MAX_MESSAGE: usize = 256 * 1024;
+/// Largest frame payload sent through the relay (its default frame limit).
+pub const RELAY_MAX_PAYLOAD: usize = 1 << 20;
+const WS_HIGH_WATER: u32 = 8 << 20;
+const RTC_HIGH_WATER: u32 = 2 << 20;
+
+/// How a peer is reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkKind {
+    /// Through the relay's WebSocket.
+    Relay,
+    /// A direct WebRTC data channel.
+    WebRtc,
+}
+
+impl LinkKind {
+    /// "relay" or "webrtc".
+    pub fn name(self) -> &'static str {
+        match self {
+            LinkKind::Relay => "relay",
+            LinkKind::WebRtc => "webrtc",
+        }
+    }
+}
+
+/// What the page is told about the network.
+#[derive(Debug, Clone)]
+pub enum NetEvent {
+    /// This tab joined: its rank and the room token (the room may not be full yet).
+    Joined {
+        /// This tab's rank.
+        rank: usize,
+        /// The room token, for share links.
+        token: String,
+    },
+    /// Ranks present in the room now.
+    Members(Vec<u32>),
+    /// A rank left (`reason` = [`LEFT_CLEANLY`] for a clean close) or was lost.
+    PeerLeft {
+        /// Its rank.
+        rank: u32,
+        /// Why.
+        reason: String,
+    },
+    /// How a peer is reached, decided after the room filled; `detail` says why a pair fell back.
+    Link {
+        /// The peer.
+        peer: usize,
+        /// The path.
+        kind: LinkKind,
+        /// Empty, or why WebRTC was not used.
+        detail: String,
+    },
+    /// The connection to the relay closed, or a fault stopped this transport.
+    Closed(String),
+}
+
+/// How to join a room from a page.
+#[derive(Debug, Clone)]
+pub struct WebJoin {
+    /// Relay WebSocket URL (`ws://host/ws`).
+    pub url: String,
+    /// Room name.
+    pub room: String,
+    /// Room token (required to join an existing room).
+    pub token: Option<String>,
+    /// World size.
+    pub world: u32,
+    /// Wanted rank, or any free one.
+    pub rank: Option<u32>,
+    /// Try WebRTC data channels to every peer (falling back to the relay per pair).
+    pub webrtc: bool,
+    /// How long to wait for the room to fill.
+    pub ready_timeout: Duration,
+    /// How long to wait for a data channel to open before that pair falls back to the relay.
+    pub rtc_timeout: Duration,
+    /// Largest message to reassemble; a peer sending more is a protocol fault.
+    pub max_message: usize,
+}
+
+impl WebJoin {
+    /// Defaults: any rank, WebRTC on, 10 min to fill (people open tabs by hand), 10 s per data channel.
+    pub fn new(url: &str, room: &str, world: u32) -> Self {
+        WebJoin {
+            url: url.to_string(),
+            room: room.to_string(),
+            token: None,
+            world,
+            rank: None,
+            webrtc: true,
+            ready_timeout: Duration::from_secs(600),
+            rtc_timeout: Duration::from_secs(10),
+            max_message: 1 << 30,
+        }
+    }
+}
+
+type Handler = Closure<dyn FnMut(JsValue)>;
+/// Hears the transport's [`NetEvent`]s.
+pub type Listener = Rc<dyn Fn(NetEvent)>;
+
+struct Shared {
+    world: usize,
+    rank: Cell<Option<usize>>,
+    mailbox: RefCell<Option<Arc<Mailbox>>>,
+    partial: RefCell<HashMap<(u32, Tag), BytesMut>>,
+    max_message: usize,
+    joining: mpsc::UnboundedSender<Control>,
+    signals: Vec<mpsc::UnboundedSender<serde_json::Value>>,
+    listener: RefCell<Option<Listener>>,
+    closed: RefCell<Option<String>>,
+}
+
+impl Shared {
+    fn emit(&self, e: NetEvent) {
+        let l = self.listener.borrow().clone();
+        if let Some(l) = l {
+            l(e);
+        }
+    }
+
+    fn fail(&self, reason: &str) {
+        if self.closed.borrow().is_some() {
+            return;
+        }
+        *self.closed.borrow_mut() = Some(reason.to_string());
+        if let Some(mb) = self.mailbox.borrow().as_ref() {
+            mb.abort_local(reason);
+        }
+        let _ = self.joining.unbounded_send(Control::Error {
+            message: reason.to_string(),
+        });
+        self.emit(NetEvent::Closed(reason.to_string()));
+    }
+
+    /// A data frame from the relay (`peer` None: the header's stamped source) or a data channel.
+    fn on_frame(&self, frame: Bytes, peer: Option<usize>) {
+        let h = match Header::decode(&frame) {
+            Ok(h) => h,
+            Err(e) => return self.fail(&format!("bad frame: {e}")),
+        };
+        let src = peer.map_or(h.src, |p| p as u32);
+        if src as usize >= self.world {
+            return self.fail(&format!("frame from rank {src} outside the world"));
+        }
+        let payload = frame.slice(HEADER_LEN..);
+        let key = (src, h.tag);
+        let mut partial = self.partial.borrow_mut();
+        let so_far = partial.get(&key).map_or(0, BytesMut::len);
+        if so_far + payload.len() > self.max_message {
+            drop(partial);
+            return self.fail(&format!(
+                "rank {src} sent a message above {} bytes (tag {:?})",
+                self.max_message, h.tag
+            ));
+        }
+        let whole = if h.more {
+            partial.entry(key).or_default().extend_from_slice(&payload);
+            None
+        } else if let Some(mut p) = partial.remove(&key) {
+            p.extend_from_slice(&payload);
+            Some(p.freeze())
+        } else {
+            Some(payload)
+        };
+        drop(partial);
+        if let Some(msg) = whole {
+            match self.mailbox.borrow().as_ref() {
+                Some(mb) => mb.deliver(src as usize, h.tag, msg),
+                None => self.fail("data frame before the room was joined"),
+            }
+        }
+    }
+
+    fn on_control(&self, text: &str) {
+        let msg = match serde_json::from_str::<Control>(text) {
+            Ok(m) => m,
+            Err(e) => return self.fail(&format!("malformed control message from relay: {e}")),
+        };
+        match msg {
+            Control::Welcome {
+                rank,
+                ref members,
+                ref token,
+                ..
+            } => {
+                self.rank.set(Some(rank as usize));
+                *self.mailbox.borrow_mut() =
+                    Some(Arc::new(Mailbox::new(rank as usize, self.world)));
+                self.emit(NetEvent::Joined {
+                    rank: rank as usize,
+                    token: token.clone(),
+                });
+                self.emit(NetEvent::Members(members.clone()));
+                let _ = self.joining.unbounded_send(msg);
+            }
+            Control::Members { members } => self.emit(NetEvent::Members(members)),
+            Control::Ready { ref members } => {
+                self.emit(NetEvent::Members(members.clone()));
+                let _ = self.joining.unbounded_send(msg);
+            }
+            Control::PeerLeft { rank, ref reason } => {
+                if let Some(mb) = self.mailbox.borrow().as_ref() {
+                    if reason == LEFT_CLEANLY {
+                        mb.peer_gone(rank as usize);
+                    } else {
+                        mb.peer_lost(rank as usize, reason);
+                    }
+                }
+                self.emit(NetEvent::PeerLeft {
+                    rank,
+                    reason: reason.clone(),
+                });
+                let _ = self.joining.unbounded_send(msg);
+            }
+            Control::Signal {
+                from: Some(from),
+                data,
+                ..
+            } => {
+                if let Some(tx) = self.signals.get(from as usize) {
+                    let _ = tx.unbounded_send(data);
+                }
+            }
+            Control::Error { message } => self.fail(&format!("relay error: {message}")),
+            other => self.fail(&format!("unexpected control message {other:?}")),
+        }
+    }
+}
+
+/// One browser tab's connection to its room: see the module docs.
+pub struct BrowserTransport {
+    shared: Rc<Shared>,
+    rank: usize,
+    world: usize,
+    token: String,
+    ws: WebSocket,
+    links: RefCell<Vec<Option<RtcDataChannel>>>,
+    peers: RefCell<Vec<RtcPeerConnection>>,
+    handlers: RefCell<Vec<Handler>>,
+}
+
+fn js_err(what: &str, e: JsValue) -> Error {
+    Error::Relay {
+        detail: format!(
+            "{what}: {}",
+            e.as_string()
+                .or_else(|| js_sys::JSON::stringify(&e).ok().map(String::from))
+                .unwrap_or_else(|| "unknown JavaScript error".into())
+        ),
+    }
+}
+
+fn bytes_of(data: &JsValue) -> Option<Bytes> {
+    data.dyn_ref::<ArrayBuffer>()
+        .map(|b| Bytes::from(Uint8Array::new(b).to_vec()))
+}
+
+async fn sleep(d: Duration) {
+    futures_timer::Delay::new(d).await;
+}
+
+/// `fut` or, after `limit`, `None`.
+async fn within<F: std::future::Future>(limit: Duration, fut: F) -> Option<F::Output> {
+    let fut = std::pin::pin!(fut);
+    let timer = std::pin::pin!(sleep(limit));
+    match futures::future::select(fut, timer).await {
+        futures::future::Either::Left((v, _)) => Some(v),
+        futures::future::Either::Right(_) => None,
+    }
+}
+
+impl BrowserTransport {
+    /// Connect to the relay, join `opts.room`, wait until the room is full, then (with
+    /// `opts.webrtc`) open a data channel to every peer. `on_event` hears membership and link
+    /// changes from the start (also while waiting for the room to fill).
+    pub async fn join(opts: WebJoin, on_event: Listener) -> Result<BrowserTransport> {
+        let world = opts.world as usize;
+        let (jtx, mut jrx) = mpsc::unbounded();
+        let mut signal_rx = Vec::with_capacity(world);
+        let mut signal_tx = Vec::with_capacity(world);
+        for _ in 0..world {
+            let (t, r) = mpsc::unbounded();
+            signal_tx.push(t);
+            signal_rx.push(Some(r));
+        }
+        let shared = Rc::new(Shared {
+            world,
+            rank: Cell::new(None),
+            mailbox: RefCell::new(None),
+            partial: RefCell::new(HashMap::new()),
+            max_message: opts.max_message,
+            joining: jtx,
+            signals: signal_tx,
+            listener: RefCell::new(Some(on_event)),
+            closed: RefCell::new(None),
+        });
+        let ws =
+            WebSocket::new(&opts.url).map_err(|e| js_err(&format!("WebSocket {}", opts.url), e))?;
+        ws.set_binary_type(BinaryType::Arraybuffer);
+        let mut handlers = Vec::new();
+
+        let s = shared.clone();
+        let onmessage: Handler = Closure::new(move |ev: JsValue| {
+            let ev: MessageEvent = ev.unchecked_into();
+            let data = ev.data();
+            if let Some(text) = data.as_string() {
+                s.on_control(&text);
+            } else if let Some(b) = bytes_of(&data) {
+                s.on_frame(b, None);
+            }
+        });
+        ws.set_onmessage(Some(onmessage.as_ref().unchecked_ref()));
+        handlers.push(onmessage);
+        let s = shared.clone();
+        let onclose: Handler = Closure::new(move |_| s.fail("the connection to the relay closed"));
+        ws.set_onclose(Some(onclose.as_ref().unchecked_ref()));
+        handlers.push(onclose);
+        let url = opts.url.clone();
+        let s = shared.clone();
+        let onerror: Handler = Closure::new(move |_| {
+            s.fail(&format!("cannot reach the relay at {url}"));
+        });
+        ws.set_onerror(Some(onerror.as_ref().unchecked_ref()));
+        handlers.push(onerror);
+        let join_text = serde_json::to_string(&Control::Join {
+            room: opts.room.clone(),
+            token: opts.token.clone(),
+            world: opts.world,
+            rank: opts.rank,
+        })
+        .map_err(|e| Error::Input(e.to_string()))?;
+        let ws2 = ws.clone();
+        let onopen: Handler = Closure::new(move |_| {
+            let _ = ws2.send_with_str(&join_text);
+        });
+        ws.set_onopen(Some(onopen.as_ref().unchecked_ref()));
+        handlers.push(onopen);
+
+        let relay_err = |detail: String| Error::Relay { detail };
+        let mut token = None;
+        let wait = async {
+            while let Some(msg) = jrx.next().await {
+                match msg {
+                    Control::Welcome { token: t, .. } => token = Some(t),
+                    Control::Ready { .. } => return Ok(()),
+                    Control::PeerLeft { rank, reason } => {
+                        // Before the room is full a member may come and go; only a lost one matters
+                        // if the room cannot fill any more, which the relay reports as an error.
+                        let _ = (rank, reason);
+                    }
+                    Control::Error { message } => return Err(relay_err(message)),
+                    _ => {}
+                }
+            }
+            Err(relay_err("the relay connection ended while joining".into()))
+        };
+        match within(opts.ready_timeout, wait).await {
+            Some(r) => r?,
+            None => {
+                ws.close().ok();
+                return Err(relay_err(format!(
+                    "room {:?} did not fill to {} ranks within {:?}",
+                    opts.room, opts.world, opts.ready_timeout
+                )));
+            }
+        }
+        let rank = shared
+            .rank
+            .get()
+            .ok_or_else(|| relay_err("ready before welcome".into()))?;
+        let t = BrowserTransport {
+            shared,
+            rank,
+            world,
+            token: token.unwrap_or_default(),
+            ws,
+            links: RefCell::new(vec![None; world]),
+            peers: RefCell::new(Vec::new()),
+            handlers: RefCell::new(handlers),
+        };
+        let rtc = opts.webrtc && world > 1;
+        let attempts = (0..world).filter(|&p| p != rank).map(|p| {
+            let rx = signal_rx[p].take();
+            let t = &t;
+            async move {
+                let r = match (rtc, rx) {
+                    (true, Some(rx)) => t.connect_peer(p, rx, opts.rtc_timeout).await,
+                    _ => Err("WebRTC off (?net=relay)".to_string()),
+                };
+                let (kind, detail) = match r {
+                    Ok(dc) => {
+                        t.links.borrow_mut()[p] = Some(dc);
+                        (LinkKind::WebRtc, String::new())
+                    }
+                    Err(why) => (LinkKind::Relay, why),
+                };
+                t.shared.emit(NetEvent::Link {
+                    peer: p,
+                    kind,
+                    detail,
+                });
+            }
+        });
+        futures::future::join_all(attempts).await;
+        Ok(t)
+    }
+
+    /// Open a negotiated data channel to `peer`: the lower rank offers, the higher answers; the SDP
+    /// is sent whole after ICE gathering (no trickle), through the relay.
+    async fn connect_peer(
+        &self,
+        peer: usize,
+        mut signals: mpsc::UnboundedReceiver<serde_json::Value>,
+        limit: Duration,
+    ) -> std::result::Result<RtcDataChannel, String> {
+        let e = |what: &str, v: JsValue| format!("{what}: {}", js_err("", v));
+        let cfg = RtcConfiguration::new();
+        cfg.set_ice_servers(&js_sys::Array::new());
+        let pc = RtcPeerConnection::new_with_configuration(&cfg)
+            .map_err(|v| e("RTCPeerConnection", v))?;
+        self.peers.borrow_mut().push(pc.clone());
+        let init = RtcDataChannelInit::new();
+        init.set_negotiated(true);
+        init.set_id(0);
+        init.set_ordered(true);
+        let dc = pc.create_data_channel_with_data_channel_dict("distgrad", &init);
+        dc.set_binary_type(RtcDataChannelType::Arraybuffer);
+        let s = self.shared.clone();
+        let onmessage: Handler = Closure::new(move |ev: JsValue| {
+            let ev: MessageEvent = ev.unchecked_into();
+            if let Some(b) = bytes_of(&ev.data()) {
+                s.on_frame(b, Some(peer));
+            }
+        });
+        dc.set_onmessage(Some(onmessage.as_ref().unchecked_ref()));
+        let s = self.shared.clone();
+        let opened = Rc::new(Cell::new(false));
+        let was_open = opened.clone();
+        let onclose: Handler = Closure::new(move |_| {
+            if was_open.get()
+                && let Some(mb) = s.mailbox.borrow().as_ref()
+            {
+                mb.peer_lost(peer, "its WebRTC data channel closed");
+            }
+        });
+        dc.set_onclose(Some(onclose.as_ref().unchecked_ref()));
+        self.handlers.borrow_mut().extend([onmessage, onclose]);
+
+        let describe = |kind: RtcSdpType, sdp: &str| {
+            let d = RtcSessionDescriptionInit::new(kind);
+            d.set_sdp(sdp);
+            d
+        };
+        let sdp_of = |v: &JsValue| {
+            Reflect::get(v, &JsValue::from_str("sdp"))
+                .ok()
+                .and_then(|s| s.as_string())
+                .unwrap_or_default()
+        };
+        let negotiate = async {
+            let send_local = |kind: &str| -> std::result::Result<(), String> {
+                let sdp = pc.local_description().map(|d| d.sdp()).unwrap_or_default();
+                let msg = Control::Signal {
+                    to: Some(peer as u32),
+                    from: None,
+                    data: serde_json::json!({ "kind": kind, "sdp": sdp }),
+                };
+                let text = serde_json::to_string(&msg).map_err(|x| x.to_string())?;
+                self.ws
+                    .send_with_str(&text)
+                    .map_err(|v| e("sending the signal", v))
+            };
+            let gathered = async {
+                while pc.ice_gathering_state() != RtcIceGatheringState::Complete {
+                    sleep(Duration::from_millis(20)).await;
+                }
+            };
+            let next_sdp = |want: &'static str, got: Option<serde_json::Value>| match got {
+                Some(v) if v["kind"] == want => v["sdp"]
+                    .as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| format!("{want} without sdp")),
+                Some(v) => Err(format!("expected an {want}, got {v}")),
+                None => Err("signaling ended".to_string()),
+            };
+            if self.rank < peer {
+                let offer = JsFuture::from(pc.create_offer())
+                    .await
+                    .map_err(|v| e("createOffer", v))?;
+                JsFuture::from(
+                    pc.set_local_description(&describe(RtcSdpType::Offer, &sdp_of(&offer))),
+                )
+                .await
+                .map_err(|v| e("setLocalDescription", v))?;
+                gathered.await;
+                send_local("offer")?;
+                let answer = next_sdp("answer", signals.next().await)?;
+                JsFuture::from(pc.set_remote_description(&describe(RtcSdpType::Answer, &answer)))
+                    .await
+                    .map_err(|v| e("setRemoteDescription", v))?;
+            } else {
+                let offer = next_sdp("offer", signals.next().await)?;
+                JsFuture::from(pc.set_remote_description(&describe(RtcSdpType::Offer, &offer)))
+                    .await
+                    .map_err(|v| e("setRemoteDescription", v))?;
+                let answer = JsFuture::from(pc.create_answer())
+                    .await
+                    .map_err(|v| e("createAnswer", v))?;
+                JsFuture::from(
+                    pc.set_local_description(&describe(RtcSdpType::Answer, &sdp_of(&answer))),
+                )
+                .await
+                .map_err(|v| e("setLocalDescription", v))?;
+                gathered.await;
+                send_local("answer")?;
+            }
+            while dc.ready_state() != RtcDataChannelState::Open {
+                if matches!(
+                    dc.ready_state(),
+                    RtcDataChannelState::Closed | RtcDataChannelState::Closing
+                ) {
+                    return Err("the data channel closed while opening".to_string());
+                }
+                sleep(Duration::from_millis(10)).await;
+            }
+            Ok(())
+        };
+        match within(limit, negotiate).await {
+            Some(Ok(())) => {
+                opened.set(true);
+                Ok(dc)
+            }
+            Some(Err(why)) => {
+                pc.close();
+                Err(why)
+            }
+            None => {
+                pc.close();
+                Err(format!("no WebRTC connection within {limit:?}"))
+            }
+        }
+    }
+
+    /// The room token (the share link carries it).
+    pub fn token(&self) -> &str {
+        &self.token
+    }
+
+    /// How each rank is reached (`None` for this rank).
+    pub fn links(&self) -> Vec<Option<LinkKind>> {
+        let links = self.links.borrow();
+        (0..self.world)
+            .map(|p| {
+                (p != self.rank).then(|| {
+                    if links[p].is_some() {
+                        LinkKind::WebRtc
+                    } else {
+                        LinkKind::Relay
+                    }
+                })
+            })
+            .collect()
+    }
+
+    /// Why this transport stopped, if it did.
+    pub fn closed(&self) -> Option<String> {
+        self.shared.closed.borrow().clone()
+    }
+
+    /// Close every connection (peers see a clean leave).
+    pub fn close(&self) {
+        for dc in self.links.borrow().iter().flatten() {
+            dc.close();
+        }
+        for pc in self.peers.borrow().iter() {
+            pc.close();
+        }
+        let _ = self.ws.close();
+    }
+
+    fn transport_err(&self, detail: String) -> Error {
+        Error::Transport {
+            rank: self.rank,
+            detail,
+        }
+    }
+
+    async fn push_ws(&self, frame: &[u8]) -> Result<()> {
+        while self.ws.buffered_amount() > WS_HIGH_WATER {
+            if self.ws.ready_state() != WebSocket::OPEN {
+                break;
+            }
+            sleep(Duration::from_millis(1)).await;
+        }
+        if self.ws.ready_state() != WebSocket::OPEN {
+            return Err(self.transport_err(
+                self.closed()
+                    .unwrap_or_else(|| "the connection to the relay is closed".into()),
+            ));
+        }
+        self.ws
+            .send_with_u8_array(frame)
+            .map_err(|v| self.transport_err(js_err("WebSocket send", v).to_string()))
+    }
+
+    async fn push_rtc(&self, dc: &RtcDataChannel, dst: usize, frame: &[u8]) -> Result<()> {
+        while dc.buffered_amount() > RTC_HIGH_WATER && dc.ready_state() == RtcDataChannelState::Open
+        {
+            sleep(Duration::from_millis(1)).await;
+        }
+        if dc.ready_state() != RtcDataChannelState::Open {
+            return Err(self.transport_err(format!("the data channel to rank {dst} is closed")));
+        }
+        dc.send_with_u8_array(frame)
+            .map_err(|v| self.transport_err(js_err("data channel send", v).to_string()))
+    }
+}
+
+impl Drop for BrowserTransport {
+    fn drop(&mut self) {
+        // Detach the handlers before they are freed, then close.
+        self.ws.set_onmessage(None);
+        self.ws.set_onclose(None);
+        self.ws.set_onerror(None);
+        self.ws.set_onopen(None);
+        for dc in self.links.borrow().iter().flatten() {
+            dc.set_onmessage(None);
+            dc.set_onclose(None);
+        }
+        self.close();
+    }
+}
+
+impl Transport for BrowserTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    async fn send(&self, dst: usize, tag: Tag, payload: Bytes) -> Result<()> {
+        if dst >= self.world {
+            return Err(self.transport_err(format!(
+                "send to rank {dst} outside world of {}",
+                self.world
+            )));
+        }
+        let dc = self.links.borrow().get(dst).cloned().flatten();
+        let max = if dc.is_some() {
+            RTC_MAX_MESSAGE - HEADER_LEN
+        } else {
+            RELAY_MAX_PAYLOAD
+        };
+        let n = payload.len().div_ceil(max).max(1);
+        let mut frame = BytesMut::with_capacity(HEADER_LEN + payload.len().min(max));
+        for i in 0..n {
+            let part = &payload[(i * max).min(payload.len())..((i + 1) * max).min(payload.len())];
+            frame.clear();
+            Header {
+                src: self.rank as u32,
+                dst: dst as u32,
+                tag,
+                more: i + 1 < n,
+            }
+            .put(&mut frame);
+            frame.extend_from_slice(part);
+            match &dc {
+                Some(dc) => self.push_rtc(dc, dst, &frame).await?,
+                None => self.push_ws(&frame).await?,
+            }
+        }
+        Ok(())
+    }
+
+    async fn recv(&self, src: usize, tag: Tag) -> Result<Bytes> {
+        if src >= self.world {
+            return Err(self.transport_err(format!(
+                "recv from rank {src} outside world of {}",
+                self.world
+            )));
+        }
+        let mb = self.shared.mailbox.borrow().clone();
+        match mb {
+            Some(mb) => mb.recv(src, tag).await,
+            None => Err(self.transport_err("not joined".into())),
+        }
+    }
+
+    async fn abort(&self, reason: &str) {
+        for r in 0..self.world {
+            if r != self.rank {
+                let _ = self
+                    .send(r, Tag::ABORT, Bytes::copy_from_slice(reason.as_bytes()))
+                    .await;
+            }
+        }
+        if let Some(mb) = self.shared.mailbox.borrow().as_ref() {
+            mb.abort_local(reason);
+        }
+    }
+}

@@ -1,0 +1,319 @@
+// End-to-end test of the web app: browser tabs as ranks, checked against the native in-process run.
+//
+//   node tests/browser/e2e.mjs --bin <distgrad binary> --dist <built web app> --net relay|webrtc
+//
+// Starts `distgrad relay --static <dist>` on an ephemeral loopback port, opens 4 tabs of headless
+// Chromium (WebGPU on SwiftShader), and checks:
+//   1. every collective (every reduce op, roots != 0, subgroups) forward + backward in all tabs equals
+//      `distgrad vjp <case> --json` (the native in-process run), and the dual the tabs ran is the same;
+//   2. the page's Run button (request -> rank 0 -> every rank) runs on every tab;
+//   3. a native `distgrad worker` and 3 tabs in one room (mixed group) give the native result
+//      (with --net webrtc the tabs' pairs with the worker fall back to the relay and say so);
+//   4. closing one tab mid-run makes every other tab show an error within 5 s.
+// Prints figures (not asserted): page load to ready, 4-tab all_reduce of 1 MiB forward + backward,
+// the .wasm size. --net webrtc must run inside a loopback-only network namespace (scripts/test-all.sh
+// uses `unshare -n`), so that ICE never tries another interface. Exits non-zero on any failure.
+
+import { spawn, execFileSync } from 'node:child_process';
+import { readdirSync, statSync, mkdirSync, writeFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { chromium } from 'playwright-core';
+
+const args = Object.fromEntries(
+  process.argv.slice(2).reduce((acc, a, i, all) => {
+    if (a.startsWith('--')) acc.push([a.slice(2), all[i + 1]]);
+    return acc;
+  }, []),
+);
+const BIN = args.bin;
+const DIST = args.dist ?? 'dist';
+const NET = args.net ?? 'relay';
+const OUT = args.out ?? 'target/browser-test-output';
+const CHROMIUM = process.env.CHROMIUM ?? '/usr/bin/chromium';
+const WORLD = 4;
+if (!BIN || !['relay', 'webrtc'].includes(NET)) {
+  console.error('usage: e2e.mjs --bin <distgrad> --dist <dir> --net relay|webrtc');
+  process.exit(2);
+}
+mkdirSync(OUT, { recursive: true });
+
+const failures = [];
+const fail = (msg) => {
+  failures.push(msg);
+  console.log(`  FAIL ${msg}`);
+};
+const log = (msg) => console.log(`[e2e ${NET}] ${msg}`);
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+const withTimeout = (p, ms, what) =>
+  Promise.race([p, sleep(ms).then(() => { throw new Error(`${what}: no answer within ${ms} ms`); })]);
+
+// ---------- native reference ----------
+function distgrad(argv, input) {
+  return execFileSync(BIN, argv, { input, encoding: 'utf8', maxBuffer: 64 << 20 });
+}
+
+function suite() {
+  const cases = [];
+  const add = (name, extra) => cases.push({ name, argv: ['vjp', name, '--world', String(WORLD), ...extra] });
+  add('broadcast', ['--root', '2']);
+  for (const op of ['sum', 'avg', 'prod', 'min', 'max']) add('reduce', ['--root', '1', '--op', op]);
+  add('gather', ['--root', '3']);
+  add('scatter', ['--root', '1']);
+  add('all_gather', []);
+  add('reduce_scatter', ['--op', 'sum']);
+  add('reduce_scatter', ['--op', 'max']);
+  add('all_to_all', []);
+  add('all_to_all_single', []);
+  for (const op of ['sum', 'avg', 'prod', 'min', 'max']) add('all_reduce', ['--op', op]);
+  add('permute', []);
+  add('all_reduce', ['--op', 'max', '--group', '1,2,3']);
+  add('reduce', ['--op', 'prod', '--root', '1', '--group', '0,2,3']);
+  add('broadcast', ['--root', '1', '--group', '3,1']);
+  return cases.map((c) => {
+    const caseJson = distgrad([...c.argv, '--print-case']);
+    const expected = JSON.parse(distgrad(['vjp', '-', '--json'], caseJson));
+    return { label: c.argv.slice(1).filter((a) => a !== '--world' && a !== String(WORLD)).join(' '), caseJson, expected };
+  });
+}
+
+function close(a, b) {
+  if (a === null || b === null) return a === b;
+  return Math.abs(a - b) <= 1e-5 * Math.max(1, Math.abs(a), Math.abs(b));
+}
+
+function sameTensors(got, want) {
+  if (got.length !== want.length) return `${got.length} tensors, expected ${want.length}`;
+  for (let i = 0; i < got.length; i++) {
+    if (JSON.stringify(got[i].shape) !== JSON.stringify(want[i].shape))
+      return `tensor ${i}: shape ${JSON.stringify(got[i].shape)}, expected ${JSON.stringify(want[i].shape)}`;
+    for (let j = 0; j < want[i].data.length; j++)
+      if (!close(got[i].data[j], want[i].data[j]))
+        return `tensor ${i}[${j}] = ${got[i].data[j]}, expected ${want[i].data[j]}`;
+  }
+  return null;
+}
+
+function checkRank(label, r, got, expected) {
+  const o = sameTensors(got.outputs, expected.outputs[r]);
+  if (o) return fail(`${label}: rank ${r} output: ${o}`);
+  const g = sameTensors(got.grads, expected.grads[r]);
+  if (g) return fail(`${label}: rank ${r} gradient: ${g}`);
+  if (got.dual.length && got.dual.join(' + ') !== expected.dual)
+    return fail(`${label}: rank ${r} ran backward "${got.dual.join(' + ')}", native ran "${expected.dual}"`);
+  return true;
+}
+
+// ---------- relay and browser ----------
+function startRelay() {
+  return new Promise((resolve, reject) => {
+    const p = spawn(BIN, ['relay', '--addr', '127.0.0.1:0', '--static', DIST], { stdio: ['ignore', 'pipe', 'inherit'] });
+    let out = '';
+    p.stdout.on('data', (d) => {
+      out += d;
+      const m = out.match(/listening on ws:\/\/([0-9.:]+)\/ws/);
+      if (m) resolve({ proc: p, host: m[1] });
+    });
+    p.on('exit', (code) => reject(new Error(`relay exited (${code}) before listening: ${out}`)));
+  });
+}
+
+const chromeArgs = [
+  '--no-sandbox', '--no-first-run', '--disable-background-networking', '--disable-component-update',
+  '--disable-sync', '--enable-unsafe-webgpu', '--use-webgpu-adapter=swiftshader',
+  '--allow-loopback-in-peer-connection', '--use-fake-ui-for-media-stream',
+];
+
+async function openTabs(ctx, url, n, errors) {
+  const pages = [];
+  for (let i = 0; i < n; i++) {
+    const page = await ctx.newPage();
+    await page.setViewportSize({ width: 1280, height: 800 });
+    page.on('pageerror', (e) => errors.push(`tab ${i}: uncaught ${e.message}`));
+    page.on('console', (m) => {
+      if (m.type() === 'error') errors.push(`tab ${i}: console error: ${m.text()}`);
+    });
+    pages.push(page);
+  }
+  // Navigate all at once: the room fills only when every tab has joined.
+  await Promise.all(pages.map((p) => p.goto(url)));
+  return pages;
+}
+
+const stateOf = async (page) => JSON.parse(await page.evaluate(() => window.distgrad ? window.distgrad.state() : '{}'));
+
+async function waitReady(pages, ms) {
+  const t0 = Date.now();
+  for (;;) {
+    const states = await Promise.all(pages.map(stateOf));
+    const failed = states.find((s) => s.phase === 'failed');
+    if (failed) throw new Error(`a tab failed while joining: ${failed.error}`);
+    if (states.every((s) => s.phase === 'ready')) return states;
+    if (Date.now() - t0 > ms) throw new Error(`tabs not ready within ${ms} ms: ${states.map((s) => s.phase).join(', ')}`);
+    await sleep(100);
+  }
+}
+
+async function runEverywhere(pages, caseJson) {
+  return Promise.all(pages.map((p) => p.evaluate((j) => window.distgrad.runCase(j), caseJson).then(JSON.parse)));
+}
+
+const median = (xs) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)];
+
+async function main() {
+  log('native reference: distgrad vjp for every case');
+  const cases = suite();
+  const relay = await startRelay();
+  const base = `http://${relay.host}/`;
+  log(`relay + web app at ${base}`);
+  const browser = await chromium.launch({ executablePath: CHROMIUM, headless: true, args: chromeArgs });
+  const figures = {};
+  try {
+    const ctx = await browser.newContext();
+    await ctx.grantPermissions(['microphone']).catch(() => {});
+    const errors = [];
+
+    // ---- 1. four tabs, every collective ----
+    const room = `e2e-${NET}-${process.pid}`;
+    const url = `${base}?room=${room}&world=${WORLD}&token=t${process.pid}${NET === 'relay' ? '&net=relay' : ''}`;
+    const tLoad = Date.now();
+    const pages = await openTabs(ctx, url, WORLD, errors);
+    const states = await waitReady(pages, 60000);
+    figures.page_load_to_ready_ms = median(states.map((s) => s.ready_ms));
+    log(`4 tabs ready in ${Date.now() - tLoad} ms (page load to ready, median over tabs: ${figures.page_load_to_ready_ms.toFixed(0)} ms); compute: ${states[0].device}`);
+    const ranks = states.map((s) => s.rank).sort();
+    if (JSON.stringify(ranks) !== JSON.stringify([0, 1, 2, 3])) fail(`ranks ${ranks}`);
+    for (const s of states) {
+      const others = s.links.filter((l, r) => r !== s.rank);
+      const want = NET === 'webrtc' ? 'webrtc' : 'relay';
+      if (!others.every((l) => l === want)) fail(`rank ${s.rank} links ${JSON.stringify(s.links)}, expected all ${want} (${s.fallbacks.join('; ')})`);
+    }
+    // Tab order != rank order: index pages by rank.
+    const byRank = [];
+    states.forEach((s, i) => { byRank[s.rank] = pages[i]; });
+    let checked = 0;
+    for (const c of cases) {
+      const got = await withTimeout(runEverywhere(byRank, c.caseJson), 30000, c.label);
+      let ok = true;
+      got.forEach((g, r) => { ok = checkRank(c.label, r, g, c.expected) === true && ok; });
+      if (ok) checked++;
+    }
+    log(`${checked}/${cases.length} cases: every tab's outputs, gradients and dual equal the native run`);
+
+    // ---- 2. the Run button on rank 2 runs all_reduce(max) on every tab ----
+    const before = await Promise.all(byRank.map(stateOf));
+    const tab = byRank[2];
+    await tab.selectOption('#collective', 'all_reduce');
+    await tab.selectOption('#op', 'max');
+    await tab.click('#run');
+    const want = cases.find((c) => c.label === 'all_reduce --op max');
+    const t0 = Date.now();
+    for (;;) {
+      const now = await Promise.all(byRank.map(stateOf));
+      if (now.every((s, r) => s.runs > before[r].runs)) {
+        now.forEach((s, r) => checkRank('Run button all_reduce max', r, s.last, want.expected));
+        const shown = await byRank[0].textContent('#result');
+        if (!shown.includes(want.expected.dual)) fail(`rank 0's page does not name the backward collective "${want.expected.dual}": ${shown}`);
+        log('Run button on rank 2: every tab ran all_reduce(max) and shows its result');
+        break;
+      }
+      if (Date.now() - t0 > 20000) { fail('Run button: not every tab ran within 20 s'); break; }
+      await sleep(100);
+    }
+    await byRank[0].screenshot({ path: join(OUT, `rank-page-${NET}.png`) });
+
+    // ---- figures: 1 MiB all_reduce forward + backward ----
+    const bench = async (numel) => {
+      const r = await Promise.all(byRank.map((p) => p.evaluate((n) => window.distgrad.benchAllReduce(n), numel).then(JSON.parse)));
+      // x[i] = i % 7 on every rank: sum(y) = WORLD * sum(i % 7); every gradient element = WORLD.
+      let xs = 0;
+      for (let i = 0; i < numel; i++) xs += i % 7;
+      r.forEach((x, rank) => {
+        if (x.y_sum !== WORLD * xs) fail(`all_reduce of ${numel} floats: rank ${rank} sum(y) = ${x.y_sum}, expected ${WORLD * xs}`);
+        if (x.grad_sum !== WORLD * numel) fail(`all_reduce of ${numel} floats: rank ${rank} sum(grad) = ${x.grad_sum}, expected ${WORLD * numel}`);
+      });
+      return Math.max(...r.map((x) => x.ms));
+    };
+    // 8 MiB: ring chunks of 2 MiB, fragmented on every path (relay frames <= 1 MiB, data channel
+    // messages <= 256 KiB); checked element by element through the checksums.
+    const big = await bench(2 << 20);
+    log(`4-tab all_reduce of 8 MiB forward + backward over ${NET}: ${big.toFixed(0)} ms, values checked`);
+    const times = [];
+    for (let i = 0; i < 5; i++) times.push(await bench(262144));
+    figures[`all_reduce_1MiB_fwd_bwd_ms_${NET}`] = median(times);
+    log(`4-tab all_reduce of 1 MiB forward + backward over ${NET}: median ${median(times).toFixed(1)} ms (slowest tab, 5 runs: ${times.map((t) => t.toFixed(0)).join(', ')})`);
+
+    // ---- 3. mixed group: a native worker and three tabs ----
+    {
+      const c = cases.find((x) => x.label === 'reduce --root 1 --op max');
+      const caseFile = join(OUT, `mixed-case-${NET}.json`);
+      writeFileSync(caseFile, c.caseJson);
+      const mroom = `mixed-${NET}-${process.pid}`;
+      const token = `m${process.pid}`;
+      const worker = spawn(BIN, ['worker', '--relay', `ws://${relay.host}/ws`, '--room', mroom, '--world', String(WORLD), '--rank', '3',
+        '--token', token, '--case', caseFile, '--json', '--timeout-secs', '60'], { stdio: ['ignore', 'pipe', 'inherit'] });
+      let wout = '';
+      worker.stdout.on('data', (d) => { wout += d; });
+      const wdone = new Promise((r) => worker.on('exit', r));
+      const mpages = await openTabs(ctx, `${base}?room=${mroom}&world=${WORLD}&token=${token}${NET === 'relay' ? '&net=relay' : ''}`, 3, errors);
+      const ms = await waitReady(mpages, 60000);
+      if (NET === 'webrtc') {
+        for (const s of ms) {
+          if (s.links[3] !== 'relay' || !s.fallbacks.some((f) => f.startsWith('rank 3'))) fail(`mixed: rank ${s.rank} should say it fell back to the relay for the native rank 3: ${JSON.stringify(s)}`);
+        }
+        const text = await mpages[0].textContent('#links');
+        if (!text.includes('Fell back to the relay')) fail(`mixed: the page does not say which pairs fell back: ${text}`);
+      }
+      const got = await withTimeout(Promise.all(mpages.map((p) => p.evaluate((j) => window.distgrad.runCase(j), c.caseJson).then(JSON.parse))), 60000, 'mixed group');
+      got.forEach((g, i) => checkRank('mixed group reduce max', ms[i].rank, g, c.expected));
+      const code = await withTimeout(wdone, 30000, 'native worker exit');
+      if (code !== 0) fail(`mixed: native worker exited ${code}`);
+      else checkRank('mixed group reduce max (native worker)', 3, JSON.parse(wout.trim().split('\n').pop()), c.expected);
+      log('mixed group (native worker = rank 3, three tabs): every rank equals the native in-process run');
+      await Promise.all(mpages.map((p) => p.close()));
+    }
+
+    // ---- 4. closing a tab mid-run: the others show an error within 5 s ----
+    {
+      const runs = byRank.slice(0, 3).map((p) => p.evaluate(() => window.distgrad.benchAllReduce(4 << 20)).catch((e) => String(e)));
+      await sleep(300);
+      const tClose = Date.now();
+      await byRank[3].close();
+      const seen = new Array(3).fill(null);
+      while (seen.some((x) => x === null) && Date.now() - tClose < 10000) {
+        const st = await Promise.all(byRank.slice(0, 3).map(stateOf));
+        st.forEach((s, i) => { if (s.error && seen[i] === null) seen[i] = { ms: Date.now() - tClose, error: s.error }; });
+        await sleep(50);
+      }
+      await Promise.race([Promise.all(runs), sleep(5000)]);
+      seen.forEach((s, r) => {
+        if (!s) fail(`rank ${r}: no error shown within 10 s of closing rank 3's tab`);
+        else if (s.ms > 5000) fail(`rank ${r}: error shown after ${s.ms} ms (> 5 s)`);
+      });
+      const shown = await byRank[0].textContent('#error');
+      if (!/rank 3/.test(shown)) fail(`the error does not name the lost rank: ${shown}`);
+      const worst = Math.max(...seen.filter(Boolean).map((s) => s.ms));
+      log(`closed rank 3's tab mid-run: ranks 0-2 showed an error within ${worst} ms: "${seen[0]?.error}"`);
+      figures.error_after_close_ms = worst;
+      await byRank[0].screenshot({ path: join(OUT, `tab-closed-${NET}.png`) });
+    }
+    const unexpected = errors.filter((e) => !/left the room|failed|disconnected|lost|closed|Aborted|abort/i.test(e));
+    if (unexpected.length) fail(`console errors: ${unexpected.join(' | ')}`);
+  } finally {
+    await browser.close();
+    relay.proc.kill('SIGINT');
+  }
+  const wasm = readdirSync(DIST).find((f) => f.endsWith('.wasm'));
+  if (wasm) figures.wasm_bytes = statSync(join(DIST, wasm)).size;
+  log(`figures: ${JSON.stringify(figures)}`);
+  log(`release .wasm: ${(figures.wasm_bytes / 1048576).toFixed(2)} MiB (goal < 1.5 MB before gzip)`);
+  if (failures.length) {
+    console.log(`[e2e ${NET}] ${failures.length} failure(s)`);
+    process.exit(1);
+  }
+  log('all checks passed');
+}
+
+main().catch((e) => {
+  console.error(`[e2e ${NET}] error: ${e.stack ?? e}`);
+  process.exit(1);
+});
