@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every test: the native suite (`cargo test`, GPU tests on lavapipe), the browser unit suite
-# (wasm-bindgen-test in headless Chromium with WebGPU) and the end-to-end suite (the web app built
+# (wasm-bindgen-test in headless Chromium with WebGPU) and the end-to-end suites: the web app built
 # with trunk, 4 tabs as ranks over the relay and over WebRTC, a mixed native + browser group, a tab
-# closed mid-run). Installs what it needs, skipping what is already there: lavapipe, chromium +
-# chromium-driver (apt, as root), the wasm32 target, wasm-bindgen-cli at exactly the version in
+# closed mid-run, and every lesson of the teaching demo in 3 tabs and in single-tab mode.
+# Installs what it needs, skipping what is already there: lavapipe, chromium + chromium-driver and
+# iproute2 (apt, as root), the wasm32 target, wasm-bindgen-cli at exactly the version in
 # Cargo.lock, trunk, and the npm packages of tests/browser (scripts/web-tools.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,6 +45,8 @@ cargo build --locked --bin distgrad
 bin="$CARGO_TARGET_DIR/debug/distgrad"
 out="$CARGO_TARGET_DIR/browser-test-output"
 node tests/browser/e2e.mjs --bin "$bin" --dist dist --net relay --out "$out"
+say "end-to-end: every lesson of the teaching demo in 3 tabs and in single-tab mode (tests/browser/lessons.mjs)"
+node tests/browser/lessons.mjs --bin "$bin" --dist dist --out "$out"
 # WebRTC only inside a loopback-only network namespace, so ICE never tries another interface.
 if unshare -n true 2>/dev/null; then
   unshare -n sh -c 'ip link set lo up && exec node tests/browser/e2e.mjs --bin "$0" --dist dist --net webrtc --out "$1"' "$bin" "$out"

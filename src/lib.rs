@@ -44,6 +44,8 @@
 //!   ([`run::run_interleaved`], also in a browser page).
 //! - `web` (wasm32): the browser side: the rank page and the WebSocket + WebRTC transport.
 //! - [`vjp`]: the JSON case format and runner behind `distgrad vjp`.
+//! - [`lesson`]: the teaching demo's lessons (JSON in `www/lessons/`) and their traces, shown by
+//!   the page and printed by `distgrad run`.
 //! - [`bench`]: the benchmarks behind `distgrad bench`.
 //! - [`error`]: the one error enum.
 
@@ -55,6 +57,7 @@ pub mod bench;
 pub mod collective;
 pub mod dist;
 pub mod error;
+pub mod lesson;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod relay;
 pub mod run;

@@ -72,6 +72,18 @@ mod cli {
             #[arg(long, default_value = "cpu")]
             device: String,
         },
+        /// Run a lesson of the teaching demo (`www/lessons/<name>.json`) on N ranks in this process and
+        /// print its trace: every step's messages and every rank's values, as the web page shows them.
+        Run {
+            /// The lesson file.
+            lesson: std::path::PathBuf,
+            /// World size (default: the lesson's, else 3).
+            #[arg(long)]
+            world: Option<usize>,
+            /// Print the trace as JSON.
+            #[arg(long)]
+            json: bool,
+        },
         /// Run the relay: rooms, rank assignment, routing of data frames, WebRTC signaling, and (with
         /// --static) the web app's files, on one port.
         Relay {
@@ -200,6 +212,11 @@ mod cli {
                 print_case,
                 device,
             } => run_vjp(&what, world, &op, root, group, json, print_case, &device),
+            Cmd::Run {
+                lesson,
+                world,
+                json,
+            } => run_lesson(&lesson, world, json),
             Cmd::Bench { what, .. } if what == "kernels" => run_kernel_bench(),
             Cmd::Bench {
                 what: _,
@@ -440,6 +457,32 @@ mod cli {
         .enable_all()
         .build();
         b.map_err(|e| distgrad::Error::Input(format!("cannot start the async runtime: {e}")))
+    }
+
+    fn run_lesson(
+        path: &std::path::Path,
+        world: Option<usize>,
+        json: bool,
+    ) -> distgrad::Result<()> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| distgrad::Error::Input(format!("reading {}: {e}", path.display())))?;
+        let lesson = distgrad::lesson::parse(&text)?;
+        let world = world.or(lesson.world).unwrap_or(3);
+        let trace = futures::executor::block_on(distgrad::lesson::run_simulated(
+            &lesson,
+            world,
+            &distgrad::backend::Device::Cpu,
+            &[],
+        ))?;
+        if json {
+            println!(
+                "{}",
+                serde_json::to_string(&trace).map_err(|e| distgrad::Error::Input(e.to_string()))?
+            );
+        } else {
+            print!("{}", distgrad::lesson::render(&trace));
+        }
+        Ok(())
     }
 
     fn run_relay(addr: &str, cfg: distgrad::relay::RelayConfig) -> distgrad::Result<()> {

@@ -551,7 +551,7 @@ pub async fn run_case_interleaved(
     assemble(&prepared, results)
 }
 
-fn short_sig(s: &crate::collective::CallSig) -> String {
+pub(crate) fn short_sig(s: &crate::collective::CallSig) -> String {
     let mut args = Vec::new();
     if let Some(op) = s.op {
         args.push(format!("op={}", op.name()));
@@ -722,7 +722,9 @@ pub fn fmt_t(t: &TensorJson) -> String {
             None => "nan".into(),
         })
         .collect();
-    if t.shape.len() == 1 {
+    if t.shape.is_empty() && vals.len() == 1 {
+        vals[0].clone()
+    } else if t.shape.len() == 1 {
         format!("[{}]", vals.join(", "))
     } else {
         format!("{:?}:[{}]", t.shape, vals.join(", "))

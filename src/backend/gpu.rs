@@ -201,7 +201,12 @@ impl Gpu {
     /// `name (backend, device type)` of the adapter.
     pub fn describe(&self) -> String {
         let i = &self.0.info;
-        format!("{} ({:?}, {:?})", i.name, i.backend, i.device_type)
+        let name = if i.name.is_empty() {
+            "unnamed adapter"
+        } else {
+            &i.name
+        };
+        format!("{name} ({:?}, {:?})", i.backend, i.device_type)
     }
 
     /// The adapter's limits in force.

@@ -1,0 +1,695 @@
+//! Lessons of the teaching demo, as data (`www/lessons/<name>.json`), and the program each one runs.
+//!
+//! A lesson runs on every rank of a group (browser tabs, simulated ranks in one page, or
+//! `distgrad run` in a terminal) and produces a [`Trace`]: a list of steps, each with the messages
+//! drawn as arrows between ranks and every rank's values at that step. The page animates the trace;
+//! `distgrad run` prints it. Both run the same code here, so they show the same numbers.
+//!
+//! Lesson JSON:
+//! ```text
+//! {"name": "all_gather", "title": "...", "why": "one or two sentences",
+//!  "kind": "collective" | "objectives" | "data_parallel" | "tensor_parallel",
+//!  "collective": "all_gather", "op": "max", "root": 1,      (kind collective; op/root where used;
+//!                                                           the last rank is root in smaller worlds)
+//!  "world": 3,                                              (default world of `distgrad run`)
+//!  "steps": 20, "lr": 0.3}                                  (kind data_parallel)
+//! ```
+//! - `collective`: inputs x → forward (arrows of the collective) → cotangents → backward (the same
+//!   arrows reversed, and the name of the collective the backward pass really ran) → gradients.
+//!   The inputs are those of `distgrad vjp`'s example; a rank may replace its own (same shape).
+//! - `objectives`: `s = all_reduce(SUM, x)`, `loss = 0.5·sum(s²)` differentiated under both
+//!   objective conventions: the gradients differ by exactly the world size N.
+//! - `data_parallel`: linear regression, one data shard per rank, gradients averaged with
+//!   all_reduce(AVG) each step; per step the loss of this rank and of the group, the weights and a
+//!   hash of them (equal on every rank: the replicas stay identical).
+//! - `tensor_parallel`: `Y = X·W` with the rows of X and the columns of W sharded across ranks:
+//!   all_gather forward, and the backward pass runs reduce_scatter.
+
+use serde::{Deserialize, Serialize};
+
+use crate::autograd::{Objective, Tape, Var};
+use crate::collective::{Communicator, P2p, ReduceOp};
+use crate::dist;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+use crate::transport::Transport;
+use crate::vjp::{self, Prepared, TensorJson, Which};
+
+/// What a lesson is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LessonKind {
+    /// One collective forward and backward.
+    Collective,
+    /// The two objective conventions (sum of rank losses vs replicated loss).
+    Objectives,
+    /// Data-parallel training with all_reduce(AVG) of the gradients.
+    DataParallel,
+    /// A linear layer sharded across ranks (all_gather forward, reduce_scatter backward).
+    TensorParallel,
+}
+
+/// A lesson file: see the module docs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Lesson {
+    /// File name without `.json`.
+    pub name: String,
+    /// Heading.
+    pub title: String,
+    /// One or two sentences: why the backward pass is what it is.
+    pub why: String,
+    /// The program.
+    pub kind: LessonKind,
+    /// Collective name (kind `collective`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collective: Option<String>,
+    /// Reduce op.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<String>,
+    /// Root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub root: Option<usize>,
+    /// Default world size for `distgrad run`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world: Option<usize>,
+    /// Training steps (data_parallel; default 20).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps: Option<usize>,
+    /// Learning rate (data_parallel; default 0.3).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f32>,
+}
+
+/// A named value a rank holds at a step: tensors, or a text (a hash).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Named {
+    /// Name as shown (`x`, `y`, `dL/dx`, ...).
+    pub name: String,
+    /// Values (empty when `text` is set or the rank has none).
+    #[serde(default)]
+    pub tensors: Vec<TensorJson>,
+    /// A text value instead of tensors.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+}
+
+impl Named {
+    fn tensors(name: &str, tensors: Vec<TensorJson>) -> Self {
+        Named {
+            name: name.into(),
+            tensors,
+            text: None,
+        }
+    }
+
+    fn text(name: &str, text: String) -> Self {
+        Named {
+            name: name.into(),
+            tensors: Vec::new(),
+            text: Some(text),
+        }
+    }
+
+    /// The value as the page and the terminal print it.
+    pub fn show(&self) -> String {
+        match &self.text {
+            Some(t) => t.clone(),
+            None if self.tensors.is_empty() => "-".into(),
+            None => self
+                .tensors
+                .iter()
+                .map(vjp::fmt_t)
+                .collect::<Vec<_>>()
+                .join(" "),
+        }
+    }
+}
+
+/// The stage a step belongs to (colours the arrows).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Starting values.
+    Input,
+    /// Forward pass.
+    Forward,
+    /// Cotangents seeded.
+    Cotangent,
+    /// Backward pass.
+    Backward,
+    /// A training step (forward, backward, all_reduce, update).
+    Train,
+    /// A conclusion.
+    Result,
+}
+
+/// One step of one rank.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankStep {
+    /// What happens.
+    pub label: String,
+    /// Stage.
+    pub phase: Phase,
+    /// Collective that ran at this step, as recorded by the communicator (e.g. `reduce_scatter(op=sum)`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collective: Option<String>,
+    /// Messages as (from, to) ranks.
+    pub arrows: Vec<(usize, usize)>,
+    /// This rank's values.
+    pub values: Vec<Named>,
+}
+
+/// One rank's trace of a lesson.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankTrace {
+    /// The rank.
+    pub rank: usize,
+    /// Its steps.
+    pub steps: Vec<RankStep>,
+}
+
+/// One step of the whole group.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Step {
+    /// What happens.
+    pub label: String,
+    /// Stage.
+    pub phase: Phase,
+    /// Collective that ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collective: Option<String>,
+    /// Messages as (from, to) ranks.
+    pub arrows: Vec<(usize, usize)>,
+    /// Every rank's values, index = rank.
+    pub ranks: Vec<Vec<Named>>,
+}
+
+/// A lesson's trace: what the page shows and `distgrad run` prints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Trace {
+    /// Lesson name.
+    pub lesson: String,
+    /// Heading.
+    pub title: String,
+    /// Why the backward pass is what it is.
+    pub why: String,
+    /// World size.
+    pub world: usize,
+    /// The steps.
+    pub steps: Vec<Step>,
+}
+
+/// Parse a lesson file's text.
+pub fn parse(json: &str) -> Result<Lesson> {
+    let l: Lesson =
+        serde_json::from_str(json).map_err(|e| Error::Input(format!("lesson JSON: {e}")))?;
+    if l.kind == LessonKind::Collective {
+        let which = Which::parse(l.collective.as_deref().unwrap_or(""))?;
+        if let Some(op) = &l.op {
+            ReduceOp::parse(op)?;
+        }
+        if l.op.is_some() && !which.uses_op() {
+            return Err(Error::Input(format!("{} takes no op", which.name())));
+        }
+    }
+    Ok(l)
+}
+
+/// Forward messages of a collective over `world` ranks (the logical data movement).
+pub fn arrows(
+    which: Which,
+    world: usize,
+    root: usize,
+    perm: &[(usize, usize)],
+) -> Vec<(usize, usize)> {
+    let all = || {
+        (0..world)
+            .flat_map(|a| (0..world).filter(move |&b| b != a).map(move |b| (a, b)))
+            .collect()
+    };
+    match which {
+        Which::Broadcast | Which::Scatter => (0..world)
+            .filter(|&r| r != root)
+            .map(|r| (root, r))
+            .collect(),
+        Which::Reduce | Which::Gather => (0..world)
+            .filter(|&r| r != root)
+            .map(|r| (r, root))
+            .collect(),
+        Which::AllGather
+        | Which::ReduceScatter
+        | Which::AllToAll
+        | Which::AllToAllSingle
+        | Which::AllReduce => all(),
+        Which::Permute => perm.iter().copied().filter(|(a, b)| a != b).collect(),
+    }
+}
+
+fn reversed(a: &[(usize, usize)]) -> Vec<(usize, usize)> {
+    a.iter().map(|&(x, y)| (y, x)).collect()
+}
+
+fn step(label: String, phase: Phase, arrows: Vec<(usize, usize)>, values: Vec<Named>) -> RankStep {
+    RankStep {
+        label,
+        phase,
+        collective: None,
+        arrows,
+        values,
+    }
+}
+
+async fn read(t: &Tensor) -> Result<TensorJson> {
+    TensorJson::read(t).await
+}
+
+fn duals<T: Transport>(comm: &P2p<T>) -> Option<String> {
+    let calls: Vec<String> = comm
+        .take_calls()
+        .iter()
+        .map(|(_, s)| vjp::short_sig(s))
+        .collect();
+    Some(if calls.is_empty() {
+        "nothing".into()
+    } else {
+        calls.join(" + ")
+    })
+}
+
+/// The collective lesson's case for `world` ranks (`distgrad vjp`'s example).
+pub async fn lesson_case(lesson: &Lesson, world: usize) -> Result<vjp::Case> {
+    let which = Which::parse(lesson.collective.as_deref().unwrap_or(""))?;
+    let op = ReduceOp::parse(lesson.op.as_deref().unwrap_or("sum"))?;
+    // A lesson works with any number of tabs: in a world too small for its root, the last rank is
+    // the root.
+    let root = lesson.root.unwrap_or(0).min(world.saturating_sub(1));
+    vjp::example_case_async(
+        which,
+        world,
+        op,
+        if which.uses_root() { root } else { 0 },
+        None,
+    )
+    .await
+}
+
+/// Run this rank's part of `lesson` on `comm` (which must record calls: [`vjp::case_options`]).
+/// `own_input` replaces this rank's input in a collective lesson (same shapes).
+pub async fn run_rank<T: Transport>(
+    comm: &P2p<T>,
+    lesson: &Lesson,
+    own_input: Option<Vec<TensorJson>>,
+) -> Result<RankTrace> {
+    let me = comm.rank();
+    comm.take_calls();
+    let steps = match lesson.kind {
+        LessonKind::Collective => collective(comm, lesson, own_input).await?,
+        LessonKind::Objectives => objectives(comm).await?,
+        LessonKind::DataParallel => data_parallel(comm, lesson).await?,
+        LessonKind::TensorParallel => tensor_parallel(comm).await?,
+    };
+    Ok(RankTrace { rank: me, steps })
+}
+
+async fn collective<T: Transport>(
+    comm: &P2p<T>,
+    lesson: &Lesson,
+    own_input: Option<Vec<TensorJson>>,
+) -> Result<Vec<RankStep>> {
+    let me = comm.rank();
+    let world = comm.world_size();
+    let mut case = lesson_case(lesson, world).await?;
+    if let Some(x) = own_input {
+        let want: Vec<&Vec<usize>> = case.inputs[me].iter().map(|t| &t.shape).collect();
+        let got: Vec<&Vec<usize>> = x.iter().map(|t| &t.shape).collect();
+        if want != got {
+            return Err(Error::Input(format!(
+                "rank {me}: edited input has shapes {got:?}, the lesson needs {want:?}"
+            )));
+        }
+        case.inputs[me] = x;
+    }
+    let which = Which::parse(&case.collective)?;
+    let perm = case.perm.clone().unwrap_or_default();
+    let fwd = arrows(which, world, case.root.unwrap_or(0), &perm);
+    let mut name = which.name().to_string();
+    let mut args = Vec::new();
+    if let Some(op) = &case.op {
+        args.push(format!("op={op}"));
+    }
+    if let Some(r) = case.root {
+        args.push(format!("root={r}"));
+    }
+    if !args.is_empty() {
+        name = format!("{name}({})", args.join(", "));
+    }
+    let r = vjp::run_rank(comm, &Prepared::new(&case)?).await?;
+    let cot = case
+        .cotangents
+        .as_ref()
+        .map(|c| c[me].clone())
+        .unwrap_or_default();
+    let dual = if r.dual.is_empty() {
+        "nothing".to_string()
+    } else {
+        r.dual.join(" + ")
+    };
+    let mut f = step(
+        format!("forward: {name}"),
+        Phase::Forward,
+        fwd.clone(),
+        vec![Named::tensors("y", r.outputs)],
+    );
+    f.collective = Some(name);
+    let mut b = step(
+        format!("backward: {dual}"),
+        Phase::Backward,
+        reversed(&fwd),
+        vec![Named::tensors("dL/dx", r.grads)],
+    );
+    b.collective = Some(dual);
+    Ok(vec![
+        step(
+            "inputs".into(),
+            Phase::Input,
+            Vec::new(),
+            vec![Named::tensors("x", case.inputs[me].clone())],
+        ),
+        f,
+        step(
+            "cotangents dL/dy".into(),
+            Phase::Cotangent,
+            Vec::new(),
+            vec![Named::tensors("dL/dy", cot)],
+        ),
+        b,
+    ])
+}
+
+async fn objectives<T: Transport>(comm: &P2p<T>) -> Result<Vec<RankStep>> {
+    let me = comm.rank();
+    let n = comm.world_size();
+    let device = comm.options().device.clone();
+    let group = comm.world();
+    let x0 = Tensor::from_vec(vec![me as f32 + 1.0, 2.0], &[2])?.to_device(&device)?;
+    let all = arrows(Which::AllReduce, n, 0, &[]);
+    let mut out = vec![step(
+        "inputs".into(),
+        Phase::Input,
+        Vec::new(),
+        vec![Named::tensors("x", vec![read(&x0).await?])],
+    )];
+    let mut grads = Vec::new();
+    for objective in [Objective::SumOfRankLosses, Objective::Replicated] {
+        let tape = Tape::with_objective(objective);
+        let x = tape.var(x0.clone());
+        let s = dist::all_reduce(comm, &x, ReduceOp::Sum, &group).await?;
+        comm.take_calls();
+        let loss = s.square()?.sum()?.scale(0.5)?;
+        if objective == Objective::SumOfRankLosses {
+            let mut f = step(
+                "forward: s = all_reduce(SUM, x); loss = 0.5·sum(s²)".into(),
+                Phase::Forward,
+                all.clone(),
+                vec![
+                    Named::tensors("s", vec![read(&s.value()).await?]),
+                    Named::tensors("loss", vec![read(&loss.value()).await?]),
+                ],
+            );
+            f.collective = Some("all_reduce(op=sum)".into());
+            out.push(f);
+        }
+        let g = tape.backward(&loss, comm).await?.wrt(&x)?;
+        let dual = duals(comm);
+        let (label, arrows) = match objective {
+            Objective::SumOfRankLosses => (
+                "backward, objective = SUM of every rank's loss: dL/dx = N·s",
+                reversed(&all),
+            ),
+            Objective::Replicated => (
+                "backward, objective = the ONE replicated loss: dL/dx = s",
+                Vec::new(),
+            ),
+        };
+        let mut b = step(
+            format!("{label} (ran: {})", dual.clone().unwrap_or_default()),
+            Phase::Backward,
+            arrows,
+            vec![Named::tensors("dL/dx", vec![read(&g).await?])],
+        );
+        b.collective = dual;
+        out.push(b);
+        grads.push(g);
+    }
+    let ratio = grads[0].div(&grads[1])?;
+    out.push(step(
+        format!("the two gradients differ by the factor N = {n}"),
+        Phase::Result,
+        Vec::new(),
+        vec![Named::tensors("ratio", vec![read(&ratio).await?])],
+    ));
+    Ok(out)
+}
+
+/// Deterministic pseudo-random numbers in [-1, 1) (xorshift), the same on every target.
+fn uniform(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// FNV-1a over the bits of the values: equal hashes = bitwise-identical replicas.
+fn replica_hash(values: &[f32]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for v in values {
+        for b in v.to_bits().to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    format!("{:08x}", h >> 32)
+}
+
+/// Samples per rank in the data-parallel lesson.
+const SHARD: usize = 8;
+
+async fn data_parallel<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<Vec<RankStep>> {
+    let me = comm.rank();
+    let n = comm.world_size();
+    let steps = lesson.steps.unwrap_or(20).clamp(1, 1000);
+    let lr = lesson.lr.unwrap_or(0.3);
+    let device = comm.options().device.clone();
+    let group = comm.world();
+    // This rank's shard: x uniform in [-1, 1)², y = 2·x0 - x1 + 0.5 + small noise.
+    let xs = uniform(1 + me as u64, SHARD * 2);
+    let noise = uniform(1000 + me as u64, SHARD);
+    let ys: Vec<f32> = (0..SHARD)
+        .map(|i| 2.0 * xs[2 * i] - xs[2 * i + 1] + 0.5 + 0.05 * noise[i])
+        .collect();
+    let x = Tensor::from_vec(xs, &[SHARD, 2])?.to_device(&device)?;
+    let y = Tensor::from_vec(ys, &[SHARD, 1])?.to_device(&device)?;
+    let mut w = vec![0.0f32; 3]; // w0, w1, b
+    let all = arrows(Which::AllReduce, n, 0, &[]);
+    let mut out = vec![step(
+        format!("rank {me} holds {SHARD} samples of y = 2·x₀ − x₁ + 0.5 (+ noise); w = 0"),
+        Phase::Input,
+        Vec::new(),
+        vec![
+            Named::tensors("w", vec![TensorJson::read(&Tensor::vector(&w)).await?]),
+            Named::text("replica hash", replica_hash(&w)),
+        ],
+    )];
+    for k in 1..=steps {
+        let tape = Tape::new();
+        let wv = tape.var(Tensor::from_vec(w[..2].to_vec(), &[2, 1])?.to_device(&device)?);
+        let bv = tape.var(Tensor::from_vec(vec![w[2]], &[1])?.to_device(&device)?);
+        let xv = tape.constant(x.clone());
+        let yv = tape.constant(y.clone());
+        let loss = xv.matmul(&wv)?.add(&bv)?.mse_loss(&yv)?;
+        let grads = tape.backward(&loss, comm).await?;
+        let g = Tensor::concat(&[grads.wrt(&wv)?.reshape(&[2])?, grads.wrt(&bv)?], 0)?;
+        // Average the gradients over the ranks: every replica takes the same step.
+        let g = comm.all_reduce(&g, ReduceOp::Avg, &group).await?;
+        let group_loss = comm
+            .all_reduce(&loss.value(), ReduceOp::Avg, &group)
+            .await?;
+        comm.take_calls();
+        let g = g.read().await?;
+        for (wi, gi) in w.iter_mut().zip(&g) {
+            *wi -= lr * gi;
+        }
+        out.push(step(
+            format!("step {k}: local gradient, all_reduce(AVG), w -= {lr}·g"),
+            Phase::Train,
+            all.clone(),
+            vec![
+                Named::tensors("loss", vec![read(&loss.value()).await?]),
+                Named::tensors("group loss", vec![read(&group_loss).await?]),
+                Named::tensors("w", vec![TensorJson::read(&Tensor::vector(&w)).await?]),
+                Named::text("replica hash", replica_hash(&w)),
+            ],
+        ));
+    }
+    Ok(out)
+}
+
+async fn tensor_parallel<T: Transport>(comm: &P2p<T>) -> Result<Vec<RankStep>> {
+    let me = comm.rank();
+    let n = comm.world_size();
+    let device = comm.options().device.clone();
+    let group = comm.world();
+    let rf = me as f32;
+    // X is n×2 with row r on rank r; W is 2×n with column r on rank r.
+    let x_r = Tensor::from_vec(vec![rf + 1.0, 1.0 - rf], &[1, 2])?.to_device(&device)?;
+    let w_r = Tensor::from_vec(vec![1.0, rf + 1.0], &[2, 1])?.to_device(&device)?;
+    let all = arrows(Which::AllGather, n, 0, &[]);
+    let tape = Tape::new();
+    let xv = tape.var(x_r.clone());
+    let wv = tape.var(w_r.clone());
+    let mut out = vec![step(
+        "inputs: row r of X and column r of W on rank r".into(),
+        Phase::Input,
+        Vec::new(),
+        vec![
+            Named::tensors("X_r", vec![read(&x_r).await?]),
+            Named::tensors("W_r", vec![read(&w_r).await?]),
+        ],
+    )];
+    let rows = dist::all_gather(comm, &xv, &group).await?;
+    let full = Var::concat(&rows, 0)?;
+    let mut f = step(
+        "forward: X = all_gather(X_r)".into(),
+        Phase::Forward,
+        all.clone(),
+        vec![Named::tensors("X", vec![read(&full.value()).await?])],
+    );
+    f.collective = duals(comm);
+    out.push(f);
+    let y = full.matmul(&wv)?;
+    let loss = y.square()?.sum()?.scale(0.5)?;
+    out.push(step(
+        "forward (local): Y_r = X·W_r, loss_r = 0.5·sum(Y_r²)".into(),
+        Phase::Forward,
+        Vec::new(),
+        vec![
+            Named::tensors("Y_r", vec![read(&y.value()).await?]),
+            Named::tensors("loss_r", vec![read(&loss.value()).await?]),
+        ],
+    ));
+    let grads = tape.backward(&loss, comm).await?;
+    let dual = duals(comm);
+    let mut b = step(
+        format!(
+            "backward: dL/dX_r = {} of the per-rank dY_r·W_rᵀ",
+            dual.clone().unwrap_or_default()
+        ),
+        Phase::Backward,
+        reversed(&all),
+        vec![
+            Named::tensors("dL/dX_r", vec![read(&grads.wrt(&xv)?).await?]),
+            Named::tensors("dL/dW_r", vec![read(&grads.wrt(&wv)?).await?]),
+        ],
+    );
+    b.collective = dual;
+    out.push(b);
+    Ok(out)
+}
+
+/// Put the ranks' traces (index = rank) together; every rank must have run the same steps.
+pub fn assemble(lesson: &Lesson, traces: Vec<RankTrace>) -> Result<Trace> {
+    let world = traces.len();
+    let first = traces
+        .first()
+        .ok_or_else(|| Error::Input("no rank traces".into()))?;
+    let mut steps: Vec<Step> = first
+        .steps
+        .iter()
+        .map(|s| Step {
+            label: s.label.clone(),
+            phase: s.phase,
+            collective: s.collective.clone(),
+            arrows: s.arrows.clone(),
+            ranks: Vec::with_capacity(world),
+        })
+        .collect();
+    for (r, t) in traces.into_iter().enumerate() {
+        if t.rank != r || t.steps.len() != steps.len() {
+            return Err(Error::Input(format!(
+                "rank {r}'s trace (rank {}, {} steps) does not match rank 0's ({} steps)",
+                t.rank,
+                t.steps.len(),
+                steps.len()
+            )));
+        }
+        for (s, rs) in steps.iter_mut().zip(t.steps) {
+            s.ranks.push(rs.values);
+        }
+    }
+    Ok(Trace {
+        lesson: lesson.name.clone(),
+        title: lesson.title.clone(),
+        why: lesson.why.clone(),
+        world,
+        steps,
+    })
+}
+
+/// Run `lesson` on `world` ranks simulated in this process (interleaved on this task: the page's
+/// single-tab mode and `distgrad run`). `inputs[r]`, where given, replaces rank r's input.
+pub async fn run_simulated(
+    lesson: &Lesson,
+    world: usize,
+    device: &crate::backend::Device,
+    inputs: &[Option<Vec<TensorJson>>],
+) -> Result<Trace> {
+    if world == 0 || world > vjp::MAX_WORLD {
+        return Err(Error::Input(format!(
+            "world must be 1..={}, got {world}",
+            vjp::MAX_WORLD
+        )));
+    }
+    let opts = crate::collective::CommOptions {
+        device: device.clone(),
+        ..vjp::case_options()
+    };
+    let results = crate::run::run_interleaved(world, opts, |comm| async move {
+        let own = inputs.get(comm.rank()).cloned().flatten();
+        run_rank(&comm, lesson, own).await
+    })
+    .await;
+    let mut traces = Vec::with_capacity(world);
+    for (r, t) in results.into_iter().enumerate() {
+        traces.push(t.map_err(|e| Error::Input(format!("rank {r}: {e}")))?);
+    }
+    assemble(lesson, traces)
+}
+
+/// The trace as text, one block per step (what `distgrad run` prints).
+pub fn render(trace: &Trace) -> String {
+    let mut s = format!(
+        "lesson {}: {} (world {})\nwhy: {}\n",
+        trace.lesson, trace.title, trace.world, trace.why
+    );
+    for (i, st) in trace.steps.iter().enumerate() {
+        s.push_str(&format!("\nstep {i} [{:?}] {}\n", st.phase, st.label));
+        if !st.arrows.is_empty() {
+            let a: Vec<String> = st.arrows.iter().map(|(x, y)| format!("{x}→{y}")).collect();
+            s.push_str(&format!("  messages: {}\n", a.join(" ")));
+        }
+        for (r, vals) in st.ranks.iter().enumerate() {
+            let v: Vec<String> = vals
+                .iter()
+                .map(|n| format!("{} = {}", n.name, n.show()))
+                .collect();
+            s.push_str(&format!("  rank {r}: {}\n", v.join(", ")));
+        }
+    }
+    s
+}

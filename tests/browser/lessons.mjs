@@ -1,0 +1,261 @@
+// End-to-end test of the teaching demo: every lesson in 3 tabs (and in single-tab mode) against
+// `distgrad run`'s trace.
+//
+//   node tests/browser/lessons.mjs --bin <distgrad binary> --dist <built web app> [--out <dir>]
+//
+// For every lesson in www/lessons/index.json: rank 1's tab starts it (the request goes through rank 0
+// to every tab); every tab must then hold the same trace, equal (numbers within 1e-5 relative; the
+// replica hashes only across tabs, since WebGPU's float rounding may differ from the CPU's in the last
+// bit) to `distgrad run <lesson> --world 3 --json`; the values of the step shown must be in the page's
+// table; Step / Back / Play / Reset pressed on one tab must move every tab to the same step. A
+// 1280x800 screenshot per lesson (and a phone-width one of one lesson) goes to <out>/lessons/.
+// The same lessons run in single-tab mode (?sim=3). Fails on any console error or uncaught exception.
+
+import { spawn, execFileSync } from 'node:child_process';
+import { readFileSync, mkdirSync } from 'node:fs';
+import { join } from 'node:path';
+import { chromium } from 'playwright-core';
+
+const args = Object.fromEntries(
+  process.argv.slice(2).reduce((acc, a, i, all) => {
+    if (a.startsWith('--')) acc.push([a.slice(2), all[i + 1]]);
+    return acc;
+  }, []),
+);
+const BIN = args.bin;
+const DIST = args.dist ?? 'dist';
+const OUT = join(args.out ?? 'target/browser-test-output', 'lessons');
+const LESSONS = args.lessons ?? 'www/lessons';
+const CHROMIUM = process.env.CHROMIUM ?? '/usr/bin/chromium';
+const WORLD = 3;
+if (!BIN) {
+  console.error('usage: lessons.mjs --bin <distgrad> --dist <dir> [--out <dir>]');
+  process.exit(2);
+}
+mkdirSync(OUT, { recursive: true });
+const failures = [];
+const fail = (msg) => { failures.push(msg); console.log(`  FAIL ${msg}`); };
+const log = (msg) => console.log(`[lessons] ${msg}`);
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+function close(a, b) {
+  if (a === null || b === null) return a === b;
+  return Math.abs(a - b) <= 1e-5 * Math.max(1, Math.abs(a), Math.abs(b));
+}
+
+// Compare two traces; hashes (text values) are compared only when `hashes` is true.
+function diffTrace(got, want, hashes) {
+  if (got.steps.length !== want.steps.length) return `${got.steps.length} steps, expected ${want.steps.length}`;
+  for (const [k, ws] of want.steps.entries()) {
+    const gs = got.steps[k];
+    if (gs.label !== ws.label) return `step ${k}: label "${gs.label}", expected "${ws.label}"`;
+    if ((gs.collective ?? null) !== (ws.collective ?? null)) return `step ${k}: collective ${gs.collective}, expected ${ws.collective}`;
+    if (JSON.stringify(gs.arrows) !== JSON.stringify(ws.arrows)) return `step ${k}: arrows differ`;
+    for (const [r, wvals] of ws.ranks.entries()) {
+      const gvals = gs.ranks[r];
+      if (!gvals || gvals.length !== wvals.length) return `step ${k} rank ${r}: ${gvals?.length} values, expected ${wvals.length}`;
+      for (const [i, wv] of wvals.entries()) {
+        const gv = gvals[i];
+        if (gv.name !== wv.name) return `step ${k} rank ${r}: value ${gv.name}, expected ${wv.name}`;
+        if (wv.text !== undefined) {
+          if (hashes && gv.text !== wv.text) return `step ${k} rank ${r} ${wv.name}: ${gv.text}, expected ${wv.text}`;
+          continue;
+        }
+        for (const [j, wt] of wv.tensors.entries()) {
+          const gt = gv.tensors[j];
+          if (!gt || JSON.stringify(gt.shape) !== JSON.stringify(wt.shape)) return `step ${k} rank ${r} ${wv.name}: shape differs`;
+          for (const [e, x] of wt.data.entries())
+            if (!close(gt.data[e], x)) return `step ${k} rank ${r} ${wv.name}[${e}] = ${gt.data[e]}, expected ${x}`;
+        }
+      }
+    }
+  }
+  return null;
+}
+
+function startRelay() {
+  return new Promise((resolve, reject) => {
+    const p = spawn(BIN, ['relay', '--addr', '127.0.0.1:0', '--static', DIST], { stdio: ['ignore', 'pipe', 'inherit'] });
+    let out = '';
+    p.stdout.on('data', (d) => {
+      out += d;
+      const m = out.match(/listening on ws:\/\/([0-9.:]+)\/ws/);
+      if (m) resolve({ proc: p, host: m[1] });
+    });
+    p.on('exit', (code) => reject(new Error(`relay exited (${code}) before listening: ${out}`)));
+  });
+}
+
+const stateOf = async (page) => JSON.parse(await page.evaluate(() => (window.distgrad ? window.distgrad.state() : '{}')));
+const traceOf = async (page) => JSON.parse(await page.evaluate(() => window.distgrad.lessonTrace()));
+
+async function waitFor(pages, pred, ms, what) {
+  const t0 = Date.now();
+  for (;;) {
+    const states = await Promise.all(pages.map(stateOf));
+    const bad = states.find((s) => s.phase === 'failed');
+    if (bad) throw new Error(`${what}: a tab failed: ${bad.error}`);
+    if (states.every(pred)) return states;
+    if (Date.now() - t0 > ms) throw new Error(`${what}: not reached within ${ms} ms (${JSON.stringify(states.map((s) => [s.phase, s.lesson, s.lesson_step, s.lesson_runs]))})`);
+    await sleep(100);
+  }
+}
+
+function watch(page, name, errors) {
+  page.on('pageerror', (e) => errors.push(`${name}: uncaught ${e.message}`));
+  page.on('console', (m) => { if (m.type() === 'error') errors.push(`${name}: console error: ${m.text()}`); });
+}
+
+// The values of step k for rank r as the page formats them must appear in the page's table.
+async function checkShown(page, trace, k, label) {
+  const text = await page.textContent('#lesson-table');
+  const fmt = (t) => {
+    const v = t.data.map((x) => (x === null ? 'nan' : String(x)));
+    if (t.shape.length === 0 && v.length === 1) return v[0];
+    if (t.shape.length === 1) return `[${v.join(', ')}]`;
+    return `[${t.shape.join(', ')}]:[${v.join(', ')}]`;
+  };
+  for (const vals of trace.steps[k].ranks) {
+    for (const n of vals) {
+      const shown = n.text ?? (n.tensors.length ? n.tensors.map(fmt).join(' ') : '-');
+      if (!text.includes(shown)) return fail(`${label}: step ${k}: "${n.name} = ${shown}" not shown in the table`);
+    }
+  }
+  const step = await page.textContent('#lesson-step');
+  if (!step.includes(trace.steps[k].label)) fail(`${label}: step label "${trace.steps[k].label}" not shown: ${step}`);
+}
+
+async function main() {
+  const index = JSON.parse(readFileSync(join(LESSONS, 'index.json'), 'utf8')).lessons;
+  log(`native traces: distgrad run <lesson> --world ${WORLD} --json, for ${index.length} lessons`);
+  const expected = Object.fromEntries(index.map((l) => [l.name, JSON.parse(execFileSync(BIN, ['run', join(LESSONS, `${l.name}.json`), '--world', String(WORLD), '--json'], { encoding: 'utf8' }))]));
+  const relay = await startRelay();
+  const base = `http://${relay.host}/`;
+  const browser = await chromium.launch({
+    executablePath: CHROMIUM,
+    headless: true,
+    args: ['--no-sandbox', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync', '--enable-unsafe-webgpu', '--use-webgpu-adapter=swiftshader'],
+  });
+  const errors = [];
+  try {
+    const ctx = await browser.newContext({ viewport: { width: 1280, height: 800 } });
+    const room = `lessons-${process.pid}`;
+    const url = `${base}?room=${room}&world=${WORLD}&token=l${process.pid}&net=relay`;
+    const pages = [];
+    for (let i = 0; i < WORLD; i++) {
+      const p = await ctx.newPage();
+      watch(p, `tab ${i}`, errors);
+      pages.push(p);
+    }
+    await Promise.all(pages.map((p) => p.goto(url)));
+    const states = await waitFor(pages, (s) => s.phase === 'ready', 60000, 'joining');
+    const byRank = [];
+    states.forEach((s, i) => { byRank[s.rank] = pages[i]; });
+    log(`3 tabs ready (compute: ${states[0].device})`);
+    let runs = 0;
+    for (const { name } of index) {
+      // Rank 1 starts the lesson with the page's own controls.
+      await byRank[1].selectOption('#lesson', name);
+      await byRank[1].click('#lesson-start');
+      runs++;
+      await waitFor(byRank, (s) => s.lesson === name && s.lesson_runs === runs, 60000, `lesson ${name}`);
+      const traces = await Promise.all(byRank.map(traceOf));
+      for (const [r, t] of traces.entries()) {
+        const d = diffTrace(t, expected[name], false);
+        if (d) fail(`lesson ${name}, tab of rank ${r} vs distgrad run: ${d}`);
+        if (r > 0) {
+          const same = diffTrace(t, traces[0], true);
+          if (same) fail(`lesson ${name}: tabs of rank 0 and ${r} show different traces: ${same}`);
+        }
+      }
+      await checkShown(byRank[2], traces[2], 0, `lesson ${name}`);
+      // Step twice on rank 2, back once on rank 0: every tab follows.
+      const last = traces[0].steps.length - 1;
+      await byRank[2].click('#step');
+      if (last >= 2) {
+        await waitFor(byRank, (s) => s.lesson_step === 1, 10000, `${name}: step`);
+        await byRank[2].click('#step');
+        await waitFor(byRank, (s) => s.lesson_step === 2, 10000, `${name}: step`);
+        await byRank[0].click('#back');
+      }
+      await waitFor(byRank, (s) => s.lesson_step === 1, 10000, `${name}: back`);
+      await checkShown(byRank[1], traces[1], 1, `lesson ${name}`);
+      // Keyboard: → on rank 1 steps every tab.
+      await byRank[1].focus('#step');
+      await byRank[1].keyboard.press('ArrowRight');
+      const want = Math.min(2, last);
+      await waitFor(byRank, (s) => s.lesson_step === want, 10000, `${name}: arrow key`);
+      // Play to the end (from rank 1), then the final step is shown everywhere.
+      await byRank[1].click('#play');
+      await waitFor(byRank, (s) => s.lesson_step === last && !s.playing, 5000 + 1500 * (last + 1), `${name}: play`);
+      await checkShown(byRank[0], traces[0], last, `lesson ${name}`);
+      await byRank[0].screenshot({ path: join(OUT, `${name}.png`) });
+      if (name === 'all_gather') {
+        const shown = await byRank[0].textContent('#lesson-note');
+        if (!shown.includes('reduce_scatter')) fail(`all_gather's last step does not name reduce_scatter: ${shown}`);
+        await byRank[0].setViewportSize({ width: 390, height: 844 });
+        await byRank[0].screenshot({ path: join(OUT, `${name}-phone.png`), fullPage: true });
+        const wide = await byRank[0].evaluate(() => document.documentElement.scrollWidth);
+        if (wide > 400) fail(`phone width: the page is ${wide}px wide at a 390px viewport`);
+        await byRank[0].setViewportSize({ width: 1280, height: 800 });
+      }
+      await byRank[0].click('#reset');
+      await waitFor(byRank, (s) => s.lesson_step === 0, 10000, `${name}: reset`);
+      log(`lesson ${name}: ${traces[0].steps.length} steps, 3 tabs == distgrad run, controls in sync`);
+    }
+    // Editing an input: rank 2 changes its x in the all_reduce(MAX) lesson; every tab reruns.
+    {
+      await byRank[2].selectOption('#lesson', 'all_reduce_max');
+      await byRank[2].click('#lesson-start');
+      runs++;
+      await waitFor(byRank, (s) => s.lesson === 'all_reduce_max' && s.lesson_runs === runs, 30000, 'edit: start');
+      await byRank[2].fill('#edit-x', '10, -5');
+      await byRank[2].click('#edit-form button[type=submit]');
+      runs++;
+      await waitFor(byRank, (s) => s.lesson_runs === runs, 30000, 'edit: rerun');
+      const t = await traceOf(byRank[0]);
+      const y = t.steps[1].ranks[0][0].tensors[0].data;
+      // inputs: rank0 [1, 6], rank1 [2, 4], rank2 now [10, -5]: max = [10, 6]
+      if (JSON.stringify(y) !== JSON.stringify([10, 6])) fail(`edited input: all_reduce(max) output ${JSON.stringify(y)}, expected [10,6]`);
+      const g = t.steps[3].ranks.map((v) => v[0].tensors[0].data);
+      // cotangents [1, r+1] summed over ranks = [3, 6]: element 0 to rank 2, element 1 to rank 0
+      if (JSON.stringify(g) !== JSON.stringify([[0, 6], [0, 0], [3, 0]])) fail(`edited input: gradients ${JSON.stringify(g)}, expected [[0,6],[0,0],[3,0]]`);
+      log('edited input on rank 2: every tab reran all_reduce(max) with it (hand-checked values)');
+    }
+    await Promise.all(pages.map((p) => p.close()));
+
+    // ---- single-tab mode ----
+    const sim = await ctx.newPage();
+    watch(sim, 'single tab', errors);
+    await sim.goto(`${base}?sim=${WORLD}`);
+    await waitFor([sim], (s) => s.phase === 'ready', 30000, 'single-tab mode');
+    let simRuns = 0;
+    for (const { name } of index) {
+      await sim.selectOption('#lesson', name);
+      await sim.click('#lesson-start');
+      simRuns++;
+      await waitFor([sim], (s) => s.lesson === name && s.lesson_runs === simRuns, 30000, `single-tab ${name}`);
+      const t = await traceOf(sim);
+      const d = diffTrace(t, expected[name], false);
+      if (d) fail(`single-tab lesson ${name} vs distgrad run: ${d}`);
+      await checkShown(sim, t, 0, `single-tab ${name}`);
+    }
+    await sim.screenshot({ path: join(OUT, 'single-tab.png') });
+    log(`single-tab mode (?sim=${WORLD}): all ${index.length} lessons == distgrad run`);
+  } finally {
+    await browser.close();
+    relay.proc.kill('SIGINT');
+  }
+  if (errors.length) fail(`console errors / exceptions: ${errors.join(' | ')}`);
+  log(`screenshots in ${OUT}`);
+  if (failures.length) {
+    console.log(`[lessons] ${failures.length} failure(s)`);
+    process.exit(1);
+  }
+  log('all checks passed');
+}
+
+main().catch((e) => {
+  console.error(`[lessons] error: ${e.stack ?? e}`);
+  process.exit(1);
+});

@@ -1,0 +1,344 @@
+//! The teaching demo's lessons (`www/lessons/*.json`): every file parses and runs on 2..6 ranks,
+//! hand-derived values for the lessons that teach a number, the same trace whether the ranks are
+//! interleaved on one task (the page's single-tab mode, `distgrad run`) or are threads, and the
+//! `distgrad run` command.
+
+use std::path::Path;
+use std::process::Command;
+
+use distgrad::backend::Device;
+use distgrad::lesson::{self, Lesson, Phase, Trace};
+use distgrad::vjp;
+
+fn lessons_dir() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/www/lessons"))
+}
+
+fn load(name: &str) -> Lesson {
+    let text = std::fs::read_to_string(lessons_dir().join(format!("{name}.json"))).unwrap();
+    lesson::parse(&text).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+fn all_names() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(lessons_dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".json") && n != "index.json")
+        .map(|n| n.trim_end_matches(".json").to_string())
+        .collect();
+    names.sort();
+    names
+}
+
+fn simulate(l: &Lesson, world: usize) -> Trace {
+    futures::executor::block_on(lesson::run_simulated(l, world, &Device::Cpu, &[]))
+        .unwrap_or_else(|e| panic!("{} on {world} ranks: {e}", l.name))
+}
+
+/// Values of `name` at `step` on `rank`, flattened.
+fn vals(t: &Trace, step: usize, rank: usize, name: &str) -> Vec<f32> {
+    t.steps[step].ranks[rank]
+        .iter()
+        .find(|n| n.name == name)
+        .unwrap_or_else(|| panic!("no {name} at step {step}"))
+        .tensors
+        .iter()
+        .flat_map(|x| x.data.iter().map(|v| v.unwrap()))
+        .collect()
+}
+
+#[test]
+fn index_lists_every_lesson_file_and_names_match() {
+    #[derive(serde::Deserialize)]
+    struct Entry {
+        name: String,
+        title: String,
+    }
+    #[derive(serde::Deserialize)]
+    struct Index {
+        lessons: Vec<Entry>,
+    }
+    let idx: Index =
+        serde_json::from_str(&std::fs::read_to_string(lessons_dir().join("index.json")).unwrap())
+            .unwrap();
+    let mut listed: Vec<String> = idx.lessons.iter().map(|e| e.name.clone()).collect();
+    listed.sort();
+    assert_eq!(listed, all_names());
+    for e in &idx.lessons {
+        let l = load(&e.name);
+        assert_eq!(l.name, e.name, "file name and \"name\" differ");
+        assert_eq!(l.title, e.title, "{}: index title differs", e.name);
+        assert!(!l.why.is_empty());
+    }
+    // The list: a lesson per collective, all_reduce with each op, objectives, DP, TP.
+    for want in [
+        "broadcast",
+        "reduce",
+        "gather",
+        "scatter",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "all_reduce_sum",
+        "all_reduce_avg",
+        "all_reduce_prod",
+        "all_reduce_min",
+        "all_reduce_max",
+        "permute",
+        "objectives",
+        "data_parallel",
+        "tensor_parallel",
+    ] {
+        assert!(listed.iter().any(|n| n == want), "missing lesson {want}");
+    }
+}
+
+#[test]
+fn every_lesson_runs_on_2_to_6_ranks_with_consistent_steps() {
+    for name in all_names() {
+        let l = load(&name);
+        for world in 2..=6 {
+            let t = simulate(&l, world);
+            assert_eq!(t.world, world);
+            assert!(t.steps.len() >= 4, "{name}");
+            for (k, st) in t.steps.iter().enumerate() {
+                assert_eq!(st.ranks.len(), world, "{name} step {k}");
+                for &(a, b) in &st.arrows {
+                    assert!(
+                        a < world && b < world && a != b,
+                        "{name} step {k}: arrow {a}->{b}"
+                    );
+                }
+                // Every rank reports the same value names at a step.
+                let names: Vec<&str> = st.ranks[0].iter().map(|n| n.name.as_str()).collect();
+                for r in &st.ranks {
+                    assert_eq!(r.iter().map(|n| n.name.as_str()).collect::<Vec<_>>(), names);
+                }
+            }
+            // The backward steps name the collective the backward pass really ran.
+            for st in t.steps.iter().filter(|s| s.phase == Phase::Backward) {
+                assert!(st.collective.is_some(), "{name}: {}", st.label);
+            }
+        }
+    }
+}
+
+#[test]
+fn collective_lessons_equal_distgrad_vjp_and_name_the_dual() {
+    // A collective lesson's values are exactly the vjp case's, and the backward step names the
+    // dual of the dual table.
+    let duals = [
+        ("broadcast", "reduce(op=sum, root=1)"),
+        ("reduce", "broadcast(root=1)"),
+        ("gather", "scatter(root=2)"),
+        ("scatter", "gather(root=0)"),
+        ("all_gather", "reduce_scatter(op=sum)"),
+        ("reduce_scatter", "all_gather"),
+        ("all_to_all", "all_to_all"),
+        ("all_reduce_sum", "all_reduce(op=sum)"),
+        ("all_reduce_avg", "all_reduce(op=avg)"),
+        ("all_reduce_max", "all_reduce(op=sum)"),
+        ("permute", "permute"),
+    ];
+    for (name, dual) in duals {
+        let l = load(name);
+        let t = simulate(&l, 3);
+        assert_eq!(t.steps[3].collective.as_deref(), Some(dual), "{name}");
+        let case = futures::executor::block_on(lesson::lesson_case(&l, 3)).unwrap();
+        let out = vjp::run_case(&case).unwrap();
+        for r in 0..3 {
+            assert_eq!(
+                t.steps[1].ranks[r][0].tensors, out.outputs[r],
+                "{name} y rank {r}"
+            );
+            assert_eq!(
+                t.steps[3].ranks[r][0].tensors, out.grads[r],
+                "{name} dx rank {r}"
+            );
+        }
+        // Backward arrows are the forward arrows reversed.
+        let rev: Vec<(usize, usize)> = t.steps[1].arrows.iter().map(|&(a, b)| (b, a)).collect();
+        assert_eq!(t.steps[3].arrows, rev, "{name}");
+    }
+}
+
+#[test]
+fn hand_derived_all_gather_and_all_reduce_max() {
+    // all_gather of x_r = [r+1, 2(3-r)] with cotangents [1, r+1] on every slot: the gradient of
+    // every rank's x is the sum over ranks of their cotangents = [3, 1+2+3].
+    let t = simulate(&load("all_gather"), 3);
+    for r in 0..3 {
+        assert_eq!(
+            vals(&t, 0, r, "x"),
+            [r as f32 + 1.0, 2.0 * (3.0 - r as f32)]
+        );
+        assert_eq!(vals(&t, 1, r, "y"), [1.0, 6.0, 2.0, 4.0, 3.0, 2.0]);
+        assert_eq!(vals(&t, 3, r, "dL/dx"), [3.0, 6.0]);
+    }
+    // all_reduce(MAX): y = [3, 6]; element 0's max is on rank 2, element 1's on rank 0; each gets
+    // the summed cotangent [3, 6] for its element.
+    let t = simulate(&load("all_reduce_max"), 3);
+    assert_eq!(vals(&t, 1, 1, "y"), [3.0, 6.0]);
+    assert_eq!(vals(&t, 3, 0, "dL/dx"), [0.0, 6.0]);
+    assert_eq!(vals(&t, 3, 1, "dL/dx"), [0.0, 0.0]);
+    assert_eq!(vals(&t, 3, 2, "dL/dx"), [3.0, 0.0]);
+}
+
+#[test]
+fn objectives_differ_by_exactly_the_world_size() {
+    let l = load("objectives");
+    for n in 1..=6usize {
+        let t = simulate(&l, n);
+        // x_r = [r+1, 2]: s = [n(n+1)/2, 2n]; per-rank-sum objective: N·s; replicated: s.
+        let s = [(n * (n + 1) / 2) as f32, 2.0 * n as f32];
+        for r in 0..n {
+            assert_eq!(vals(&t, 1, r, "s"), s);
+            assert_eq!(vals(&t, 2, r, "dL/dx"), [n as f32 * s[0], n as f32 * s[1]]);
+            assert_eq!(vals(&t, 3, r, "dL/dx"), s);
+            assert_eq!(vals(&t, 4, r, "ratio"), [n as f32, n as f32]);
+        }
+        assert_eq!(t.steps[2].collective.as_deref(), Some("all_reduce(op=sum)"));
+        assert_eq!(t.steps[3].collective.as_deref(), Some("nothing"));
+    }
+}
+
+#[test]
+fn tensor_parallel_hand_derived_and_backward_is_reduce_scatter() {
+    // X rows [1,1], [2,0], [3,-1]; W columns [1,1], [1,2], [1,3]. Y_r = X·W_r, loss_r = ½|Y_r|²,
+    // dX = Σ_r Y_r W_rᵀ (row r to rank r), dW_r = Xᵀ Y_r.
+    let t = simulate(&load("tensor_parallel"), 3);
+    assert_eq!(vals(&t, 1, 1, "X"), [1.0, 1.0, 2.0, 0.0, 3.0, -1.0]);
+    assert_eq!(vals(&t, 2, 0, "Y_r"), [2.0, 2.0, 2.0]);
+    assert_eq!(vals(&t, 2, 1, "Y_r"), [3.0, 2.0, 1.0]);
+    assert_eq!(vals(&t, 2, 2, "Y_r"), [4.0, 2.0, 0.0]);
+    assert_eq!(vals(&t, 3, 0, "dL/dX_r"), [9.0, 20.0]);
+    assert_eq!(vals(&t, 3, 1, "dL/dX_r"), [6.0, 12.0]);
+    assert_eq!(vals(&t, 3, 2, "dL/dX_r"), [3.0, 4.0]);
+    assert_eq!(vals(&t, 3, 0, "dL/dW_r"), [12.0, 0.0]);
+    assert_eq!(vals(&t, 3, 2, "dL/dW_r"), [8.0, 4.0]);
+    assert_eq!(t.steps[1].collective.as_deref(), Some("all_gather"));
+    assert_eq!(
+        t.steps[3].collective.as_deref(),
+        Some("reduce_scatter(op=sum)")
+    );
+}
+
+#[test]
+fn data_parallel_replicas_stay_identical_and_the_loss_falls() {
+    let l = load("data_parallel");
+    for n in [1, 3, 5] {
+        let t = simulate(&l, n);
+        let steps = l.steps.unwrap_or(20);
+        assert_eq!(t.steps.len(), steps + 1);
+        for st in &t.steps {
+            let hashes: Vec<&str> = st
+                .ranks
+                .iter()
+                .map(|v| {
+                    v.iter()
+                        .find(|x| x.name == "replica hash")
+                        .and_then(|x| x.text.as_deref())
+                        .unwrap()
+                })
+                .collect();
+            assert!(hashes.windows(2).all(|w| w[0] == w[1]), "{}", st.label);
+        }
+        let first = vals(&t, 1, 0, "group loss")[0];
+        let last = vals(&t, steps, 0, "group loss")[0];
+        assert!(last < 0.02 && last < first / 50.0, "{first} -> {last}");
+        // The group loss is the mean of the ranks' losses.
+        let mean: f32 = (0..n).map(|r| vals(&t, steps, r, "loss")[0]).sum::<f32>() / n as f32;
+        assert!(
+            (mean - last).abs() <= 1e-6 * mean.max(1.0),
+            "{mean} vs {last}"
+        );
+        // Converges near the generating weights (2, -1, 0.5).
+        let w = vals(&t, steps, 0, "w");
+        assert!(
+            (w[0] - 2.0).abs() < 0.2 && (w[1] + 1.0).abs() < 0.2 && (w[2] - 0.5).abs() < 0.1,
+            "{w:?}"
+        );
+    }
+}
+
+#[test]
+fn interleaved_and_threaded_ranks_give_the_same_trace() {
+    for name in [
+        "all_gather",
+        "all_reduce_prod",
+        "data_parallel",
+        "tensor_parallel",
+    ] {
+        let l = load(name);
+        let a = simulate(&l, 4);
+        let results = distgrad::run_local(4, vjp::case_options(), |comm| {
+            let l = &l;
+            async move { lesson::run_rank(&comm, l, None).await }
+        });
+        let traces = results.into_iter().map(|r| r.unwrap()).collect();
+        let b = lesson::assemble(&l, traces).unwrap();
+        assert_eq!(a, b, "{name}");
+    }
+}
+
+#[test]
+fn an_edited_input_must_keep_the_shape() {
+    let l = load("all_reduce_sum");
+    let bad = vec![vjp::TensorJson {
+        shape: vec![3],
+        data: vec![Some(1.0); 3],
+    }];
+    let e = futures::executor::block_on(lesson::run_simulated(&l, 2, &Device::Cpu, &[Some(bad)]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("shapes"), "{e}");
+    let good = vec![vjp::TensorJson {
+        shape: vec![2],
+        data: vec![Some(10.0), Some(-1.0)],
+    }];
+    let t = futures::executor::block_on(lesson::run_simulated(&l, 2, &Device::Cpu, &[Some(good)]))
+        .unwrap();
+    // rank 0 now [10, -1], rank 1 [2, 2]: sum [12, 1]
+    assert_eq!(vals(&t, 1, 1, "y"), [12.0, 1.0]);
+}
+
+#[test]
+fn distgrad_run_prints_the_trace() {
+    let bin = env!("CARGO_BIN_EXE_distgrad");
+    let file = lessons_dir().join("all_gather.json");
+    let out = Command::new(bin).arg("run").arg(&file).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("step 3 [Backward] backward: reduce_scatter(op=sum)"),
+        "{text}"
+    );
+    assert!(text.contains("rank 2: dL/dx = [3, 6]"), "{text}");
+    let out = Command::new(bin)
+        .arg("run")
+        .arg(&file)
+        .args(["--world", "4", "--json"])
+        .output()
+        .unwrap();
+    let t: Trace = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(t, simulate(&load("all_gather"), 4));
+    // Errors: exit code 2 and a message, no panic.
+    let out = Command::new(bin)
+        .args(["run", "/nonexistent.json"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nonexistent"));
+    let out = Command::new(bin)
+        .arg("run")
+        .arg(lessons_dir().join("broadcast.json"))
+        .args(["--world", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("world must be"));
+}
