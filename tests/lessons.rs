@@ -1,4 +1,4 @@
-//! The teaching demo's lessons (`www/lessons/*.json`): every file parses and runs on 2..6 ranks,
+//! The teaching demo's lessons (`www/lessons/*.json`): every file parses and runs on 2..8 ranks,
 //! hand-derived values for the lessons that teach a number, the same trace whether the ranks are
 //! interleaved on one task (the page's single-tab mode, `distgrad run`) or are threads, and the
 //! `distgrad run` command.
@@ -94,10 +94,10 @@ fn index_lists_every_lesson_file_and_names_match() {
 }
 
 #[test]
-fn every_lesson_runs_on_2_to_6_ranks_with_consistent_steps() {
+fn every_lesson_runs_on_2_to_8_ranks_with_consistent_steps() {
     for name in all_names() {
         let l = load(&name);
-        for world in 2..=6 {
+        for world in 2..=8 {
             let t = simulate(&l, world);
             assert_eq!(t.world, world);
             assert!(t.steps.len() >= 4, "{name}");

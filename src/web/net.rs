@@ -420,7 +420,8 @@ impl BrowserTransport {
             async move {
                 let r = match (rtc, rx) {
                     (true, Some(rx)) => t.connect_peer(p, rx, opts.rtc_timeout).await,
-                    _ => Err("WebRTC off (?net=relay)".to_string()),
+                    // WebRTC off by choice: the relay is not a fallback, so no reason to show.
+                    _ => Err(String::new()),
                 };
                 let (kind, detail) = match r {
                     Ok(dc) => {

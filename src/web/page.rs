@@ -355,7 +355,8 @@ pub fn start() {
 async fn choose_device(choice: Choice) -> Result<Device> {
     let device = crate::backend::select(choice).await?;
     let text = match &device {
-        Device::Cpu => "CPU (no WebGPU adapter in this browser: CPU fallback)".to_string(),
+        Device::Cpu if choice == Choice::Cpu => "CPU (chosen with ?device=cpu)".to_string(),
+        Device::Cpu => "CPU fallback (this browser has no WebGPU adapter)".to_string(),
         #[cfg(feature = "wgpu")]
         Device::Gpu(g) => format!("WebGPU: {}", g.describe()),
     };

@@ -9,7 +9,8 @@
 // bit) to `distgrad run <lesson> --world 3 --json`; the values of the step shown must be in the page's
 // table; Step / Back / Play / Reset pressed on one tab must move every tab to the same step. A
 // 1280x800 screenshot per lesson (and a phone-width one of one lesson) goes to <out>/lessons/.
-// The same lessons run in single-tab mode (?sim=3). Fails on any console error or uncaught exception.
+// The same lessons run in single-tab mode (?sim=3), and some in a browser without WebGPU (CPU
+// fallback, labelled). Fails on any console error or uncaught exception.
 
 import { spawn, execFileSync } from 'node:child_process';
 import { readFileSync, mkdirSync } from 'node:fs';
@@ -242,6 +243,35 @@ async function main() {
     }
     await sim.screenshot({ path: join(OUT, 'single-tab.png') });
     log(`single-tab mode (?sim=${WORLD}): all ${index.length} lessons == distgrad run`);
+
+    // ---- no WebGPU: a browser without an adapter runs on the labelled CPU fallback ----
+    const plain = await chromium.launch({
+      executablePath: CHROMIUM,
+      headless: true,
+      args: ['--no-sandbox', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+    });
+    try {
+      const p = await plain.newPage({ viewport: { width: 1280, height: 800 } });
+      watch(p, 'no-WebGPU tab', errors);
+      await p.goto(`${base}?sim=${WORLD}`);
+      const [s] = await waitFor([p], (x) => x.phase === 'ready', 30000, 'no-WebGPU page');
+      const shown = await p.textContent('#device');
+      if (!/CPU fallback/.test(s.device) || !/CPU fallback/.test(shown)) fail(`without WebGPU the page should say "CPU fallback": ${shown}`);
+      let n = 0;
+      for (const name of ['all_reduce_max', 'data_parallel', 'tensor_parallel']) {
+        await p.selectOption('#lesson', name);
+        await p.click('#lesson-start');
+        n++;
+        await waitFor([p], (x) => x.lesson === name && x.lesson_runs === n, 30000, `no-WebGPU ${name}`);
+        // On the CPU backend the page computes exactly what `distgrad run` does: hashes included.
+        const d = diffTrace(await traceOf(p), expected[name], true);
+        if (d) fail(`no-WebGPU lesson ${name} vs distgrad run: ${d}`);
+      }
+      await p.screenshot({ path: join(OUT, 'cpu-fallback.png') });
+      log(`without WebGPU: "${shown}", lessons bit-identical to distgrad run`);
+    } finally {
+      await plain.close();
+    }
   } finally {
     await browser.close();
     relay.proc.kill('SIGINT');
