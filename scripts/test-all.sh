@@ -33,6 +33,10 @@ fi
 say "native tests"
 cargo test --locked
 
+say "NCCL target (feature native-nccl; GPU checks say 'skipped: no CUDA device' without one)"
+cargo test --locked --features native-nccl --test nccl --test train -- --nocapture 2>&1 \
+  | grep -E "skipped|NCCL ==|as expected|NCCL present|^test |test result|panicked|error|warning"
+
 say "browser tools"
 source scripts/web-tools.sh
 

@@ -140,6 +140,16 @@ pub enum Error {
         /// What happened.
         detail: String,
     },
+    /// NCCL or the CUDA driver failed, or is missing (feature `native-nccl`).
+    #[error("nccl {op}{}: {detail}", .rank.map_or(String::new(), |r| format!(" on rank {r}")))]
+    Nccl {
+        /// The operation.
+        op: &'static str,
+        /// Global rank, once known.
+        rank: Option<usize>,
+        /// What happened, and what to do about it where known.
+        detail: String,
+    },
     /// The relay refused us or the connection to it failed.
     #[error("relay: {detail}")]
     Relay {

@@ -47,6 +47,10 @@
 //! - [`lesson`]: the teaching demo's lessons (JSON in `www/lessons/`) and their traces, shown by
 //!   the page and printed by `distgrad run`.
 //! - [`bench`]: the benchmarks behind `distgrad bench`.
+//! - [`train`]: data-parallel training through the collectives' duals (`distgrad train`).
+//! - `rendezvous` (native): launcher variables (RANK, WORLD_SIZE, ...) and a TCP store for
+//!   multi-process launches.
+//! - `nccl` (feature `native-nccl`): the NCCL communicator (wgpu compute, NCCL collectives).
 //! - [`error`]: the one error enum.
 
 #![warn(missing_docs)]
@@ -58,10 +62,15 @@ pub mod collective;
 pub mod dist;
 pub mod error;
 pub mod lesson;
+#[cfg(all(feature = "native-nccl", not(target_arch = "wasm32")))]
+pub mod nccl;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod relay;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod rendezvous;
 pub mod run;
 pub mod tensor;
+pub mod train;
 pub mod transport;
 pub mod vjp;
 #[cfg(target_arch = "wasm32")]

@@ -84,6 +84,27 @@ mod cli {
             #[arg(long)]
             json: bool,
         },
+        /// Data-parallel training of a small MLP with the gradients flowing through the collectives:
+        /// on in-process ranks (`--backend local`) or one process per GPU over NCCL (`--backend nccl`,
+        /// needs `--features native-nccl`; also runs under torchrun-style launchers: RANK,
+        /// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+        Train {
+            /// Number of ranks.
+            #[arg(long, default_value_t = 2)]
+            world: usize,
+            /// `local` (threads of this process) or `nccl` (one process per GPU).
+            #[arg(long, default_value = "local")]
+            backend: String,
+            /// Gradient steps.
+            #[arg(long, default_value_t = 200)]
+            steps: usize,
+            /// Learning rate.
+            #[arg(long, default_value_t = 0.2)]
+            lr: f32,
+            /// Compute backend of the local ranks: cpu, gpu or auto.
+            #[arg(long, default_value = "cpu")]
+            device: String,
+        },
         /// Run the relay: rooms, rank assignment, routing of data frames, WebRTC signaling, and (with
         /// --static) the web app's files, on one port.
         Relay {
@@ -217,6 +238,13 @@ mod cli {
                 world,
                 json,
             } => run_lesson(&lesson, world, json),
+            Cmd::Train {
+                world,
+                backend,
+                steps,
+                lr,
+                device,
+            } => run_train(world, &backend, steps, lr, &device),
             Cmd::Bench { what, .. } if what == "kernels" => run_kernel_bench(),
             Cmd::Bench {
                 what: _,
@@ -483,6 +511,184 @@ mod cli {
             print!("{}", distgrad::lesson::render(&trace));
         }
         Ok(())
+    }
+
+    fn run_train(
+        world: usize,
+        backend: &str,
+        steps: usize,
+        lr: f32,
+        device: &str,
+    ) -> distgrad::Result<()> {
+        use distgrad::train::{TrainConfig, train};
+        let cfg = TrainConfig {
+            steps,
+            lr,
+            ..TrainConfig::default()
+        };
+        let every = (steps / 10).max(1);
+        match backend {
+            "local" => {
+                if world == 0 || world > vjp::MAX_WORLD {
+                    return Err(distgrad::Error::Input(format!(
+                        "--world must be 1..={}",
+                        vjp::MAX_WORLD
+                    )));
+                }
+                let device =
+                    futures::executor::block_on(distgrad::backend::select(parse_choice(device)?))?;
+                let opts = CommOptions {
+                    device: device.clone(),
+                    ..CommOptions::default()
+                };
+                let t0 = std::time::Instant::now();
+                let results = distgrad::run_local(world, opts, |comm| {
+                    let (cfg, device) = (&cfg, &device);
+                    async move {
+                        let me = comm.rank();
+                        train(&comm, cfg, device, |step, loss| {
+                            if me == 0 && (step % every == 0 || step + 1 == cfg.steps) {
+                                println!("step {step:>5}  group loss {loss:.6}");
+                            }
+                        })
+                        .await
+                    }
+                });
+                report(results, t0.elapsed())
+            }
+            "nccl" => run_train_nccl(world, &cfg, every),
+            other => Err(distgrad::Error::Input(format!(
+                "unknown backend {other:?} (local or nccl)"
+            ))),
+        }
+    }
+
+    fn report(
+        results: Vec<distgrad::Result<distgrad::train::TrainReport>>,
+        took: std::time::Duration,
+    ) -> distgrad::Result<()> {
+        let mut hashes = Vec::new();
+        for (r, res) in results.into_iter().enumerate() {
+            let rep = res.map_err(|e| distgrad::Error::Input(format!("rank {r}: {e}")))?;
+            let last = rep.losses.last().copied().unwrap_or(f32::NAN);
+            let hash = rep.hashes.last().cloned().unwrap_or_default();
+            println!("rank {r}: final group loss {last:.6}, parameter hash {hash}");
+            hashes.push(hash);
+        }
+        let same = hashes.windows(2).all(|w| w[0] == w[1]);
+        println!(
+            "replicas identical on every rank: {} ({:.2} s)",
+            if same { "yes" } else { "NO" },
+            took.as_secs_f64()
+        );
+        if same {
+            Ok(())
+        } else {
+            Err(distgrad::Error::Input("replicas diverged".into()))
+        }
+    }
+
+    fn parse_choice(s: &str) -> distgrad::Result<distgrad::backend::Choice> {
+        use distgrad::backend::Choice;
+        match s {
+            "cpu" => Ok(Choice::Cpu),
+            "gpu" => Ok(Choice::Gpu),
+            "auto" => Ok(Choice::Auto),
+            o => Err(distgrad::Error::Input(format!(
+                "--device {o:?}: expected cpu, gpu or auto"
+            ))),
+        }
+    }
+
+    #[cfg(not(feature = "native-nccl"))]
+    fn run_train_nccl(
+        _: usize,
+        _: &distgrad::train::TrainConfig,
+        _: usize,
+    ) -> distgrad::Result<()> {
+        Err(distgrad::Error::Input(
+            "this build has no NCCL backend: build with `cargo run --features native-nccl -- train --backend nccl`"
+                .into(),
+        ))
+    }
+
+    /// Under a launcher (RANK set): be that rank. Otherwise: start one process per GPU with the
+    /// launcher variables set, and wait for them.
+    #[cfg(feature = "native-nccl")]
+    fn run_train_nccl(
+        world: usize,
+        cfg: &distgrad::train::TrainConfig,
+        every: usize,
+    ) -> distgrad::Result<()> {
+        use distgrad::nccl::{NcclComm, NcclOptions};
+        use distgrad::rendezvous::LaunchEnv;
+        if let Some(env) = LaunchEnv::from_env()? {
+            let comm = NcclComm::from_launch(&env, NcclOptions::default())?;
+            let t0 = std::time::Instant::now();
+            let rep = futures::executor::block_on(distgrad::train::train(
+                &comm,
+                cfg,
+                &distgrad::backend::Device::Cpu,
+                |step, loss| {
+                    if env.rank == 0 && (step % every == 0 || step + 1 == cfg.steps) {
+                        println!("step {step:>5}  group loss {loss:.6}");
+                    }
+                },
+            ))?;
+            println!(
+                "rank {}: final group loss {:.6}, parameter hash {} ({:.2} s)",
+                env.rank,
+                rep.losses.last().copied().unwrap_or(f32::NAN),
+                rep.hashes.last().cloned().unwrap_or_default(),
+                t0.elapsed().as_secs_f64()
+            );
+            return Ok(());
+        }
+        distgrad::nccl::check_libraries()?;
+        let gpus = distgrad::nccl::device_count()?;
+        if world == 0 || world > gpus {
+            return Err(distgrad::Error::Nccl {
+                op: "launch",
+                rank: None,
+                detail: format!(
+                    "--world {world} needs {world} GPUs (one per rank); this machine has {gpus}"
+                ),
+            });
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| distgrad::Error::Input(format!("no free port: {e}")))?
+            .port();
+        let exe = std::env::current_exe()
+            .map_err(|e| distgrad::Error::Input(format!("cannot find this program: {e}")))?;
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        eprintln!("train: {world} processes (one per GPU), store at 127.0.0.1:{port}");
+        let children: Vec<_> = (0..world)
+            .map(|r| {
+                std::process::Command::new(&exe)
+                    .args(&args)
+                    .env("RANK", r.to_string())
+                    .env("WORLD_SIZE", world.to_string())
+                    .env("LOCAL_RANK", r.to_string())
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", port.to_string())
+                    .spawn()
+                    .map_err(|e| distgrad::Error::Input(format!("starting rank {r}: {e}")))
+            })
+            .collect::<distgrad::Result<_>>()?;
+        let mut failed = Vec::new();
+        for (r, mut c) in children.into_iter().enumerate() {
+            match c.wait() {
+                Ok(s) if s.success() => {}
+                Ok(s) => failed.push(format!("rank {r} exited with {s}")),
+                Err(e) => failed.push(format!("rank {r}: {e}")),
+            }
+        }
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(distgrad::Error::Input(failed.join("; ")))
+        }
     }
 
     fn run_relay(addr: &str, cfg: distgrad::relay::RelayConfig) -> distgrad::Result<()> {

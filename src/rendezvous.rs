@@ -1,0 +1,416 @@
+//! Rendezvous for multi-process launches: a tiny TCP key-value store (rank 0 serves it at
+//! `MASTER_ADDR:MASTER_PORT`, every rank connects) and the launcher environment torchrun sets
+//! (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`). The NCCL communicator uses it
+//! to hand every rank of a group the NCCL unique id; nothing here needs a GPU.
+//!
+//! Protocol, one request per line on a TCP connection: `SET <key> <len>\n<len bytes>` (answer
+//! `OK\n`) and `GET <key>\n` (waits until the key exists, answers `<len>\n<len bytes>`). Keys are
+//! printable ASCII without spaces; values are at most [`MAX_VALUE`] bytes.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// Largest value the store keeps.
+pub const MAX_VALUE: usize = 1 << 20;
+
+fn err(detail: impl Into<String>) -> Error {
+    Error::Input(format!("rendezvous: {}", detail.into()))
+}
+
+/// Where this process sits in a launch (torchrun's variables).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchEnv {
+    /// Global rank (`RANK`).
+    pub rank: usize,
+    /// Number of ranks (`WORLD_SIZE`).
+    pub world: usize,
+    /// Rank on this machine (`LOCAL_RANK`, default = `RANK`): picks the GPU.
+    pub local_rank: usize,
+    /// The store's address (`MASTER_ADDR:MASTER_PORT`).
+    pub master: String,
+}
+
+impl LaunchEnv {
+    /// Read the variables through `get` (e.g. `|k| std::env::var(k).ok()`); `None` when `RANK` is
+    /// unset (not launched by a launcher), an error naming the variable when one is malformed.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
+        let Some(rank) = get("RANK") else {
+            return Ok(None);
+        };
+        let num = |k: &str, v: &str| {
+            v.trim()
+                .parse::<usize>()
+                .map_err(|_| err(format!("{k}={v:?} is not a number")))
+        };
+        let rank = num("RANK", &rank)?;
+        let world = num(
+            "WORLD_SIZE",
+            &get("WORLD_SIZE").ok_or_else(|| err("RANK is set but WORLD_SIZE is not"))?,
+        )?;
+        if world == 0 || rank >= world {
+            return Err(err(format!("RANK={rank} must be below WORLD_SIZE={world}")));
+        }
+        let local_rank = match get("LOCAL_RANK") {
+            Some(v) => num("LOCAL_RANK", &v)?,
+            None => rank,
+        };
+        let addr = get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
+        let port = num(
+            "MASTER_PORT",
+            &get("MASTER_PORT").ok_or_else(|| err("RANK is set but MASTER_PORT is not"))?,
+        )?;
+        if port == 0 || port > 65535 {
+            return Err(err(format!("MASTER_PORT={port} is not a port")));
+        }
+        let master = if addr.contains(':') && !addr.starts_with('[') {
+            format!("[{addr}]:{port}")
+        } else {
+            format!("{addr}:{port}")
+        };
+        Ok(Some(LaunchEnv {
+            rank,
+            world,
+            local_rank,
+            master,
+        }))
+    }
+
+    /// From the process environment.
+    pub fn from_env() -> Result<Option<LaunchEnv>> {
+        Self::from_vars(|k| std::env::var(k).ok())
+    }
+}
+
+#[derive(Default)]
+struct Table {
+    values: HashMap<String, Vec<u8>>,
+}
+
+/// The store's server (rank 0). Stops when dropped.
+pub struct StoreServer {
+    addr: SocketAddr,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl StoreServer {
+    /// Listen on `addr` (port 0: any free port) and serve in background threads.
+    pub fn start(addr: &str) -> Result<StoreServer> {
+        let listener =
+            TcpListener::bind(addr).map_err(|e| err(format!("cannot listen on {addr}: {e}")))?;
+        let addr = listener.local_addr().map_err(|e| err(e.to_string()))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| err(e.to_string()))?;
+        let table = Arc::new((Mutex::new(Table::default()), Condvar::new()));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let st = stop.clone();
+        std::thread::Builder::new()
+            .name("rendezvous".into())
+            .spawn(move || {
+                while !st.load(std::sync::atomic::Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((s, _)) => {
+                            let t = table.clone();
+                            let st = st.clone();
+                            let _ = std::thread::Builder::new()
+                                .name("rendezvous-conn".into())
+                                .spawn(move || serve(s, &t, &st));
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            std::thread::sleep(Duration::from_millis(5));
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                    }
+                }
+            })
+            .map_err(|e| err(format!("cannot start the store thread: {e}")))?;
+        Ok(StoreServer { addr, stop })
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        // Wake waiting GETs: they re-check `stop` on every wake-up.
+    }
+}
+
+type Shared = (Mutex<Table>, Condvar);
+
+fn serve(s: TcpStream, table: &Shared, stop: &std::sync::atomic::AtomicBool) {
+    let _ = s.set_nonblocking(false);
+    let Ok(w) = s.try_clone() else { return };
+    let mut w = w;
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        match r.read_line(&mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let parts: Vec<&str> = line.trim_end().split(' ').collect();
+        let reply: Vec<u8> = match parts.as_slice() {
+            ["SET", key, len] => {
+                let Ok(len) = len.parse::<usize>() else {
+                    return;
+                };
+                if len > MAX_VALUE {
+                    return;
+                }
+                let mut v = vec![0u8; len];
+                if r.read_exact(&mut v).is_err() {
+                    return;
+                }
+                let (m, cv) = table;
+                let mut t = m.lock().unwrap_or_else(|p| p.into_inner());
+                t.values.insert((*key).to_string(), v);
+                cv.notify_all();
+                b"OK\n".to_vec()
+            }
+            ["GET", key] => {
+                let (m, cv) = table;
+                let mut t = m.lock().unwrap_or_else(|p| p.into_inner());
+                loop {
+                    if let Some(v) = t.values.get(*key) {
+                        let mut out = format!("{}\n", v.len()).into_bytes();
+                        out.extend_from_slice(v);
+                        break out;
+                    }
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        return;
+                    }
+                    t = cv
+                        .wait_timeout(t, Duration::from_millis(100))
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+            _ => return,
+        };
+        if w.write_all(&reply).is_err() {
+            return;
+        }
+    }
+}
+
+/// A connection to the store.
+pub struct Store {
+    r: BufReader<TcpStream>,
+    w: TcpStream,
+    timeout: Duration,
+}
+
+impl Store {
+    /// Connect to `addr`, retrying until `timeout` (rank 0 may not be listening yet).
+    pub fn connect(addr: &str, timeout: Duration) -> Result<Store> {
+        let deadline = Instant::now() + timeout;
+        let s = loop {
+            match TcpStream::connect(addr) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(err(format!(
+                        "cannot reach the store at {addr} within {timeout:?}: {e}"
+                    )));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        };
+        let _ = s.set_nodelay(true);
+        s.set_read_timeout(Some(timeout))
+            .map_err(|e| err(e.to_string()))?;
+        let w = s.try_clone().map_err(|e| err(e.to_string()))?;
+        Ok(Store {
+            r: BufReader::new(s),
+            w,
+            timeout,
+        })
+    }
+
+    fn check_key(key: &str) -> Result<()> {
+        if key.is_empty() || !key.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(err(format!("bad key {key:?}")));
+        }
+        Ok(())
+    }
+
+    /// Store `value` under `key` (overwrites).
+    pub fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
+        Self::check_key(key)?;
+        if value.len() > MAX_VALUE {
+            return Err(err(format!("value of {} bytes is too large", value.len())));
+        }
+        let mut msg = format!("SET {key} {}\n", value.len()).into_bytes();
+        msg.extend_from_slice(value);
+        self.w
+            .write_all(&msg)
+            .map_err(|e| err(format!("SET {key}: {e}")))?;
+        let mut line = String::new();
+        self.r
+            .read_line(&mut line)
+            .map_err(|e| err(format!("SET {key}: {e}")))?;
+        if line != "OK\n" {
+            return Err(err(format!("SET {key}: unexpected answer {line:?}")));
+        }
+        Ok(())
+    }
+
+    /// The value under `key`, waiting (up to the connect timeout) until some rank sets it.
+    pub fn get(&mut self, key: &str) -> Result<Vec<u8>> {
+        Self::check_key(key)?;
+        self.w
+            .write_all(format!("GET {key}\n").as_bytes())
+            .map_err(|e| err(format!("GET {key}: {e}")))?;
+        let mut line = String::new();
+        self.r.read_line(&mut line).map_err(|e| {
+            err(format!(
+                "GET {key}: no value within {:?} ({e})",
+                self.timeout
+            ))
+        })?;
+        let len: usize = line
+            .trim_end()
+            .parse()
+            .map_err(|_| err(format!("GET {key}: bad answer {line:?}")))?;
+        if len > MAX_VALUE {
+            return Err(err(format!("GET {key}: value of {len} bytes")));
+        }
+        let mut v = vec![0u8; len];
+        self.r
+            .read_exact(&mut v)
+            .map_err(|e| err(format!("GET {key}: {e}")))?;
+        Ok(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn launch_env_parsing() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(a, _)| *a == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(LaunchEnv::from_vars(vars(&[])).unwrap(), None);
+        let e = LaunchEnv::from_vars(vars(&[
+            ("RANK", "2"),
+            ("WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            e,
+            LaunchEnv {
+                rank: 2,
+                world: 4,
+                local_rank: 2,
+                master: "10.0.0.1:29500".into()
+            }
+        );
+        let e = LaunchEnv::from_vars(vars(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "::1"),
+            ("MASTER_PORT", "1"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(e.master, "[::1]:1");
+        for (bad, what) in [
+            (
+                &[("RANK", "4"), ("WORLD_SIZE", "4"), ("MASTER_PORT", "1")][..],
+                "below",
+            ),
+            (
+                &[("RANK", "x"), ("WORLD_SIZE", "4"), ("MASTER_PORT", "1")][..],
+                "RANK",
+            ),
+            (&[("RANK", "0"), ("MASTER_PORT", "1")][..], "WORLD_SIZE"),
+            (&[("RANK", "0"), ("WORLD_SIZE", "2")][..], "MASTER_PORT"),
+        ] {
+            let owned: Vec<(String, String)> = bad
+                .iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect();
+            let e = LaunchEnv::from_vars(|k| {
+                owned.iter().find(|(a, _)| a == k).map(|(_, v)| v.clone())
+            })
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains(what), "{e}");
+        }
+    }
+
+    #[test]
+    fn ranks_exchange_values_through_the_store() {
+        let server = StoreServer::start("127.0.0.1:0").unwrap();
+        let addr = server.addr().to_string();
+        let n = 4;
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..n)
+                .map(|r| {
+                    let addr = addr.clone();
+                    s.spawn(move || {
+                        let mut st = Store::connect(&addr, Duration::from_secs(10)).unwrap();
+                        // Rank 0 publishes an id; everyone reads it, publishes its own value,
+                        // and reads every other rank's.
+                        if r == 0 {
+                            st.set("id", &[7u8; 128]).unwrap();
+                        }
+                        let id = st.get("id").unwrap();
+                        st.set(&format!("v/{r}"), format!("rank {r}").as_bytes())
+                            .unwrap();
+                        let all: Vec<String> = (0..n)
+                            .map(|p| String::from_utf8(st.get(&format!("v/{p}")).unwrap()).unwrap())
+                            .collect();
+                        (id, all)
+                    })
+                })
+                .collect();
+            for h in hs {
+                let (id, all) = h.join().unwrap();
+                assert_eq!(id, vec![7u8; 128]);
+                assert_eq!(all, (0..n).map(|p| format!("rank {p}")).collect::<Vec<_>>());
+            }
+        });
+    }
+
+    #[test]
+    fn store_errors_are_clear() {
+        // Nobody listens: the connect gives up with the address in the message.
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        drop(l);
+        let e = Store::connect(&addr, Duration::from_millis(200))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains(&addr), "{e}");
+        // A key nobody sets: GET times out instead of hanging.
+        let server = StoreServer::start("127.0.0.1:0").unwrap();
+        let mut st =
+            Store::connect(&server.addr().to_string(), Duration::from_millis(300)).unwrap();
+        let e = st.get("never").unwrap_err().to_string();
+        assert!(e.contains("never"), "{e}");
+        assert!(st.set("bad key", b"x").is_err());
+    }
+}
