@@ -117,6 +117,68 @@ impl Header {
     }
 }
 
+/// Split `payload` into frames (header + at most `max_payload` bytes each; `more` set on all but the
+/// last). An empty payload is one empty frame.
+pub fn fragments(src: u32, dst: u32, tag: Tag, payload: &[u8], max_payload: usize) -> Vec<Bytes> {
+    let max = max_payload.max(1);
+    let n = payload.len().div_ceil(max).max(1);
+    (0..n)
+        .map(|i| {
+            let part = &payload[(i * max).min(payload.len())..((i + 1) * max).min(payload.len())];
+            Header {
+                src,
+                dst,
+                tag,
+                more: i + 1 < n,
+            }
+            .frame(part)
+        })
+        .collect()
+}
+
+/// Puts fragmented messages back together, per (source, tag); fragments of one pair arrive in order.
+#[derive(Debug)]
+pub struct Reassembler {
+    partial: std::collections::HashMap<(u32, Tag), BytesMut>,
+    max_message: usize,
+}
+
+impl Reassembler {
+    /// Accept messages up to `max_message` bytes.
+    pub fn new(max_message: usize) -> Self {
+        Reassembler {
+            partial: std::collections::HashMap::new(),
+            max_message,
+        }
+    }
+
+    /// Take one frame's payload from `src`: the whole message once its last fragment arrived, or
+    /// an error (a peer sending more than allowed is a protocol fault).
+    pub fn push(&mut self, src: u32, h: &Header, payload: Bytes) -> Result<Option<Bytes>, String> {
+        let key = (src, h.tag);
+        let so_far = self.partial.get(&key).map_or(0, BytesMut::len);
+        if so_far + payload.len() > self.max_message {
+            self.partial.remove(&key);
+            return Err(format!(
+                "rank {src} sent a message above {} bytes (tag {:?})",
+                self.max_message, h.tag
+            ));
+        }
+        Ok(if h.more {
+            self.partial
+                .entry(key)
+                .or_default()
+                .extend_from_slice(&payload);
+            None
+        } else if let Some(mut p) = self.partial.remove(&key) {
+            p.extend_from_slice(&payload);
+            Some(p.freeze())
+        } else {
+            Some(payload)
+        })
+    }
+}
+
 /// JSON control messages (WebSocket text messages), tagged by `"type"`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
@@ -218,6 +280,45 @@ mod tests {
         bad[0] = MAGIC;
         bad[1] = 9;
         assert_eq!(Header::decode(&bad), Err(FrameError::Channel(9)));
+    }
+
+    #[test]
+    fn fragments_reassemble_in_any_interleaving_of_tags() {
+        let tag = |seq| Tag {
+            group: 1,
+            seq,
+            channel: Channel::Data,
+        };
+        let a: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
+        let b: Vec<u8> = (0..37u32).map(|i| (i * 7) as u8).collect();
+        let fa = fragments(2, 0, tag(1), &a, 300);
+        let fb = fragments(2, 0, tag(2), &b, 10);
+        assert_eq!(fa.len(), 4);
+        assert_eq!(fb.len(), 4);
+        assert_eq!(fragments(2, 0, tag(3), &[], 10).len(), 1);
+        let mut r = Reassembler::new(1 << 20);
+        let mut done = Vec::new();
+        // Interleave the two messages' fragments (each message's own order kept).
+        for f in fa.iter().zip(&fb).flat_map(|(x, y)| [x, y]) {
+            let h = Header::decode(f).unwrap();
+            if let Some(m) = r.push(h.src, &h, f.slice(HEADER_LEN..)).unwrap() {
+                done.push((h.tag.seq, m));
+            }
+        }
+        done.sort_by_key(|d| d.0);
+        assert_eq!(done[0].1.as_ref(), a.as_slice());
+        assert_eq!(done[1].1.as_ref(), b.as_slice());
+        // Over the limit: an error naming the rank, and the partial message dropped.
+        let mut small = Reassembler::new(500);
+        let mut err = None;
+        for f in &fa {
+            let h = Header::decode(f).unwrap();
+            if let Err(e) = small.push(h.src, &h, f.slice(HEADER_LEN..)) {
+                err = Some(e);
+                break;
+            }
+        }
+        assert!(err.unwrap().contains("rank 2"));
     }
 
     #[test]

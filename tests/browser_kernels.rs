@@ -116,3 +116,37 @@ async fn collectives_in_one_page_on_webgpu_match_the_cpu() {
     assert_eq!(v(&out.grads[1][0]), [0.0, 0.0]);
     assert_eq!(v(&out.grads[2][0]), [3.0, 0.0]);
 }
+
+/// The browser transport's framing in the browser: a message fragmented to WebRTC's 256 KiB
+/// message limit comes back whole, interleaved with another tag's fragments.
+#[wasm_bindgen_test]
+fn framing_for_data_channels_round_trips() {
+    use distgrad::transport::{Channel, Tag};
+    use distgrad::wire::{HEADER_LEN, Header, Reassembler, fragments};
+    let tag = |seq| Tag {
+        group: 0,
+        seq,
+        channel: Channel::Data,
+    };
+    let big: Vec<u8> = (0..(600 * 1024u32)).map(|i| (i % 251) as u8).collect();
+    let small = b"sig".to_vec();
+    let max = distgrad::web::net::RTC_MAX_MESSAGE - HEADER_LEN;
+    let fa = fragments(3, 1, tag(5), &big, max);
+    let fb = fragments(3, 1, tag(6), &small, max);
+    assert_eq!(fa.len(), 3);
+    assert!(
+        fa.iter()
+            .all(|f| f.len() <= distgrad::web::net::RTC_MAX_MESSAGE)
+    );
+    let mut r = Reassembler::new(1 << 30);
+    let mut got = Vec::new();
+    for f in [&fa[0], &fb[0], &fa[1], &fa[2]] {
+        let h = Header::decode(f).unwrap();
+        if let Some(m) = r.push(h.src, &h, f.slice(HEADER_LEN..)).unwrap() {
+            got.push((h.tag.seq, m));
+        }
+    }
+    assert_eq!(got.len(), 2);
+    assert_eq!(got[0].1.as_ref(), small.as_slice());
+    assert_eq!(got[1].1.as_ref(), big.as_slice());
+}

@@ -5,18 +5,17 @@
 //! reassembles them and delivers whole messages into the [`Mailbox`]. The outgoing queue is bounded,
 //! so a sender waits when the relay pushes back.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
 
 use super::{Mailbox, Tag, Transport};
 use crate::error::{Error, Result};
-use crate::wire::{Control, HEADER_LEN, Header, LEFT_CLEANLY};
+use crate::wire::{Control, HEADER_LEN, Header, LEFT_CLEANLY, Reassembler, fragments};
 
 /// How to join a room.
 #[derive(Debug, Clone)]
@@ -143,7 +142,7 @@ impl WsTransport {
         let mb = mailbox.clone();
         let max_message = opts.max_message;
         let reader = tokio::spawn(async move {
-            let mut partial: HashMap<(u32, Tag), BytesMut> = HashMap::new();
+            let mut parts = Reassembler::new(max_message);
             let reason = loop {
                 let msg = match stream.next().await {
                     None => break "the relay closed the connection".to_string(),
@@ -156,22 +155,10 @@ impl WsTransport {
                             Ok(h) => h,
                             Err(e) => break format!("the relay sent a bad frame: {e}"),
                         };
-                        let payload = b.slice(HEADER_LEN..);
-                        let key = (h.src, h.tag);
-                        let so_far = partial.get(&key).map_or(0, BytesMut::len);
-                        if so_far + payload.len() > max_message {
-                            break format!(
-                                "rank {} sent a message above {max_message} bytes (tag {:?})",
-                                h.src, h.tag
-                            );
-                        }
-                        if h.more {
-                            partial.entry(key).or_default().extend_from_slice(&payload);
-                        } else if let Some(mut p) = partial.remove(&key) {
-                            p.extend_from_slice(&payload);
-                            mb.deliver(h.src as usize, h.tag, p.freeze());
-                        } else {
-                            mb.deliver(h.src as usize, h.tag, payload);
+                        match parts.push(h.src, &h, b.slice(HEADER_LEN..)) {
+                            Ok(Some(m)) => mb.deliver(h.src as usize, h.tag, m),
+                            Ok(None) => {}
+                            Err(e) => break e,
                         }
                     }
                     Message::Text(t) => match serde_json::from_str::<Control>(&t) {
@@ -266,24 +253,14 @@ impl Transport for WsTransport {
                 }),
             }
         };
-        let mut chunks = payload.chunks(self.max_payload).peekable();
-        if chunks.peek().is_none() {
-            let h = Header {
-                src: self.rank as u32,
-                dst: dst as u32,
-                tag,
-                more: false,
-            };
-            return push(h.frame(&[])).await;
-        }
-        while let Some(c) = chunks.next() {
-            let h = Header {
-                src: self.rank as u32,
-                dst: dst as u32,
-                tag,
-                more: chunks.peek().is_some(),
-            };
-            push(h.frame(c)).await?;
+        for frame in fragments(
+            self.rank as u32,
+            dst as u32,
+            tag,
+            &payload,
+            self.max_payload,
+        ) {
+            push(frame).await?;
         }
         Ok(())
     }

@@ -9,12 +9,11 @@
 //! so a large tensor does not pile up in memory or overflow a data channel.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures::StreamExt;
 use futures::channel::mpsc;
 use js_sys::{ArrayBuffer, Reflect, Uint8Array};
@@ -29,7 +28,7 @@ use web_sys::{
 
 use crate::error::{Error, Result};
 use crate::transport::{Mailbox, Tag, Transport};
-use crate::wire::{Control, HEADER_LEN, Header, LEFT_CLEANLY};
+use crate::wire::{Control, HEADER_LEN, Header, LEFT_CLEANLY, Reassembler, fragments};
 
 /// Largest WebRTC data-channel message Chromium accepts (`sctp.maxMessageSize`).
 pub const RTC_MAX_MESSAGE: usize = 256 * 1024;
@@ -137,8 +136,7 @@ struct Shared {
     world: usize,
     rank: Cell<Option<usize>>,
     mailbox: RefCell<Option<Arc<Mailbox>>>,
-    partial: RefCell<HashMap<(u32, Tag), BytesMut>>,
-    max_message: usize,
+    parts: RefCell<Reassembler>,
     joining: mpsc::UnboundedSender<Control>,
     signals: Vec<mpsc::UnboundedSender<serde_json::Value>>,
     listener: RefCell<Option<Listener>>,
@@ -177,32 +175,17 @@ impl Shared {
         if src as usize >= self.world {
             return self.fail(&format!("frame from rank {src} outside the world"));
         }
-        let payload = frame.slice(HEADER_LEN..);
-        let key = (src, h.tag);
-        let mut partial = self.partial.borrow_mut();
-        let so_far = partial.get(&key).map_or(0, BytesMut::len);
-        if so_far + payload.len() > self.max_message {
-            drop(partial);
-            return self.fail(&format!(
-                "rank {src} sent a message above {} bytes (tag {:?})",
-                self.max_message, h.tag
-            ));
-        }
-        let whole = if h.more {
-            partial.entry(key).or_default().extend_from_slice(&payload);
-            None
-        } else if let Some(mut p) = partial.remove(&key) {
-            p.extend_from_slice(&payload);
-            Some(p.freeze())
-        } else {
-            Some(payload)
-        };
-        drop(partial);
-        if let Some(msg) = whole {
-            match self.mailbox.borrow().as_ref() {
+        let whole = self
+            .parts
+            .borrow_mut()
+            .push(src, &h, frame.slice(HEADER_LEN..));
+        match whole {
+            Err(e) => self.fail(&e),
+            Ok(None) => {}
+            Ok(Some(msg)) => match self.mailbox.borrow().as_ref() {
                 Some(mb) => mb.deliver(src as usize, h.tag, msg),
                 None => self.fail("data frame before the room was joined"),
-            }
+            },
         }
     }
 
@@ -322,8 +305,7 @@ impl BrowserTransport {
             world,
             rank: Cell::new(None),
             mailbox: RefCell::new(None),
-            partial: RefCell::new(HashMap::new()),
-            max_message: opts.max_message,
+            parts: RefCell::new(Reassembler::new(opts.max_message)),
             joining: jtx,
             signals: signal_tx,
             listener: RefCell::new(Some(on_event)),
@@ -689,19 +671,7 @@ impl Transport for BrowserTransport {
         } else {
             RELAY_MAX_PAYLOAD
         };
-        let n = payload.len().div_ceil(max).max(1);
-        let mut frame = BytesMut::with_capacity(HEADER_LEN + payload.len().min(max));
-        for i in 0..n {
-            let part = &payload[(i * max).min(payload.len())..((i + 1) * max).min(payload.len())];
-            frame.clear();
-            Header {
-                src: self.rank as u32,
-                dst: dst as u32,
-                tag,
-                more: i + 1 < n,
-            }
-            .put(&mut frame);
-            frame.extend_from_slice(part);
+        for frame in fragments(self.rank as u32, dst as u32, tag, &payload, max) {
             match &dc {
                 Some(dc) => self.push_rtc(dc, dst, &frame).await?,
                 None => self.push_ws(&frame).await?,
