@@ -452,31 +452,6 @@ async fn objectives<T: Transport>(comm: &P2p<T>) -> Result<Vec<RankStep>> {
     Ok(out)
 }
 
-/// Deterministic pseudo-random numbers in [-1, 1) (xorshift), the same on every target.
-fn uniform(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
-/// FNV-1a over the bits of the values: equal hashes = bitwise-identical replicas.
-fn replica_hash(values: &[f32]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for v in values {
-        for b in v.to_bits().to_le_bytes() {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    format!("{:08x}", h >> 32)
-}
-
 /// Samples per rank in the data-parallel lesson.
 const SHARD: usize = 8;
 
@@ -488,8 +463,8 @@ async fn data_parallel<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<V
     let device = comm.options().device.clone();
     let group = comm.world();
     // This rank's shard: x uniform in [-1, 1)², y = 2·x0 - x1 + 0.5 + small noise.
-    let xs = uniform(1 + me as u64, SHARD * 2);
-    let noise = uniform(1000 + me as u64, SHARD);
+    let xs = crate::train::uniform(1 + me as u64, SHARD * 2);
+    let noise = crate::train::uniform(1000 + me as u64, SHARD);
     let ys: Vec<f32> = (0..SHARD)
         .map(|i| 2.0 * xs[2 * i] - xs[2 * i + 1] + 0.5 + 0.05 * noise[i])
         .collect();
@@ -503,7 +478,7 @@ async fn data_parallel<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<V
         Vec::new(),
         vec![
             Named::tensors("w", vec![TensorJson::read(&Tensor::vector(&w)).await?]),
-            Named::text("replica hash", replica_hash(&w)),
+            Named::text("replica hash", crate::train::param_hash(&w)),
         ],
     )];
     for k in 1..=steps {
@@ -533,7 +508,7 @@ async fn data_parallel<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<V
                 Named::tensors("loss", vec![read(&loss.value()).await?]),
                 Named::tensors("group loss", vec![read(&group_loss).await?]),
                 Named::tensors("w", vec![TensorJson::read(&Tensor::vector(&w)).await?]),
-                Named::text("replica hash", replica_hash(&w)),
+                Named::text("replica hash", crate::train::param_hash(&w)),
             ],
         ));
     }

@@ -53,7 +53,8 @@ pub struct TrainReport {
     pub params: Vec<f32>,
 }
 
-fn uniform(seed: u64, n: usize) -> Vec<f32> {
+/// Deterministic pseudo-random numbers in [-1, 1) (xorshift), the same on every target and rank.
+pub fn uniform(seed: u64, n: usize) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     (0..n)
         .map(|_| {

@@ -584,57 +584,23 @@ fn start_bus(app: &Rc<App>) {
         None => (0, app.world),
     };
     if me != 0 {
+        // Followers: run what rank 0 announces.
         let a = app.clone();
-        spawn_local(async move {
-            let Some(comm) = &a.comm else { return };
-            let mut seq = 0;
-            loop {
-                let tag = Tag {
-                    group: BUS_GROUP,
-                    seq,
-                    channel: Channel::Sig,
-                };
-                let Ok(bytes) = comm.transport().recv(0, tag).await else {
-                    return;
-                };
-                seq += 1;
-                match serde_json::from_slice::<Bus>(&bytes) {
-                    Ok(msg) => perform(&a, msg).await,
-                    Err(e) => show_error(&format!("rank 0 announced something unreadable: {e}")),
-                }
-            }
+        listen(app, 0, Channel::Sig, move |msg| {
+            let a = a.clone();
+            async move { perform(&a, msg).await }
         });
         return;
     }
     let (tx, mut rx) = futures::channel::mpsc::unbounded::<Bus>();
     *app.queue.borrow_mut() = Some(tx.clone());
-    if let Some(comm) = &app.comm {
-        let _ = comm;
+    // Rank 0: every peer's requests go into the one queue.
+    if app.comm.is_some() {
         for peer in 1..world {
-            let a = app.clone();
             let tx = tx.clone();
-            spawn_local(async move {
-                let Some(comm) = &a.comm else { return };
-                let mut seq = 0;
-                loop {
-                    let tag = Tag {
-                        group: BUS_GROUP,
-                        seq,
-                        channel: Channel::Data,
-                    };
-                    let Ok(bytes) = comm.transport().recv(peer, tag).await else {
-                        return;
-                    };
-                    seq += 1;
-                    match serde_json::from_slice::<Bus>(&bytes) {
-                        Ok(msg) => {
-                            let _ = tx.unbounded_send(msg);
-                        }
-                        Err(e) => {
-                            show_notice(&format!("rank {peer} sent an unreadable request: {e}"))
-                        }
-                    }
-                }
+            listen(app, peer, Channel::Data, move |msg| {
+                let _ = tx.unbounded_send(msg);
+                async {}
             });
         }
     }
@@ -695,6 +661,33 @@ fn start_bus(app: &Rc<App>) {
                 }
             }
             perform(&a, msg).await;
+        }
+    });
+}
+
+/// Receive bus messages from `src` on `channel` (numbered from 0) and hand each to `handle`, in
+/// order, until the transport fails.
+fn listen<F, Fut>(app: &Rc<App>, src: usize, channel: Channel, handle: F)
+where
+    F: Fn(Bus) -> Fut + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
+    let a = app.clone();
+    spawn_local(async move {
+        let Some(comm) = &a.comm else { return };
+        for seq in 0.. {
+            let tag = Tag {
+                group: BUS_GROUP,
+                seq,
+                channel,
+            };
+            let Ok(bytes) = comm.transport().recv(src, tag).await else {
+                return;
+            };
+            match serde_json::from_slice::<Bus>(&bytes) {
+                Ok(msg) => handle(msg).await,
+                Err(e) => show_notice(&format!("rank {src} sent an unreadable bus message: {e}")),
+            }
         }
     });
 }

@@ -18,13 +18,9 @@ import { spawn, execFileSync } from 'node:child_process';
 import { readdirSync, statSync, mkdirSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { chromium } from 'playwright-core';
+import { parseArgs, sleep, startRelay, close, stateOf } from './common.mjs';
 
-const args = Object.fromEntries(
-  process.argv.slice(2).reduce((acc, a, i, all) => {
-    if (a.startsWith('--')) acc.push([a.slice(2), all[i + 1]]);
-    return acc;
-  }, []),
-);
+const args = parseArgs(process.argv.slice(2));
 const BIN = args.bin;
 const DIST = args.dist ?? 'dist';
 const NET = args.net ?? 'relay';
@@ -43,7 +39,6 @@ const fail = (msg) => {
   console.log(`  FAIL ${msg}`);
 };
 const log = (msg) => console.log(`[e2e ${NET}] ${msg}`);
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 const withTimeout = (p, ms, what) =>
   Promise.race([p, sleep(ms).then(() => { throw new Error(`${what}: no answer within ${ms} ms`); })]);
 
@@ -76,10 +71,6 @@ function suite() {
   });
 }
 
-function close(a, b) {
-  if (a === null || b === null) return a === b;
-  return Math.abs(a - b) <= 1e-5 * Math.max(1, Math.abs(a), Math.abs(b));
-}
 
 function sameTensors(got, want) {
   if (got.length !== want.length) return `${got.length} tensors, expected ${want.length}`;
@@ -104,18 +95,6 @@ function checkRank(label, r, got, expected) {
 }
 
 // ---------- relay and browser ----------
-function startRelay() {
-  return new Promise((resolve, reject) => {
-    const p = spawn(BIN, ['relay', '--addr', '127.0.0.1:0', '--static', DIST], { stdio: ['ignore', 'pipe', 'inherit'] });
-    let out = '';
-    p.stdout.on('data', (d) => {
-      out += d;
-      const m = out.match(/listening on ws:\/\/([0-9.:]+)\/ws/);
-      if (m) resolve({ proc: p, host: m[1] });
-    });
-    p.on('exit', (code) => reject(new Error(`relay exited (${code}) before listening: ${out}`)));
-  });
-}
 
 const chromeArgs = [
   '--no-sandbox', '--no-first-run', '--disable-background-networking', '--disable-component-update',
@@ -139,7 +118,6 @@ async function openTabs(ctx, url, n, errors) {
   return pages;
 }
 
-const stateOf = async (page) => JSON.parse(await page.evaluate(() => window.distgrad ? window.distgrad.state() : '{}'));
 
 async function waitReady(pages, ms) {
   const t0 = Date.now();
@@ -162,7 +140,7 @@ const median = (xs) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)];
 async function main() {
   log('native reference: distgrad vjp for every case');
   const cases = suite();
-  const relay = await startRelay();
+  const relay = await startRelay(BIN, DIST);
   const base = `http://${relay.host}/`;
   log(`relay + web app at ${base}`);
   const browser = await chromium.launch({ executablePath: CHROMIUM, headless: true, args: chromeArgs });

@@ -12,17 +12,13 @@
 // The same lessons run in single-tab mode (?sim=3), and some in a browser without WebGPU (CPU
 // fallback, labelled). Fails on any console error or uncaught exception.
 
-import { spawn, execFileSync } from 'node:child_process';
+import { execFileSync } from 'node:child_process';
 import { readFileSync, mkdirSync } from 'node:fs';
 import { join } from 'node:path';
 import { chromium } from 'playwright-core';
+import { parseArgs, sleep, startRelay, close, stateOf } from './common.mjs';
 
-const args = Object.fromEntries(
-  process.argv.slice(2).reduce((acc, a, i, all) => {
-    if (a.startsWith('--')) acc.push([a.slice(2), all[i + 1]]);
-    return acc;
-  }, []),
-);
+const args = parseArgs(process.argv.slice(2));
 const BIN = args.bin;
 const DIST = args.dist ?? 'dist';
 const OUT = join(args.out ?? 'target/browser-test-output', 'lessons');
@@ -37,12 +33,7 @@ mkdirSync(OUT, { recursive: true });
 const failures = [];
 const fail = (msg) => { failures.push(msg); console.log(`  FAIL ${msg}`); };
 const log = (msg) => console.log(`[lessons] ${msg}`);
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
-function close(a, b) {
-  if (a === null || b === null) return a === b;
-  return Math.abs(a - b) <= 1e-5 * Math.max(1, Math.abs(a), Math.abs(b));
-}
 
 // Compare two traces; hashes (text values) are compared only when `hashes` is true.
 function diffTrace(got, want, hashes) {
@@ -74,20 +65,7 @@ function diffTrace(got, want, hashes) {
   return null;
 }
 
-function startRelay() {
-  return new Promise((resolve, reject) => {
-    const p = spawn(BIN, ['relay', '--addr', '127.0.0.1:0', '--static', DIST], { stdio: ['ignore', 'pipe', 'inherit'] });
-    let out = '';
-    p.stdout.on('data', (d) => {
-      out += d;
-      const m = out.match(/listening on ws:\/\/([0-9.:]+)\/ws/);
-      if (m) resolve({ proc: p, host: m[1] });
-    });
-    p.on('exit', (code) => reject(new Error(`relay exited (${code}) before listening: ${out}`)));
-  });
-}
 
-const stateOf = async (page) => JSON.parse(await page.evaluate(() => (window.distgrad ? window.distgrad.state() : '{}')));
 const traceOf = async (page) => JSON.parse(await page.evaluate(() => window.distgrad.lessonTrace()));
 
 async function waitFor(pages, pred, ms, what) {
@@ -130,7 +108,7 @@ async function main() {
   const index = JSON.parse(readFileSync(join(LESSONS, 'index.json'), 'utf8')).lessons;
   log(`native traces: distgrad run <lesson> --world ${WORLD} --json, for ${index.length} lessons`);
   const expected = Object.fromEntries(index.map((l) => [l.name, JSON.parse(execFileSync(BIN, ['run', join(LESSONS, `${l.name}.json`), '--world', String(WORLD), '--json'], { encoding: 'utf8' }))]));
-  const relay = await startRelay();
+  const relay = await startRelay(BIN, DIST);
   const base = `http://${relay.host}/`;
   const browser = await chromium.launch({
     executablePath: CHROMIUM,

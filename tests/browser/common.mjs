@@ -1,0 +1,34 @@
+// Shared by the end-to-end scripts: arguments, the relay process, numeric comparison, page state.
+import { spawn } from 'node:child_process';
+
+/** `--key value` pairs of the command line as an object. */
+export function parseArgs(argv) {
+  const out = {};
+  argv.forEach((a, i) => { if (a.startsWith('--')) out[a.slice(2)] = argv[i + 1]; });
+  return out;
+}
+
+export const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+/** `distgrad relay --static <dist>` on an ephemeral loopback port; resolves to {proc, host}. */
+export function startRelay(bin, dist) {
+  return new Promise((resolve, reject) => {
+    const p = spawn(bin, ['relay', '--addr', '127.0.0.1:0', '--static', dist], { stdio: ['ignore', 'pipe', 'inherit'] });
+    let out = '';
+    p.stdout.on('data', (d) => {
+      out += d;
+      const m = out.match(/listening on ws:\/\/([0-9.:]+)\/ws/);
+      if (m) resolve({ proc: p, host: m[1] });
+    });
+    p.on('exit', (code) => reject(new Error(`relay exited (${code}) before listening: ${out}`)));
+  });
+}
+
+/** Equal within 1e-5 relative (null = non-finite, equal only to null). */
+export function close(a, b) {
+  if (a === null || b === null) return a === b;
+  return Math.abs(a - b) <= 1e-5 * Math.max(1, Math.abs(a), Math.abs(b));
+}
+
+/** The page's `window.distgrad.state()`, parsed ({} before the page has installed it). */
+export const stateOf = async (page) => JSON.parse(await page.evaluate(() => (window.distgrad ? window.distgrad.state() : '{}')));
