@@ -375,13 +375,14 @@ async fn run() -> Result<()> {
         return run_simulated_page(&p, n).await;
     }
     let Some(room) = p.room.clone() else {
-        // A fresh room: give it a name and put it in the URL, so the link can be shared.
-        let name = format!("room-{:06}", (js_sys::Math::random() * 1e6) as u32);
-        if let Some(w) = web_sys::window() {
-            let _ = w
-                .location()
-                .set_search(&format!("room={name}&world={}", p.world));
-        }
+        // No room yet: the lobby creates one (or joins one by name and token).
+        set_hidden("create", false);
+        set_hidden("lobby", true);
+        set_hidden("lesson-panel", true);
+        set_hidden("free-play", true);
+        set_text("phase", "choose a room");
+        set_text("device", "chosen when the room starts");
+        state(|s| s.phase = "lobby".into());
         return Ok(());
     };
     state(|s| {
@@ -737,17 +738,20 @@ async fn request(app: &App, msg: Bus) -> Result<()> {
         .as_ref()
         .ok_or_else(|| Error::Input("no group".into()))?;
     let text = serde_json::to_vec(&msg).map_err(|e| Error::Input(e.to_string()))?;
-    let seq = {
-        let mut n = app.requests_sent.borrow_mut();
-        *n += 1;
-        *n - 1
-    };
-    let tag = Tag {
-        group: BUS_GROUP,
+    let tag = next_tag(&app.requests_sent, BUS_GROUP);
+    comm.transport().send(0, tag, Bytes::from(text)).await
+}
+
+/// The next tag of a numbered stream of `group` (the counter counts the messages sent).
+fn next_tag(counter: &RefCell<u64>, group: u32) -> Tag {
+    let mut n = counter.borrow_mut();
+    let seq = *n;
+    *n += 1;
+    Tag {
+        group,
         seq,
         channel: Channel::Data,
-    };
-    comm.transport().send(0, tag, Bytes::from(text)).await
+    }
 }
 
 /// What every rank does with an announcement.
@@ -1041,16 +1045,7 @@ async fn exchange(
 ) -> Result<Vec<RankTrace>> {
     let me = comm.rank();
     let world = comm.world_size();
-    let seq = {
-        let mut n = app.exchanges.borrow_mut();
-        *n += 1;
-        *n - 1
-    };
-    let tag = Tag {
-        group: TRACE_GROUP,
-        seq,
-        channel: Channel::Data,
-    };
+    let tag = next_tag(&app.exchanges, TRACE_GROUP);
     let bytes = Bytes::from(serde_json::to_vec(&mine).map_err(|e| Error::Input(e.to_string()))?);
     for p in (0..world).filter(|&p| p != me) {
         comm.transport().send(p, tag, bytes.clone()).await?;
@@ -1534,6 +1529,32 @@ fn parse_control(what: &str) -> Result<Bus> {
     })
 }
 
+/// Load this page for `room` (keeping the other URL parameters: net, device, relay).
+fn go_to_room(room: &str, world: &str, token: Option<&str>) {
+    let Some(w) = web_sys::window() else { return };
+    let ok = world
+        .parse::<usize>()
+        .is_ok_and(|n| (1..=vjp::MAX_WORLD).contains(&n));
+    if !ok || room.is_empty() {
+        show_notice(&format!(
+            "a room needs a name and 1..{} ranks",
+            vjp::MAX_WORLD
+        ));
+        return;
+    }
+    let q = web_sys::UrlSearchParams::new_with_str(&w.location().search().unwrap_or_default()).ok();
+    let mut search = format!("room={}&world={world}", enc(room));
+    if let Some(t) = token.filter(|t| !t.is_empty()) {
+        search.push_str(&format!("&token={}", enc(t)));
+    }
+    for key in ["net", "device", "relay"] {
+        if let Some(v) = q.as_ref().and_then(|q| q.get(key)) {
+            search.push_str(&format!("&{key}={}", enc(&v)));
+        }
+    }
+    let _ = w.location().set_search(&search);
+}
+
 /// `window.distgrad` and the page's handlers.
 fn install_api() {
     let Some(w) = web_sys::window() else { return };
@@ -1609,6 +1630,22 @@ fn install_api() {
     f.forget();
     let _ = js_sys::Reflect::set(&w, &JsValue::from_str("distgrad"), &api);
 
+    on("create-form", "submit", |e| {
+        e.prevent_default();
+        let world = el::<HtmlInputElement>("new-world").map_or_else(String::new, |i| i.value());
+        let name = format!("room-{:06}", (js_sys::Math::random() * 1e6) as u32);
+        go_to_room(&name, &world, None);
+    });
+    on("join-form", "submit", |e| {
+        e.prevent_default();
+        let value = |id: &str| el::<HtmlInputElement>(id).map_or_else(String::new, |i| i.value());
+        let world = value("new-world");
+        go_to_room(
+            value("join-room").trim(),
+            &world,
+            Some(value("join-token").trim()),
+        );
+    });
     on("run-form", "submit", |e| {
         e.prevent_default();
         on_run_click();

@@ -118,15 +118,21 @@ async function main() {
   const errors = [];
   try {
     const ctx = await browser.newContext({ viewport: { width: 1280, height: 800 } });
-    const room = `lessons-${process.pid}`;
-    const url = `${base}?room=${room}&world=${WORLD}&token=l${process.pid}&net=relay`;
+    // The lobby: the first tab creates a room of 3 ranks; the others open its share link.
     const pages = [];
     for (let i = 0; i < WORLD; i++) {
       const p = await ctx.newPage();
       watch(p, `tab ${i}`, errors);
       pages.push(p);
     }
-    await Promise.all(pages.map((p) => p.goto(url)));
+    await pages[0].goto(`${base}?net=relay`);
+    await waitFor([pages[0]], (s) => s.phase === 'lobby', 30000, 'lobby');
+    await pages[0].fill('#new-world', String(WORLD));
+    await pages[0].click('#create-form button[type=submit]');
+    await pages[0].waitForURL(/room=/);
+    const share = (await waitFor([pages[0]], (s) => !!s.share, 30000, 'share link'))[0].share;
+    if (!share.includes(`world=${WORLD}`) || !share.includes('token=') || !share.includes('net=relay')) fail(`share link ${share}`);
+    await Promise.all(pages.slice(1).map((p) => p.goto(share)));
     const states = await waitFor(pages, (s) => s.phase === 'ready', 60000, 'joining');
     const byRank = [];
     states.forEach((s, i) => { byRank[s.rank] = pages[i]; });
