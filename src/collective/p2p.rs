@@ -422,8 +422,9 @@ impl<T: Transport> Call<'_, T> {
     }
 }
 
-/// Collectives run their local steps on the host for now: GPU inputs are read back at the entry
-/// (the transport boundary) and outputs go back to the inputs' device.
+/// Most collectives run their local steps on the host: GPU inputs are read back at the entry (the
+/// transport boundary) and outputs go back to the inputs' device. The ring all_reduce of a GPU
+/// tensor is the exception: its reductions run on the GPU (`ring::all_reduce_gpu`).
 async fn to_host(xs: &[Tensor]) -> Result<Vec<Tensor>> {
     let mut out = Vec::with_capacity(xs.len());
     for x in xs {
@@ -565,9 +566,18 @@ impl<T: Transport> Communicator for P2p<T> {
     async fn all_reduce(&self, x: &Tensor, op: ReduceOp, group: &Group) -> Result<Tensor> {
         self.guarded(async {
             let dev = x.device();
-            let x = &x.moved_to(&Device::Cpu).await?;
             let n = group.size();
             let ring = n > 1 && x.numel() * 4 >= self.opts.ring_threshold && x.numel() >= n;
+            // A GPU tensor's ring runs its local steps on the GPU; everything else on the host.
+            #[cfg(feature = "wgpu")]
+            let gpu_ring = ring && matches!(dev, Device::Gpu(_));
+            #[cfg(not(feature = "wgpu"))]
+            let gpu_ring = false;
+            let host = if gpu_ring {
+                x.clone()
+            } else {
+                x.moved_to(&Device::Cpu).await?
+            };
             // The algorithm (and the ring's segment size) is part of the call: ranks configured
             // differently fail with a mismatch naming both, not with a confusing byte count.
             let algo = if ring {
@@ -580,10 +590,19 @@ impl<T: Transport> Communicator for P2p<T> {
                 .shape(x.shape())
                 .extra(algo);
             let call = self.begin(group, sig).await?;
-            let r = if ring {
-                ring::all_reduce(&call, x, op, self.opts.segment_bytes).await
+            let r = if gpu_ring {
+                #[cfg(feature = "wgpu")]
+                {
+                    ring::all_reduce_gpu(&call, &host, op, self.opts.segment_bytes).await
+                }
+                #[cfg(not(feature = "wgpu"))]
+                {
+                    ring::all_reduce(&call, &host, op, self.opts.segment_bytes).await
+                }
+            } else if ring {
+                ring::all_reduce(&call, &host, op, self.opts.segment_bytes).await
             } else {
-                direct::all_reduce(&call, x, op).await
+                direct::all_reduce(&call, &host, op).await
             };
             self.finish(call, r).await?.to_device(&dev)
         })

@@ -91,6 +91,93 @@ async fn all_reduce_range<T: Transport>(
     Ok(())
 }
 
+/// Ring all_reduce of a tensor that lives on a GPU, with the local steps there: each reduce-scatter
+/// step uploads the received chunk and folds it into a copy of this rank's chunk with the WGSL
+/// reduce-into kernel (AVG's final scale too); only the bytes to send are read back (the transport
+/// boundary). Same chunking, order and operations as [`all_reduce`], so bitwise the same result.
+#[cfg(feature = "wgpu")]
+pub(crate) async fn all_reduce_gpu<T: Transport>(
+    call: &Call<'_, T>,
+    x: &Tensor,
+    op: ReduceOp,
+    segment_bytes: usize,
+) -> Result<Tensor> {
+    let device = x.device();
+    let flat = x.reshape(&[x.numel()])?;
+    let seg = (segment_bytes / 4).max(1) * call.n;
+    let mut out = Vec::with_capacity(x.numel());
+    let mut start = 0;
+    while start < x.numel() {
+        let len = seg.min(x.numel() - start);
+        all_reduce_range_gpu(call, &flat, start, len, op, &mut out).await?;
+        start += len;
+    }
+    Tensor::from_vec(out, x.shape())?.to_device(&device)
+}
+
+#[cfg(feature = "wgpu")]
+async fn all_reduce_range_gpu<T: Transport>(
+    call: &Call<'_, T>,
+    flat: &Tensor,
+    base: usize,
+    len: usize,
+    op: ReduceOp,
+    out: &mut Vec<f32>,
+) -> Result<()> {
+    use crate::backend::Storage;
+    let (n, me) = (call.n, call.me);
+    let chunks: Vec<(usize, usize)> = chunk_bounds(len, n)
+        .into_iter()
+        .map(|(s, l)| (base + s, l))
+        .collect();
+    let Storage::Gpu(xb) = flat.storage() else {
+        return Err(crate::Error::Gpu {
+            op: "all_reduce",
+            detail: "the GPU ring got a host tensor".into(),
+        });
+    };
+    let gpu = xb.gpu().clone();
+    let read = |t: Tensor| async move { t.read().await.map(f32_bytes) };
+    let (s0, l0) = chunks[me];
+    let mut msg = if l0 == 0 {
+        Bytes::new()
+    } else {
+        read(flat.slice(0, s0, l0)?).await?
+    };
+    for s in 0..n - 1 {
+        let c = (me + 2 * n - s - 1) % n;
+        let (cs, cl) = chunks[c];
+        let got = step(call, msg, cl * 4).await?;
+        if cl == 0 {
+            msg = Bytes::new();
+            continue;
+        }
+        let mut acc = flat.slice(0, cs, cl)?;
+        let mut incoming = Vec::with_capacity(cl);
+        cpu::extend_from_le_bytes(&mut incoming, &got);
+        let incoming = gpu.upload(&incoming)?;
+        if let Storage::Gpu(a) = acc.storage() {
+            gpu.reduce_into(op.combine(), a, &incoming)?;
+        }
+        if s == n - 2 && op == ReduceOp::Avg {
+            acc = acc.scale(1.0 / n as f32)?;
+        }
+        msg = read(acc).await?;
+    }
+    let mut parts: Vec<Bytes> = vec![Bytes::new(); n];
+    parts[(me + 1) % n] = msg.clone();
+    for s in 0..n - 1 {
+        let c = (me + n - s) % n;
+        let got = step(call, msg, chunks[c].1 * 4).await?;
+        parts[c] = got.clone();
+        msg = got;
+    }
+    for p in &parts {
+        cpu::extend_from_le_bytes(out, p);
+    }
+    Ok(())
+}
+
 /// Ring all_gather of equal-shape tensors (group size ≥ 1).
 pub(crate) async fn all_gather<T: Transport>(
     call: &Call<'_, T>,
