@@ -228,3 +228,44 @@ fn ring_all_reduce_local_steps_on_the_gpu_are_bit_exact() {
         }
     }
 }
+
+/// reduce_scatter's ring on GPU tensors: local steps on the GPU, the result left there, bitwise
+/// the CPU ring's; the inputs are not modified.
+#[test]
+fn ring_reduce_scatter_local_steps_on_the_gpu_are_bit_exact() {
+    let Some(dev) = gpu() else { return };
+    for world in [2, 3, 5] {
+        for op in ReduceOp::ALL {
+            for shape in [&[1usize][..], &[7, 3], &[1001]] {
+                let run = |d: Device| -> Vec<Vec<u32>> {
+                    let opts = CommOptions {
+                        ring_threshold: 0,
+                        device: d.clone(),
+                        ..CommOptions::default()
+                    };
+                    run_local(world, opts, |comm| {
+                        let d = d.clone();
+                        async move {
+                            let r = comm.rank() as u64;
+                            let xs = (0..world as u64)
+                                .map(|j| t(100 * r + j, shape).to_device(&d))
+                                .collect::<distgrad::Result<Vec<_>>>()?;
+                            let before: Vec<Vec<f32>> = xs.iter().map(Tensor::to_vec).collect();
+                            let y = comm.reduce_scatter(&xs, op, &comm.world()).await?;
+                            assert_eq!(y.device().name(), d.name(), "result stays on the device");
+                            assert_eq!(y.shape(), shape);
+                            let after: Vec<Vec<f32>> = xs.iter().map(Tensor::to_vec).collect();
+                            assert_eq!(before, after, "inputs unchanged");
+                            Ok(bits(&y))
+                        }
+                    })
+                    .into_iter()
+                    .map(Result::unwrap)
+                    .collect()
+                };
+                let (c, g) = (run(Device::Cpu), run(dev.clone()));
+                assert_eq!(g, c, "world {world} {op:?} shape {shape:?}");
+            }
+        }
+    }
+}

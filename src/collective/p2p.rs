@@ -689,15 +689,37 @@ impl<T: Transport> Communicator for P2p<T> {
     async fn reduce_scatter(&self, xs: &[Tensor], op: ReduceOp, group: &Group) -> Result<Tensor> {
         self.guarded(async {
             let dev = xs.first().map_or(Device::Cpu, Tensor::device);
-            let xs = &to_host(xs).await?;
             let shape = list_shape("reduce_scatter", xs, group.size())?;
-            let ring = group.size() > 1 && xs[0].numel() * 4 >= self.opts.ring_threshold;
+            let numel: usize = shape.iter().product();
+            let ring = group.size() > 1 && numel * 4 >= self.opts.ring_threshold;
+            // GPU inputs of a ring keep their local steps on the GPU.
+            #[cfg(feature = "wgpu")]
+            let gpu_ring = ring
+                && numel > 0
+                && matches!(dev, Device::Gpu(_))
+                && xs.iter().all(|x| x.device() == dev);
+            #[cfg(not(feature = "wgpu"))]
+            let gpu_ring = false;
+            let xs = &if gpu_ring {
+                xs.to_vec()
+            } else {
+                to_host(xs).await?
+            };
             let sig = CallSig::new(Kind::ReduceScatter)
                 .op(op)
                 .shape(&shape)
                 .extra(vec![u64::from(ring)]);
             let call = self.begin(group, sig).await?;
-            let r = if ring {
+            let r = if gpu_ring {
+                #[cfg(feature = "wgpu")]
+                {
+                    ring::reduce_scatter_gpu(&call, xs, op).await
+                }
+                #[cfg(not(feature = "wgpu"))]
+                {
+                    ring::reduce_scatter(&call, xs, op).await
+                }
+            } else if ring {
                 ring::reduce_scatter(&call, xs, op).await
             } else {
                 direct::reduce_scatter(&call, xs, op).await

@@ -223,3 +223,44 @@ pub(crate) async fn reduce_scatter<T: Transport>(
     }
     Tensor::from_vec(last, xs[0].shape())
 }
+
+/// Ring reduce_scatter of tensors on a GPU, with the local steps there (see [`all_reduce_gpu`]):
+/// the result is the GPU accumulator itself, never read back.
+#[cfg(feature = "wgpu")]
+pub(crate) async fn reduce_scatter_gpu<T: Transport>(
+    call: &Call<'_, T>,
+    xs: &[Tensor],
+    op: ReduceOp,
+) -> Result<Tensor> {
+    use crate::backend::Storage;
+    let (n, me) = (call.n, call.me);
+    let numel = xs[0].numel();
+    let mut out = f32_bytes(xs[(me + n - 1) % n].read().await?);
+    for s in 0..n - 1 {
+        let b = (me + 2 * n - 2 - s) % n;
+        let got = step(call, out, numel * 4).await?;
+        // A fresh copy of this rank's block: the caller's tensor is never written.
+        let mut acc = xs[b].reshape(&[numel])?.slice(0, 0, numel)?;
+        let Storage::Gpu(a) = acc.storage() else {
+            return Err(crate::Error::Gpu {
+                op: "reduce_scatter",
+                detail: "the GPU ring got a host tensor".into(),
+            });
+        };
+        let mut incoming = Vec::with_capacity(numel);
+        cpu::extend_from_le_bytes(&mut incoming, &got);
+        let incoming = a.gpu().upload(&incoming)?;
+        a.gpu().reduce_into(op.combine(), a, &incoming)?;
+        if s == n - 2 {
+            if op == ReduceOp::Avg {
+                acc = acc.scale(1.0 / n as f32)?;
+            }
+            return acc.reshape(xs[0].shape());
+        }
+        out = f32_bytes(acc.read().await?);
+    }
+    Err(crate::Error::invalid(
+        "reduce_scatter",
+        "the ring needs a group of two or more",
+    ))
+}
