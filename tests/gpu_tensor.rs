@@ -269,3 +269,42 @@ fn ring_reduce_scatter_local_steps_on_the_gpu_are_bit_exact() {
         }
     }
 }
+
+/// reduce (binomial tree) on GPU tensors: children's contributions folded in on the GPU, the
+/// root's result left there; bitwise the CPU tree's, for every op, worlds 1..6 and every root.
+#[test]
+fn tree_reduce_local_steps_on_the_gpu_are_bit_exact() {
+    let Some(dev) = gpu() else { return };
+    for world in 1..=6 {
+        for op in ReduceOp::ALL {
+            for root in 0..world {
+                let run = |d: Device| -> Vec<Option<Vec<u32>>> {
+                    let opts = CommOptions {
+                        device: d.clone(),
+                        ..CommOptions::default()
+                    };
+                    run_local(world, opts, |comm| {
+                        let d = d.clone();
+                        async move {
+                            let x = t(comm.rank() as u64 + 11, &[5, 3]).to_device(&d)?;
+                            let y = comm.reduce(&x, root, op, &comm.world()).await?;
+                            assert_eq!(y.is_some(), comm.rank() == root);
+                            Ok(y.map(|y| {
+                                assert_eq!(y.device().name(), d.name());
+                                bits(&y)
+                            }))
+                        }
+                    })
+                    .into_iter()
+                    .map(Result::unwrap)
+                    .collect()
+                };
+                assert_eq!(
+                    run(dev.clone()),
+                    run(Device::Cpu),
+                    "world {world} {op:?} root {root}"
+                );
+            }
+        }
+    }
+}

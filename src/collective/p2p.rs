@@ -423,8 +423,9 @@ impl<T: Transport> Call<'_, T> {
 }
 
 /// Most collectives run their local steps on the host: GPU inputs are read back at the entry (the
-/// transport boundary) and outputs go back to the inputs' device. The ring all_reduce of a GPU
-/// tensor is the exception: its reductions run on the GPU (`ring::all_reduce_gpu`).
+/// transport boundary) and outputs go back to the inputs' device. The reductions are the
+/// exception: a GPU tensor's reduce (tree), ring all_reduce and ring reduce_scatter fold the
+/// received data in on the GPU (`tree::reduce_gpu`, `ring::*_gpu`).
 async fn to_host(xs: &[Tensor]) -> Result<Vec<Tensor>> {
     let mut out = Vec::with_capacity(xs.len());
     for x in xs {
@@ -542,7 +543,16 @@ impl<T: Transport> Communicator for P2p<T> {
     ) -> Result<Option<Tensor>> {
         self.guarded(async {
             let dev = x.device();
-            let x = &x.moved_to(&Device::Cpu).await?;
+            // A GPU tensor is reduced on the GPU (each child's contribution folded in there).
+            #[cfg(feature = "wgpu")]
+            let on_gpu = x.numel() > 0 && matches!(dev, Device::Gpu(_));
+            #[cfg(not(feature = "wgpu"))]
+            let on_gpu = false;
+            let x = &if on_gpu {
+                x.clone()
+            } else {
+                x.moved_to(&Device::Cpu).await?
+            };
             group.check_rank("reduce", "root", root)?;
             let call = self
                 .begin(
@@ -553,7 +563,18 @@ impl<T: Transport> Communicator for P2p<T> {
                         .shape(x.shape()),
                 )
                 .await?;
-            let r = tree::reduce(&call, x, root, op).await;
+            let r = if on_gpu {
+                #[cfg(feature = "wgpu")]
+                {
+                    tree::reduce_gpu(&call, x, root, op).await
+                }
+                #[cfg(not(feature = "wgpu"))]
+                {
+                    tree::reduce(&call, x, root, op).await
+                }
+            } else {
+                tree::reduce(&call, x, root, op).await
+            };
             let r = self.agree(&call, r, 3).await;
             self.finish(call, r)
                 .await?

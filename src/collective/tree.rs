@@ -70,3 +70,50 @@ pub(crate) async fn reduce<T: Transport>(
     call.finish_reduction(op, &mut acc);
     Tensor::from_vec(acc, x.shape()).map(Some)
 }
+
+/// [`reduce`] of a tensor on a GPU: each child's contribution is uploaded and folded into a copy
+/// of `x` with the WGSL reduce-into kernel; only what goes to the parent is read back, and the
+/// root's result stays on the GPU. Same tree and order as [`reduce`]: bitwise the same result.
+#[cfg(feature = "wgpu")]
+pub(crate) async fn reduce_gpu<T: Transport>(
+    call: &Call<'_, T>,
+    x: &Tensor,
+    root: usize,
+    op: ReduceOp,
+) -> Result<Option<Tensor>> {
+    use crate::backend::Storage;
+    let n = call.n;
+    let v = (call.me + n - root) % n;
+    let real = |vr: usize| (vr + root) % n;
+    let numel = x.numel();
+    // A fresh copy: the caller's tensor is never written.
+    let mut acc = x.reshape(&[numel])?.slice(0, 0, numel)?;
+    let Storage::Gpu(a) = acc.storage() else {
+        return Err(crate::Error::Gpu {
+            op: "reduce",
+            detail: "the GPU tree got a host tensor".into(),
+        });
+    };
+    let mut mask = 1;
+    while mask < n {
+        if v & mask == 0 {
+            let child = v | mask;
+            if child < n {
+                let got = call.recv_exact(real(child), numel * 4).await?;
+                let mut incoming = Vec::with_capacity(numel);
+                cpu::extend_from_le_bytes(&mut incoming, &got);
+                let incoming = a.gpu().upload(&incoming)?;
+                a.gpu().reduce_into(op.combine(), a, &incoming)?;
+            }
+        } else {
+            let bytes = crate::tensor::f32_bytes(acc.read().await?);
+            call.send(real(v & !mask), bytes).await?;
+            return Ok(None);
+        }
+        mask <<= 1;
+    }
+    if op == ReduceOp::Avg {
+        acc = acc.scale(1.0 / n as f32)?;
+    }
+    acc.reshape(x.shape()).map(Some)
+}
