@@ -76,7 +76,18 @@ async fn all_reduce_range<T: Transport>(
         msg = f32_bytes(acc);
     }
 
-    // All-gather: we own chunk me+1; pass finished chunks around unchanged.
+    gather_phase(call, &chunks, msg, out).await
+}
+
+/// all_reduce's second half: this rank owns finished chunk `me+1` (`msg`); pass the finished chunks
+/// around unchanged, then append them all, in order, to `out`.
+async fn gather_phase<T: Transport>(
+    call: &Call<'_, T>,
+    chunks: &[(usize, usize)],
+    mut msg: Bytes,
+    out: &mut Vec<f32>,
+) -> Result<()> {
+    let (n, me) = (call.n, call.me);
     let mut parts: Vec<Bytes> = vec![Bytes::new(); n];
     parts[(me + 1) % n] = msg.clone();
     for s in 0..n - 1 {
@@ -164,18 +175,7 @@ async fn all_reduce_range_gpu<T: Transport>(
         }
         msg = read(acc).await?;
     }
-    let mut parts: Vec<Bytes> = vec![Bytes::new(); n];
-    parts[(me + 1) % n] = msg.clone();
-    for s in 0..n - 1 {
-        let c = (me + n - s) % n;
-        let got = step(call, msg, chunks[c].1 * 4).await?;
-        parts[c] = got.clone();
-        msg = got;
-    }
-    for p in &parts {
-        cpu::extend_from_le_bytes(out, p);
-    }
-    Ok(())
+    gather_phase(call, &chunks, msg, out).await
 }
 
 /// Ring all_gather of equal-shape tensors (group size ≥ 1).
