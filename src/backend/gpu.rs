@@ -315,12 +315,21 @@ impl Gpu {
 
     /// Copy host values to a new device buffer.
     pub fn upload(&self, data: &[f32]) -> Result<GpuBuf> {
-        self.check_size("upload", data.len())?;
-        let contents: &[u8] = if data.is_empty() {
-            &[0u8; 4]
-        } else {
-            bytemuck::cast_slice(data)
-        };
+        self.upload_le_bytes(bytemuck::cast_slice(data))
+    }
+
+    /// Copy little-endian f32 bytes (e.g. a received message, whatever its alignment) to a new
+    /// device buffer, with no host-side conversion.
+    pub fn upload_le_bytes(&self, bytes: &[u8]) -> Result<GpuBuf> {
+        if !bytes.len().is_multiple_of(4) {
+            return Err(gpu_err(
+                "upload",
+                format!("{} bytes are not whole f32s", bytes.len()),
+            ));
+        }
+        let n = bytes.len() / 4;
+        self.check_size("upload", n)?;
+        let contents: &[u8] = if bytes.is_empty() { &[0u8; 4] } else { bytes };
         let buf = self
             .0
             .device
@@ -334,7 +343,7 @@ impl Gpu {
         self.check("upload")?;
         Ok(GpuBuf {
             buf: Arc::new(buf),
-            len: data.len(),
+            len: n,
             gpu: self.clone(),
         })
     }

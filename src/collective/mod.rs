@@ -8,6 +8,7 @@
 
 pub mod direct;
 pub mod p2p;
+mod partial;
 pub mod ring;
 pub mod sig;
 pub mod tree;

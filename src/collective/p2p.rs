@@ -424,8 +424,22 @@ impl<T: Transport> Call<'_, T> {
 
 /// Most collectives run their local steps on the host: GPU inputs are read back at the entry (the
 /// transport boundary) and outputs go back to the inputs' device. The reductions are the
-/// exception: a GPU tensor's reduce (tree), ring all_reduce and ring reduce_scatter fold the
-/// received data in on the GPU (`tree::reduce_gpu`, `ring::*_gpu`).
+/// exception: a GPU tensor's reduce (tree), ring all_reduce and ring reduce_scatter stay on the
+/// GPU and fold the received data in there (`partial::Partial`).
+/// Whether `dev` is a GPU.
+fn on_gpu(dev: &Device) -> bool {
+    !matches!(dev, Device::Cpu)
+}
+
+/// `x` itself when its local steps stay where it is, else a host copy.
+async fn stage(x: &Tensor, keep: bool) -> Result<Tensor> {
+    if keep {
+        Ok(x.clone())
+    } else {
+        x.moved_to(&Device::Cpu).await
+    }
+}
+
 async fn to_host(xs: &[Tensor]) -> Result<Vec<Tensor>> {
     let mut out = Vec::with_capacity(xs.len());
     for x in xs {
@@ -544,15 +558,7 @@ impl<T: Transport> Communicator for P2p<T> {
         self.guarded(async {
             let dev = x.device();
             // A GPU tensor is reduced on the GPU (each child's contribution folded in there).
-            #[cfg(feature = "wgpu")]
-            let on_gpu = x.numel() > 0 && matches!(dev, Device::Gpu(_));
-            #[cfg(not(feature = "wgpu"))]
-            let on_gpu = false;
-            let x = &if on_gpu {
-                x.clone()
-            } else {
-                x.moved_to(&Device::Cpu).await?
-            };
+            let x = &stage(x, x.numel() > 0 && on_gpu(&dev)).await?;
             group.check_rank("reduce", "root", root)?;
             let call = self
                 .begin(
@@ -563,18 +569,7 @@ impl<T: Transport> Communicator for P2p<T> {
                         .shape(x.shape()),
                 )
                 .await?;
-            let r = if on_gpu {
-                #[cfg(feature = "wgpu")]
-                {
-                    tree::reduce_gpu(&call, x, root, op).await
-                }
-                #[cfg(not(feature = "wgpu"))]
-                {
-                    tree::reduce(&call, x, root, op).await
-                }
-            } else {
-                tree::reduce(&call, x, root, op).await
-            };
+            let r = tree::reduce(&call, x, root, op).await;
             let r = self.agree(&call, r, 3).await;
             self.finish(call, r)
                 .await?
@@ -590,15 +585,7 @@ impl<T: Transport> Communicator for P2p<T> {
             let n = group.size();
             let ring = n > 1 && x.numel() * 4 >= self.opts.ring_threshold && x.numel() >= n;
             // A GPU tensor's ring runs its local steps on the GPU; everything else on the host.
-            #[cfg(feature = "wgpu")]
-            let gpu_ring = ring && matches!(dev, Device::Gpu(_));
-            #[cfg(not(feature = "wgpu"))]
-            let gpu_ring = false;
-            let host = if gpu_ring {
-                x.clone()
-            } else {
-                x.moved_to(&Device::Cpu).await?
-            };
+            let host = stage(x, ring && on_gpu(&dev)).await?;
             // The algorithm (and the ring's segment size) is part of the call: ranks configured
             // differently fail with a mismatch naming both, not with a confusing byte count.
             let algo = if ring {
@@ -611,16 +598,7 @@ impl<T: Transport> Communicator for P2p<T> {
                 .shape(x.shape())
                 .extra(algo);
             let call = self.begin(group, sig).await?;
-            let r = if gpu_ring {
-                #[cfg(feature = "wgpu")]
-                {
-                    ring::all_reduce_gpu(&call, &host, op, self.opts.segment_bytes).await
-                }
-                #[cfg(not(feature = "wgpu"))]
-                {
-                    ring::all_reduce(&call, &host, op, self.opts.segment_bytes).await
-                }
-            } else if ring {
+            let r = if ring {
                 ring::all_reduce(&call, &host, op, self.opts.segment_bytes).await
             } else {
                 direct::all_reduce(&call, &host, op).await
@@ -714,13 +692,8 @@ impl<T: Transport> Communicator for P2p<T> {
             let numel: usize = shape.iter().product();
             let ring = group.size() > 1 && numel * 4 >= self.opts.ring_threshold;
             // GPU inputs of a ring keep their local steps on the GPU.
-            #[cfg(feature = "wgpu")]
-            let gpu_ring = ring
-                && numel > 0
-                && matches!(dev, Device::Gpu(_))
-                && xs.iter().all(|x| x.device() == dev);
-            #[cfg(not(feature = "wgpu"))]
-            let gpu_ring = false;
+            let gpu_ring =
+                ring && numel > 0 && on_gpu(&dev) && xs.iter().all(|x| x.device() == dev);
             let xs = &if gpu_ring {
                 xs.to_vec()
             } else {
@@ -731,16 +704,7 @@ impl<T: Transport> Communicator for P2p<T> {
                 .shape(&shape)
                 .extra(vec![u64::from(ring)]);
             let call = self.begin(group, sig).await?;
-            let r = if gpu_ring {
-                #[cfg(feature = "wgpu")]
-                {
-                    ring::reduce_scatter_gpu(&call, xs, op).await
-                }
-                #[cfg(not(feature = "wgpu"))]
-                {
-                    ring::reduce_scatter(&call, xs, op).await
-                }
-            } else if ring {
+            let r = if ring {
                 ring::reduce_scatter(&call, xs, op).await
             } else {
                 direct::reduce_scatter(&call, xs, op).await

@@ -12,9 +12,10 @@ use futures::future::try_join;
 use super::ReduceOp;
 use super::chunk_bounds;
 use super::p2p::Call;
+use super::partial::{Partial, bytes_of};
 use crate::backend::cpu;
 use crate::error::Result;
-use crate::tensor::{Tensor, f32_bytes};
+use crate::tensor::Tensor;
 use crate::transport::Transport;
 
 /// Send `out` to the successor while receiving from the predecessor; check the received length.
@@ -27,7 +28,7 @@ async fn step<T: Transport>(call: &Call<'_, T>, out: Bytes, want_bytes: usize) -
 
 /// Ring all_reduce of `x` (group size ≥ 2), as successive ring passes over segments of
 /// `n * segment` elements, so the chunks in flight stay in cache instead of streaming through
-/// memory twice.
+/// memory twice. The local steps run where `x` lives ([`Partial`]); the result goes there too.
 pub(crate) async fn all_reduce<T: Transport>(
     call: &Call<'_, T>,
     x: &Tensor,
@@ -42,7 +43,7 @@ pub(crate) async fn all_reduce<T: Transport>(
         all_reduce_range(call, x, start, len, op, &mut out).await?;
         start += len;
     }
-    Tensor::from_vec(out, x.shape())
+    Tensor::from_vec(out, x.shape())?.to_device(&x.device())
 }
 
 /// One ring pass over elements `base..base+len` of `x`, appending the result to `out`.
@@ -59,23 +60,21 @@ async fn all_reduce_range<T: Transport>(
         .into_iter()
         .map(|(s, l)| (base + s, l))
         .collect();
-    let xs = x.cpu()?;
-    let xb = x.to_le_bytes()?;
-    let mine = |c: usize| &xs[chunks[c].0..chunks[c].0 + chunks[c].1];
 
     // Reduce-scatter: at step s send chunk me-s, receive chunk me-s-1 and fold in our part of it.
     let (s0, l0) = chunks[me];
-    let mut msg = xb.slice(s0 * 4..(s0 + l0) * 4);
+    let mut msg = bytes_of(x, s0, l0).await?;
     for s in 0..n - 1 {
         let c = (me + 2 * n - s - 1) % n;
-        let got = step(call, msg, chunks[c].1 * 4).await?;
-        let mut acc = cpu::combine_le_bytes(op.combine(), mine(c), &got);
+        let (cs, cl) = chunks[c];
+        let got = step(call, msg, cl * 4).await?;
+        let mut acc = Partial::combine(x, cs, cl, op, &got)?;
         if s == n - 2 {
-            call.finish_reduction(op, &mut acc);
+            acc.finish(call, op)?;
         }
-        msg = f32_bytes(acc);
+        msg = acc.into_bytes().await?;
     }
-
+    // All-gather: we own chunk me+1.
     gather_phase(call, &chunks, msg, out).await
 }
 
@@ -102,82 +101,6 @@ async fn gather_phase<T: Transport>(
     Ok(())
 }
 
-/// Ring all_reduce of a tensor that lives on a GPU, with the local steps there: each reduce-scatter
-/// step uploads the received chunk and folds it into a copy of this rank's chunk with the WGSL
-/// reduce-into kernel (AVG's final scale too); only the bytes to send are read back (the transport
-/// boundary). Same chunking, order and operations as [`all_reduce`], so bitwise the same result.
-#[cfg(feature = "wgpu")]
-pub(crate) async fn all_reduce_gpu<T: Transport>(
-    call: &Call<'_, T>,
-    x: &Tensor,
-    op: ReduceOp,
-    segment_bytes: usize,
-) -> Result<Tensor> {
-    let device = x.device();
-    let flat = x.reshape(&[x.numel()])?;
-    let seg = (segment_bytes / 4).max(1) * call.n;
-    let mut out = Vec::with_capacity(x.numel());
-    let mut start = 0;
-    while start < x.numel() {
-        let len = seg.min(x.numel() - start);
-        all_reduce_range_gpu(call, &flat, start, len, op, &mut out).await?;
-        start += len;
-    }
-    Tensor::from_vec(out, x.shape())?.to_device(&device)
-}
-
-#[cfg(feature = "wgpu")]
-async fn all_reduce_range_gpu<T: Transport>(
-    call: &Call<'_, T>,
-    flat: &Tensor,
-    base: usize,
-    len: usize,
-    op: ReduceOp,
-    out: &mut Vec<f32>,
-) -> Result<()> {
-    use crate::backend::Storage;
-    let (n, me) = (call.n, call.me);
-    let chunks: Vec<(usize, usize)> = chunk_bounds(len, n)
-        .into_iter()
-        .map(|(s, l)| (base + s, l))
-        .collect();
-    let Storage::Gpu(xb) = flat.storage() else {
-        return Err(crate::Error::Gpu {
-            op: "all_reduce",
-            detail: "the GPU ring got a host tensor".into(),
-        });
-    };
-    let gpu = xb.gpu().clone();
-    let read = |t: Tensor| async move { t.read().await.map(f32_bytes) };
-    let (s0, l0) = chunks[me];
-    let mut msg = if l0 == 0 {
-        Bytes::new()
-    } else {
-        read(flat.slice(0, s0, l0)?).await?
-    };
-    for s in 0..n - 1 {
-        let c = (me + 2 * n - s - 1) % n;
-        let (cs, cl) = chunks[c];
-        let got = step(call, msg, cl * 4).await?;
-        if cl == 0 {
-            msg = Bytes::new();
-            continue;
-        }
-        let mut acc = flat.slice(0, cs, cl)?;
-        let mut incoming = Vec::with_capacity(cl);
-        cpu::extend_from_le_bytes(&mut incoming, &got);
-        let incoming = gpu.upload(&incoming)?;
-        if let Storage::Gpu(a) = acc.storage() {
-            gpu.reduce_into(op.combine(), a, &incoming)?;
-        }
-        if s == n - 2 && op == ReduceOp::Avg {
-            acc = acc.scale(1.0 / n as f32)?;
-        }
-        msg = read(acc).await?;
-    }
-    gather_phase(call, &chunks, msg, out).await
-}
-
 /// Ring all_gather of equal-shape tensors (group size ≥ 1).
 pub(crate) async fn all_gather<T: Transport>(
     call: &Call<'_, T>,
@@ -199,65 +122,26 @@ pub(crate) async fn all_gather<T: Transport>(
         .collect()
 }
 
-/// Ring reduce_scatter: rank `j` ends with `op` over every rank's `xs[j]` (group size ≥ 2).
+/// Ring reduce_scatter: rank `j` ends with `op` over every rank's `xs[j]` (group size ≥ 2). The
+/// local steps run where the tensors live ([`Partial`]); a GPU result is never read back.
 pub(crate) async fn reduce_scatter<T: Transport>(
     call: &Call<'_, T>,
     xs: &[Tensor],
     op: ReduceOp,
 ) -> Result<Tensor> {
     let (n, me) = (call.n, call.me);
-    let bytes = xs[0].numel() * 4;
-    // Block b starts at rank b+1 and ends, fully reduced, at rank b after n-1 steps.
-    let mut out = xs[(me + n - 1) % n].to_le_bytes()?;
-    let mut last = Vec::new();
-    for s in 0..n - 1 {
-        let b = (me + 2 * n - 2 - s) % n;
-        let got = step(call, out, bytes).await?;
-        let mut acc = cpu::combine_le_bytes(op.combine(), xs[b].cpu()?, &got);
-        if s == n - 2 {
-            call.finish_reduction(op, &mut acc);
-            last = acc;
-            break;
-        }
-        out = f32_bytes(acc);
-    }
-    Tensor::from_vec(last, xs[0].shape())
-}
-
-/// Ring reduce_scatter of tensors on a GPU, with the local steps there (see [`all_reduce_gpu`]):
-/// the result is the GPU accumulator itself, never read back.
-#[cfg(feature = "wgpu")]
-pub(crate) async fn reduce_scatter_gpu<T: Transport>(
-    call: &Call<'_, T>,
-    xs: &[Tensor],
-    op: ReduceOp,
-) -> Result<Tensor> {
-    use crate::backend::Storage;
-    let (n, me) = (call.n, call.me);
     let numel = xs[0].numel();
-    let mut out = f32_bytes(xs[(me + n - 1) % n].read().await?);
+    // Block b starts at rank b+1 and ends, fully reduced, at rank b after n-1 steps.
+    let mut out = bytes_of(&xs[(me + n - 1) % n], 0, numel).await?;
     for s in 0..n - 1 {
         let b = (me + 2 * n - 2 - s) % n;
         let got = step(call, out, numel * 4).await?;
-        // A fresh copy of this rank's block: the caller's tensor is never written.
-        let mut acc = xs[b].reshape(&[numel])?.slice(0, 0, numel)?;
-        let Storage::Gpu(a) = acc.storage() else {
-            return Err(crate::Error::Gpu {
-                op: "reduce_scatter",
-                detail: "the GPU ring got a host tensor".into(),
-            });
-        };
-        let mut incoming = Vec::with_capacity(numel);
-        cpu::extend_from_le_bytes(&mut incoming, &got);
-        let incoming = a.gpu().upload(&incoming)?;
-        a.gpu().reduce_into(op.combine(), a, &incoming)?;
+        let mut acc = Partial::combine(&xs[b], 0, numel, op, &got)?;
         if s == n - 2 {
-            if op == ReduceOp::Avg {
-                acc = acc.scale(1.0 / n as f32)?;
-            }
-            return acc.reshape(xs[0].shape());
+            acc.finish(call, op)?;
+            return acc.into_tensor(xs[0].shape());
         }
-        out = f32_bytes(acc.read().await?);
+        out = acc.into_bytes().await?;
     }
     Err(crate::Error::invalid(
         "reduce_scatter",

@@ -3,7 +3,7 @@
 
 use super::ReduceOp;
 use super::p2p::Call;
-use crate::backend::cpu;
+use super::partial::Partial;
 use crate::error::Result;
 use crate::tensor::Tensor;
 use crate::transport::Transport;
@@ -41,7 +41,9 @@ pub(crate) async fn broadcast<T: Transport>(
     }
 }
 
-/// Reduce to `root`: children fold into their parents up the tree.
+/// Reduce to `root`: children fold into their parents up the tree. The local steps run where `x`
+/// lives ([`Partial`]); only what goes to the parent is read back, and the root's result stays on
+/// `x`'s device.
 pub(crate) async fn reduce<T: Transport>(
     call: &Call<'_, T>,
     x: &Tensor,
@@ -51,69 +53,22 @@ pub(crate) async fn reduce<T: Transport>(
     let n = call.n;
     let v = (call.me + n - root) % n;
     let real = |vr: usize| (vr + root) % n;
-    let mut acc = x.cpu()?.to_vec();
-    let mut mask = 1;
-    while mask < n {
-        if v & mask == 0 {
-            let child = v | mask;
-            if child < n {
-                let got = call.recv_exact(real(child), acc.len() * 4).await?;
-                cpu::reduce_into_le_bytes(op.combine(), &mut acc, &got);
-            }
-        } else {
-            call.send(real(v & !mask), crate::tensor::f32_bytes(acc))
-                .await?;
-            return Ok(None);
-        }
-        mask <<= 1;
-    }
-    call.finish_reduction(op, &mut acc);
-    Tensor::from_vec(acc, x.shape()).map(Some)
-}
-
-/// [`reduce`] of a tensor on a GPU: each child's contribution is uploaded and folded into a copy
-/// of `x` with the WGSL reduce-into kernel; only what goes to the parent is read back, and the
-/// root's result stays on the GPU. Same tree and order as [`reduce`]: bitwise the same result.
-#[cfg(feature = "wgpu")]
-pub(crate) async fn reduce_gpu<T: Transport>(
-    call: &Call<'_, T>,
-    x: &Tensor,
-    root: usize,
-    op: ReduceOp,
-) -> Result<Option<Tensor>> {
-    use crate::backend::Storage;
-    let n = call.n;
-    let v = (call.me + n - root) % n;
-    let real = |vr: usize| (vr + root) % n;
     let numel = x.numel();
-    // A fresh copy: the caller's tensor is never written.
-    let mut acc = x.reshape(&[numel])?.slice(0, 0, numel)?;
-    let Storage::Gpu(a) = acc.storage() else {
-        return Err(crate::Error::Gpu {
-            op: "reduce",
-            detail: "the GPU tree got a host tensor".into(),
-        });
-    };
+    let mut acc = Partial::copy_of(x, 0, numel)?;
     let mut mask = 1;
     while mask < n {
         if v & mask == 0 {
             let child = v | mask;
             if child < n {
                 let got = call.recv_exact(real(child), numel * 4).await?;
-                let mut incoming = Vec::with_capacity(numel);
-                cpu::extend_from_le_bytes(&mut incoming, &got);
-                let incoming = a.gpu().upload(&incoming)?;
-                a.gpu().reduce_into(op.combine(), a, &incoming)?;
+                acc.fold(op, &got)?;
             }
         } else {
-            let bytes = crate::tensor::f32_bytes(acc.read().await?);
-            call.send(real(v & !mask), bytes).await?;
+            call.send(real(v & !mask), acc.into_bytes().await?).await?;
             return Ok(None);
         }
         mask <<= 1;
     }
-    if op == ReduceOp::Avg {
-        acc = acc.scale(1.0 / n as f32)?;
-    }
-    acc.reshape(x.shape()).map(Some)
+    acc.finish(call, op)?;
+    acc.into_tensor(x.shape()).map(Some)
 }
