@@ -29,13 +29,14 @@
 //! # Layout
 //! - [`tensor`]: [`Tensor`], an immutable f32 array of any shape; shape checks live here.
 //! - [`backend`]: where numbers live and local kernels run ([`backend::cpu`] is the reference;
-//!   `backend::gpu` (feature `wgpu`) has the WGSL kernels of `shaders/`).
+//!   `backend::gpu` (feature `wgpu`) has the WGSL kernels of `shaders/`; [`backend::pool`]
+//!   recycles large host buffers).
 //! - [`autograd`]: [`Tape`], [`Var`], local differentiable ops and backward; **the dual table** is
 //!   [`autograd::dual`], one exhaustive match.
 //! - [`dist`]: differentiable collectives on vars (record on the tape).
 //! - [`collective`]: the [`Communicator`] trait, [`Group`] (the one global↔group rank mapping),
 //!   [`ReduceOp`], call signatures, and [`P2p`]: every collective from point-to-point messages
-//!   (ring, tree, direct algorithms).
+//!   (ring, tree, direct and pairwise algorithms; [`AllReduceAlgo`] picks the large all_reduce's).
 //! - [`transport`]: the [`transport::Transport`] trait (async, tag-matched bytes), the shared
 //!   [`transport::Mailbox`], the in-process transport and (native) the WebSocket transport.
 //! - [`wire`]: the one wire format (data-frame header, JSON control messages) of relay and clients.
@@ -78,7 +79,7 @@ pub mod web;
 pub mod wire;
 
 pub use autograd::{Grads, Objective, Tape, Var};
-pub use collective::{CommOptions, Communicator, Group, P2p, ReduceOp};
+pub use collective::{AllReduceAlgo, CommOptions, Communicator, Group, P2p, ReduceOp};
 pub use error::{Error, Result};
 pub use run::LocalComm;
 #[cfg(not(target_arch = "wasm32"))]

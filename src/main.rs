@@ -23,7 +23,7 @@ mod cli {
     use clap::{Parser, Subcommand};
     use distgrad::bench::{self, BenchOp};
     use distgrad::vjp::{self, Which};
-    use distgrad::{CommOptions, Communicator, ReduceOp};
+    use distgrad::{AllReduceAlgo, CommOptions, Communicator, ReduceOp};
 
     #[global_allocator]
     static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -217,6 +217,11 @@ mod cli {
                 default_value = "all_reduce,all_gather,broadcast"
             )]
             ops: Vec<String>,
+            /// Algorithm of large all_reduces: `auto` (shared in-process, ring through the
+            /// relay), `ring`, `pairwise` or `shared`. With `auto` in-process, the largest
+            /// all_reduce is also measured with each algorithm, for comparison.
+            #[arg(long, default_value = "auto")]
+            algo: String,
         },
     }
 
@@ -253,7 +258,8 @@ mod cli {
                 min_bytes,
                 max_bytes,
                 ops,
-            } => run_bench(&transport, world, min_bytes, max_bytes, &ops),
+                algo,
+            } => run_bench(&transport, world, min_bytes, max_bytes, &ops, &algo),
             Cmd::Relay {
                 addr,
                 static_dir,
@@ -383,7 +389,9 @@ mod cli {
         min: usize,
         max: usize,
         ops: &[String],
+        algo: &str,
     ) -> distgrad::Result<()> {
+        let algo = AllReduceAlgo::parse(algo)?;
         if world == 0 || world > 64 {
             return Err(distgrad::Error::Input(format!(
                 "world must be 1..=64, got {world}"
@@ -414,18 +422,41 @@ mod cli {
         println!(
             "# busbw factors (nccl-tests): all_reduce 2(n-1)/n, all_gather (n-1)/n, broadcast 1"
         );
+        let local = transport == "local";
+        let base = if local {
+            CommOptions::default()
+        } else {
+            CommOptions::for_network()
+        };
+        let opts = match algo {
+            AllReduceAlgo::Auto => base,
+            a => CommOptions {
+                all_reduce: a,
+                ..base
+            },
+        };
+        let resolved = match (opts.all_reduce, local) {
+            (AllReduceAlgo::Auto, true) => "shared (auto: in-process ranks share memory)",
+            (AllReduceAlgo::Auto, false) => "ring (auto)",
+            (a, _) => a.name(),
+        };
+        println!(
+            "# all_reduce: direct exchange below {} per rank, {resolved} from there",
+            bench::fmt_bytes(opts.ring_threshold)
+        );
         println!("{}", bench::table_header());
-        let results = match transport {
-            "local" => distgrad::run_local(world, CommOptions::default(), |comm| {
+        let results = if local {
+            distgrad::run_local(world, opts, |comm| {
                 let (ops, sizes) = (&ops, &sizes);
                 async move { rank_bench(&comm, ops, sizes, memcpy).await }
-            }),
-            _ => distgrad::run::run_over_relay(
+            })
+        } else {
+            distgrad::run::run_over_relay(
                 world,
                 distgrad::relay::RelayConfig::default(),
-                CommOptions::for_network(),
+                opts,
                 async |comm| rank_bench(comm, &ops, &sizes, memcpy).await,
-            )?,
+            )?
         };
         let mut rank0 = None;
         for (r, res) in results.into_iter().enumerate() {
@@ -454,6 +485,41 @@ mod cli {
             p50.as_secs_f64() * 1e6,
             p99.as_secs_f64() * 1e6
         );
+        let largest = sizes.last().copied().filter(|&b| b >= (1 << 20));
+        if let (true, AllReduceAlgo::Auto, true, Some(bytes)) =
+            (local, algo, ops.contains(&BenchOp::AllReduce), largest)
+        {
+            let mut line = format!(
+                "# all_reduce {} by algorithm (busbw, x memcpy):",
+                bench::fmt_bytes(bytes)
+            );
+            for a in [
+                AllReduceAlgo::Ring,
+                AllReduceAlgo::Pairwise,
+                AllReduceAlgo::Shared,
+            ] {
+                let opts = CommOptions {
+                    all_reduce: a,
+                    ..CommOptions::default()
+                };
+                let rows = distgrad::run_local(world, opts, |comm| async move {
+                    bench::bench_all(&comm, &[BenchOp::AllReduce], &[bytes], memcpy, false).await
+                });
+                let row = rows
+                    .into_iter()
+                    .next()
+                    .ok_or_else(|| distgrad::Error::Input("no ranks".into()))??;
+                if let Some(r) = row.first() {
+                    line += &format!(
+                        " {} {:.3} GB/s ({:.2}x)",
+                        a.name(),
+                        r.busbw,
+                        r.busbw / memcpy
+                    );
+                }
+            }
+            println!("{line}");
+        }
         let (taped, raw) = bench::tape_overhead(200_000)?;
         println!(
             "# tape overhead: {taped:.3} us per recorded op on 1-element tensors vs {raw:.3} us untaped ({:.3} us/op added)",

@@ -89,7 +89,7 @@ impl Tensor {
     }
 
     #[cfg(feature = "wgpu")]
-    fn from_gpu(shape: Vec<usize>, buf: GpuBuf) -> Self {
+    pub(crate) fn from_gpu(shape: Vec<usize>, buf: GpuBuf) -> Self {
         Tensor {
             shape,
             storage: Storage::Gpu(buf),
@@ -621,6 +621,12 @@ struct F32Vec(Vec<f32>);
 impl AsRef<[u8]> for F32Vec {
     fn as_ref(&self) -> &[u8] {
         bytemuck::cast_slice(&self.0)
+    }
+}
+
+impl Drop for F32Vec {
+    fn drop(&mut self) {
+        crate::backend::pool::give(std::mem::take(&mut self.0));
     }
 }
 

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use distgrad::{CommOptions, Communicator, ReduceOp, Tensor, run_local};
+use distgrad::{AllReduceAlgo, CommOptions, Communicator, ReduceOp, Tensor, run_local};
 use proptest::prelude::*;
 
 fn opts(segment_bytes: usize) -> CommOptions {
@@ -15,6 +15,15 @@ fn opts(segment_bytes: usize) -> CommOptions {
         segment_bytes,
         ..CommOptions::default()
     }
+}
+
+fn algo_strategy() -> impl Strategy<Value = AllReduceAlgo> {
+    prop::sample::select(vec![
+        AllReduceAlgo::Auto,
+        AllReduceAlgo::Ring,
+        AllReduceAlgo::Pairwise,
+        AllReduceAlgo::Shared,
+    ])
 }
 
 /// Rank r's input: small integers from a seed.
@@ -45,18 +54,19 @@ fn op_strategy() -> impl Strategy<Value = ReduceOp> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
     #[test]
-    fn all_reduce_matches_oracle(world in 1usize..8, numel in 0usize..40, seg in 1usize..5, op in op_strategy(), seed in 0u64..1000) {
-        let res = run_local(world, opts(seg * 4), |comm| async move {
+    fn all_reduce_matches_oracle(world in 1usize..8, numel in 0usize..40, seg in 1usize..5, op in op_strategy(), algo in algo_strategy(), seed in 0u64..1000) {
+        let o = CommOptions { all_reduce: algo, ..opts(seg * 4) };
+        let res = run_local(world, o, |comm| async move {
             let x = Tensor::vector(&input(seed, comm.rank(), numel));
             Ok(comm.all_reduce(&x, op, &comm.world()).await?.to_vec())
         });
         let xs: Vec<Vec<f32>> = (0..world).map(|r| input(seed, r, numel)).collect();
         let want = oracle_reduce(op, &xs);
         for (r, got) in res.into_iter().enumerate() {
-            prop_assert_eq!(got.unwrap(), want.clone(), "rank {}", r);
+            prop_assert_eq!(got.unwrap(), want.clone(), "rank {} {:?}", r, algo);
         }
     }
 
@@ -130,6 +140,69 @@ proptest! {
                 }
             }
             prop_assert_eq!(got.unwrap(), want, "rank {}", me);
+        }
+    }
+}
+
+/// Payloads large enough that messages to non-neighbours travel split (signature message, then the
+/// payload untouched: `distgrad::collective::p2p::SPLIT_BYTES`): every all_reduce algorithm, every
+/// op, odd worlds, against the oracle; and all_to_all / gather, whose messages go to every rank.
+#[test]
+fn large_payloads_every_algorithm_match_oracle() {
+    let numel = 30_011; // 117 KiB per rank: chunks >= 16 KiB up to 7 ranks, uneven
+    for world in [2, 3, 5, 7] {
+        for algo in [
+            AllReduceAlgo::Ring,
+            AllReduceAlgo::Pairwise,
+            AllReduceAlgo::Shared,
+        ] {
+            for op in ReduceOp::ALL {
+                let o = CommOptions {
+                    all_reduce: algo,
+                    ..CommOptions::default()
+                };
+                let res = run_local(world, o, |comm| async move {
+                    let x = Tensor::vector(&input(9, comm.rank(), numel));
+                    Ok(comm.all_reduce(&x, op, &comm.world()).await?.to_vec())
+                });
+                let xs: Vec<Vec<f32>> = (0..world).map(|r| input(9, r, numel)).collect();
+                let want = oracle_reduce(op, &xs);
+                for (r, got) in res.into_iter().enumerate() {
+                    assert!(
+                        got.unwrap() == want,
+                        "world {world} {algo:?} {op:?} rank {r}"
+                    );
+                }
+            }
+        }
+        let res = run_local(world, CommOptions::default(), |comm| async move {
+            let me = comm.rank();
+            let list: Vec<Tensor> = (0..world)
+                .map(|j| Tensor::vector(&input(100 * me as u64 + j as u64, 0, 5000)))
+                .collect();
+            let a2a = comm.all_to_all(&list, &comm.world()).await?;
+            let g = comm.gather(&list[0], world - 1, &comm.world()).await?;
+            Ok((
+                a2a.iter().map(Tensor::to_vec).collect::<Vec<_>>(),
+                g.map(|l| l.iter().map(Tensor::to_vec).collect::<Vec<_>>()),
+            ))
+        });
+        for (r, got) in res.into_iter().enumerate() {
+            let (a2a, g) = got.unwrap();
+            for (j, part) in a2a.iter().enumerate() {
+                assert!(
+                    *part == input(100 * j as u64 + r as u64, 0, 5000),
+                    "all_to_all world {world} rank {r} part {j}"
+                );
+            }
+            if r == world - 1 {
+                let g = g.expect("the root gets the list");
+                for (j, part) in g.iter().enumerate() {
+                    assert!(*part == input(100 * j as u64, 0, 5000), "gather part {j}");
+                }
+            } else {
+                assert!(g.is_none());
+            }
         }
     }
 }

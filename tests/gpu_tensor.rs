@@ -5,7 +5,9 @@
 #![cfg(feature = "wgpu")]
 
 use distgrad::backend::Device;
-use distgrad::{CommOptions, Communicator, ReduceOp, Tape, Tensor, Var, dist, run_local};
+use distgrad::{
+    AllReduceAlgo, CommOptions, Communicator, ReduceOp, Tape, Tensor, Var, dist, run_local,
+};
 
 mod common_gpu;
 
@@ -189,40 +191,55 @@ fn gradients_stay_on_the_gpu() {
     }
 }
 
-/// A GPU tensor's ring all_reduce folds the received chunks into the accumulator on the GPU
-/// (WGSL reduce-into, AVG's scale too): bitwise the CPU ring's result, identical on every rank,
-/// for every op, odd worlds, chunks that are not multiples of the workgroup or of 4, and several
-/// ring segments.
+/// A GPU tensor's large all_reduce (ring, pairwise and shared) folds the received chunks into the
+/// accumulator on the GPU (WGSL reduce-into, AVG's scale too): bitwise the CPU result of the same
+/// algorithm, identical on every rank, for every op, odd worlds, chunks that are not multiples of
+/// the workgroup or of 4, several ring segments, and chunks large enough to travel as split
+/// messages.
 #[test]
 fn ring_all_reduce_local_steps_on_the_gpu_are_bit_exact() {
     let Some(dev) = gpu() else { return };
-    for world in [2, 3, 5] {
-        for op in ReduceOp::ALL {
-            for numel in [world, 1003, 20_001] {
-                let run = |d: Device| -> Vec<Vec<u32>> {
-                    let opts = CommOptions {
-                        ring_threshold: 0,
-                        segment_bytes: 4096,
-                        device: d.clone(),
-                        ..CommOptions::default()
+    for algo in [
+        AllReduceAlgo::Ring,
+        AllReduceAlgo::Pairwise,
+        AllReduceAlgo::Shared,
+    ] {
+        for world in [2, 3, 5] {
+            for op in ReduceOp::ALL {
+                for numel in [world, 1003, 20_001] {
+                    let run = |d: Device| -> Vec<Vec<u32>> {
+                        let opts = CommOptions {
+                            ring_threshold: 0,
+                            segment_bytes: 4096,
+                            all_reduce: algo,
+                            device: d.clone(),
+                            ..CommOptions::default()
+                        };
+                        run_local(world, opts, |comm| {
+                            let d = d.clone();
+                            async move {
+                                let x = t(comm.rank() as u64 + 7, &[numel]).to_device(&d)?;
+                                let y = comm.all_reduce(&x, op, &comm.world()).await?;
+                                assert_eq!(
+                                    y.device().name(),
+                                    d.name(),
+                                    "result stays on the device"
+                                );
+                                Ok(y.read().await?.iter().map(|v| v.to_bits()).collect())
+                            }
+                        })
+                        .into_iter()
+                        .map(Result::unwrap)
+                        .collect()
                     };
-                    run_local(world, opts, |comm| {
-                        let d = d.clone();
-                        async move {
-                            let x = t(comm.rank() as u64 + 7, &[numel]).to_device(&d)?;
-                            let y = comm.all_reduce(&x, op, &comm.world()).await?;
-                            assert_eq!(y.device().name(), d.name(), "result stays on the device");
-                            Ok(y.read().await?.iter().map(|v| v.to_bits()).collect())
-                        }
-                    })
-                    .into_iter()
-                    .map(Result::unwrap)
-                    .collect()
-                };
-                let (c, g) = (run(Device::Cpu), run(dev.clone()));
-                for r in 0..world {
-                    assert_eq!(g[r], c[r], "world {world} {op:?} numel {numel} rank {r}");
-                    assert_eq!(g[r], g[0], "ranks differ");
+                    let (c, g) = (run(Device::Cpu), run(dev.clone()));
+                    for r in 0..world {
+                        assert_eq!(
+                            g[r], c[r],
+                            "{algo:?} world {world} {op:?} numel {numel} rank {r}"
+                        );
+                        assert_eq!(g[r], g[0], "ranks differ");
+                    }
                 }
             }
         }

@@ -144,19 +144,22 @@ fn all_reduce_sum_avg_direct(d: &Device) {
 }
 
 fn all_reduce_sum_avg_ring(d: &Device) {
-    // 11 elements: uneven ring chunks for every n in 2..=8 (ring needs numel >= n).
-    for n in 1..=8 {
-        for op in LINEAR_OPS {
-            adjoint(
-                &Setup::world(d, n).ring(),
-                &Coll::AllReduce { op },
-                &[11],
-                350 + n as u64,
-            );
+    // 11 elements: uneven chunks for every n in 2..=8 (the large-payload algorithms need
+    // numel >= n), with each of them.
+    for algo in LARGE_ALL_REDUCE {
+        for n in 1..=8 {
+            for op in LINEAR_OPS {
+                adjoint(
+                    &Setup::world(d, n).ring().algo(algo),
+                    &Coll::AllReduce { op },
+                    &[11],
+                    350 + n as u64,
+                );
+            }
         }
-    }
-    for op in LINEAR_OPS {
-        adjoint(&sub(d).ring(), &Coll::AllReduce { op }, &[11], 4);
+        for op in LINEAR_OPS {
+            adjoint(&sub(d).ring().algo(algo), &Coll::AllReduce { op }, &[11], 4);
+        }
     }
 }
 

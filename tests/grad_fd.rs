@@ -181,19 +181,21 @@ fn all_reduce_every_op_world_1_to_8(d: &Device) {
 }
 
 fn all_reduce_every_op_ring(d: &Device) {
-    // numel 8 >= n: the ring path, uneven chunks for n = 3, 5.
-    for n in sizes(d, [2, 3, 5, 8]) {
-        for op in ReduceOp::ALL {
-            case(
-                &Setup::world(d, n).ring(),
-                &Coll::AllReduce { op },
-                &[8],
-                20 + n as u64,
-            );
+    // numel 8 >= n: the large-payload algorithms, uneven chunks for n = 3, 5.
+    for algo in LARGE_ALL_REDUCE {
+        for n in sizes(d, [2, 3, 5, 8]) {
+            for op in ReduceOp::ALL {
+                case(
+                    &Setup::world(d, n).ring().algo(algo),
+                    &Coll::AllReduce { op },
+                    &[8],
+                    20 + n as u64,
+                );
+            }
         }
-    }
-    for op in ReduceOp::ALL {
-        case(&sub(d).ring(), &Coll::AllReduce { op }, &[4], 2);
+        for op in ReduceOp::ALL {
+            case(&sub(d).ring().algo(algo), &Coll::AllReduce { op }, &[4], 2);
+        }
     }
 }
 

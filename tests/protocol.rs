@@ -385,6 +385,7 @@ fn ranks_configured_for_different_algorithms_fail_with_a_mismatch() {
                 s.spawn(move || {
                     let mut o = opts(30_000);
                     o.ring_threshold = if rank == 1 { 0 } else { 1 << 30 };
+                    o.all_reduce = distgrad::AllReduceAlgo::Ring;
                     let comm = distgrad::P2p::new(t, o);
                     futures::executor::block_on(comm.all_reduce(
                         &Tensor::zeros(&[64]),
@@ -397,4 +398,35 @@ fn ranks_configured_for_different_algorithms_fail_with_a_mismatch() {
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert_mismatch(&results, "args=[1, ", "args=[0]");
+}
+
+#[test]
+fn ranks_configured_for_different_large_all_reduce_algorithms_fail_with_a_mismatch() {
+    // Same threshold, but rank 2 would use the pairwise algorithm and the others the shared one.
+    let transports = distgrad::transport::local::LocalTransport::world(3);
+    let results: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = transports
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| {
+                s.spawn(move || {
+                    let mut o = opts(30_000);
+                    o.ring_threshold = 0;
+                    o.all_reduce = if rank == 2 {
+                        distgrad::AllReduceAlgo::Pairwise
+                    } else {
+                        distgrad::AllReduceAlgo::Shared
+                    };
+                    let comm = distgrad::P2p::new(t, o);
+                    futures::executor::block_on(comm.all_reduce(
+                        &Tensor::zeros(&[64]),
+                        ReduceOp::Sum,
+                        &comm.world(),
+                    ))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_mismatch(&results, "args=[2]", "args=[3]");
 }

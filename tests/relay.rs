@@ -23,7 +23,9 @@ use distgrad::transport::ws::{JoinOptions, WsTransport};
 use distgrad::transport::{Channel, Tag, Transport};
 use distgrad::vjp::{self, CaseOutput, Which};
 use distgrad::wire::{Control, HEADER_LEN, Header};
-use distgrad::{CommOptions, Communicator, Error, ReduceOp, Tape, Tensor, dist, run_local};
+use distgrad::{
+    AllReduceAlgo, CommOptions, Communicator, Error, ReduceOp, Tape, Tensor, dist, run_local,
+};
 use futures::SinkExt as _;
 use tokio_tungstenite::tungstenite::Message;
 
@@ -267,7 +269,7 @@ fn collectives_through_in_process_relay_equal_local_bitwise() {
     relay.shutdown(Duration::from_secs(5));
 }
 
-/// A large all_reduce (3 MiB per rank, ring algorithm) forward and backward, sent in 64 KiB
+/// A large all_reduce (3 MiB per rank, ring and pairwise algorithms) forward and backward, sent in 64 KiB
 /// fragments through a relay whose frame limit is 64 KiB: bitwise equal to `run_local`, and close
 /// to an f64 reference (so both are right, not just equal).
 #[test]
@@ -308,75 +310,80 @@ fn large_all_reduce_is_fragmented_and_bitwise_equal_to_local() {
             .await?;
         Ok((y.value().to_vec(), grads.wrt(&xv)?.to_vec()))
     }
-    let opts = CommOptions {
-        timeout: Duration::from_secs(60),
-        ..CommOptions::default()
-    };
-    assert!(
-        N * 4 >= opts.ring_threshold,
-        "the payload must be large enough for the ring algorithm"
-    );
-    let local = run_local(WORLD, opts.clone(), |comm| async move {
-        let r = comm.rank();
-        run(&comm, x_of(r), c_of(r)).await
-    });
-    let local = all_ok("local large all_reduce", local);
-
-    let t0 = Instant::now();
-    let joins = (0..WORLD as u32)
-        .map(|r| {
-            let mut j = join_opts("big", "tok", WORLD as u32, r);
-            j.max_payload = FRAME - HEADER_LEN;
-            j
-        })
-        .collect();
-    let remote = run_ranks(&url, joins, opts, |_, comm| async move {
-        let r = comm.rank();
-        run(&*comm, x_of(r), c_of(r)).await
-    });
-    let remote = all_ok("large all_reduce over the relay", remote);
-    eprintln!(
-        "3 MiB/rank all_reduce forward+backward over the relay, 64 KiB frames: {:.2} s",
-        t0.elapsed().as_secs_f64()
-    );
-
-    // f64 reference
-    let xs: Vec<Vec<f32>> = (0..WORLD).map(x_of).collect();
-    let cs: Vec<Vec<f32>> = (0..WORLD).map(c_of).collect();
-    for r in 0..WORLD {
-        let (ry, rg) = &remote[r];
-        let (ly, lg) = &local[r];
-        assert_eq!(ry.len(), N, "rank {r}: output length");
+    // The ring (what the relay uses by default) and the pairwise algorithm, each with the same
+    // algorithm in-process (where the default would be the shared one).
+    for algo in [AllReduceAlgo::Ring, AllReduceAlgo::Pairwise] {
+        let opts = CommOptions {
+            timeout: Duration::from_secs(60),
+            all_reduce: algo,
+            ..CommOptions::default()
+        };
         assert!(
-            bits(ry) == bits(ly),
-            "rank {r}: forward output over the relay differs bitwise from run_local"
+            N * 4 >= opts.ring_threshold,
+            "the payload must be large enough for the ring algorithm"
         );
-        assert!(
-            bits(rg) == bits(lg),
-            "rank {r}: gradient over the relay differs bitwise from run_local"
+        let local = run_local(WORLD, opts.clone(), |comm| async move {
+            let r = comm.rank();
+            run(&comm, x_of(r), c_of(r)).await
+        });
+        let local = all_ok("local large all_reduce", local);
+
+        let t0 = Instant::now();
+        let joins = (0..WORLD as u32)
+            .map(|r| {
+                let mut j = join_opts(&format!("big-{}", algo.name()), "tok", WORLD as u32, r);
+                j.max_payload = FRAME - HEADER_LEN;
+                j
+            })
+            .collect();
+        let remote = run_ranks(&url, joins, opts, |_, comm| async move {
+            let r = comm.rank();
+            run(&*comm, x_of(r), c_of(r)).await
+        });
+        let remote = all_ok("large all_reduce over the relay", remote);
+        eprintln!(
+            "3 MiB/rank all_reduce ({}) forward+backward over the relay, 64 KiB frames: {:.2} s",
+            algo.name(),
+            t0.elapsed().as_secs_f64()
         );
-        for i in (0..N).step_by(997) {
-            let y: f64 = xs.iter().map(|x| (x[i] as f64).powi(2)).sum();
-            let csum: f64 = cs.iter().map(|c| c[i] as f64).sum();
-            let g = 2.0 * xs[r][i] as f64 * csum;
+        // f64 reference
+        let xs: Vec<Vec<f32>> = (0..WORLD).map(x_of).collect();
+        let cs: Vec<Vec<f32>> = (0..WORLD).map(c_of).collect();
+        for r in 0..WORLD {
+            let (ry, rg) = &remote[r];
+            let (ly, lg) = &local[r];
+            assert_eq!(ry.len(), N, "rank {r}: output length");
             assert!(
-                (ry[i] as f64 - y).abs() <= 1e-5 * (1.0 + y.abs()),
-                "rank {r} y[{i}] = {} but the f64 reference is {y}",
-                ry[i]
+                bits(ry) == bits(ly),
+                "rank {r}: forward output over the relay differs bitwise from run_local"
             );
             assert!(
-                (rg[i] as f64 - g).abs() <= 1e-5 * (1.0 + g.abs()),
-                "rank {r} grad[{i}] = {} but the f64 reference is {g}",
-                rg[i]
+                bits(rg) == bits(lg),
+                "rank {r}: gradient over the relay differs bitwise from run_local"
+            );
+            for i in (0..N).step_by(997) {
+                let y: f64 = xs.iter().map(|x| (x[i] as f64).powi(2)).sum();
+                let csum: f64 = cs.iter().map(|c| c[i] as f64).sum();
+                let g = 2.0 * xs[r][i] as f64 * csum;
+                assert!(
+                    (ry[i] as f64 - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                    "rank {r} y[{i}] = {} but the f64 reference is {y}",
+                    ry[i]
+                );
+                assert!(
+                    (rg[i] as f64 - g).abs() <= 1e-5 * (1.0 + g.abs()),
+                    "rank {r} grad[{i}] = {} but the f64 reference is {g}",
+                    rg[i]
+                );
+            }
+        }
+        // every rank's all_reduce output is the same bits
+        for r in 1..WORLD {
+            assert!(
+                bits(&remote[r].0) == bits(&remote[0].0),
+                "all_reduce output of rank {r} differs bitwise from rank 0's"
             );
         }
-    }
-    // every rank's all_reduce output is the same bits
-    for r in 1..WORLD {
-        assert!(
-            bits(&remote[r].0) == bits(&remote[0].0),
-            "all_reduce output of rank {r} differs bitwise from rank 0's"
-        );
     }
 }
 

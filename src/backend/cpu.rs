@@ -30,6 +30,39 @@ pub fn reduce_into(op: BinaryOp, acc: &mut [f32], x: &[f32]) {
     }
 }
 
+/// `op` over every input, element by element, folded left to right:
+/// `out[i] = op(..op(op(xs[0][i], xs[1][i]), xs[2][i]).., xs[k-1][i])`: the same operations in the
+/// same order as `reduce_into` applied to each input in turn, but in one pass over memory (the
+/// fold runs block by block, so the partial result stays in L1 instead of streaming through memory
+/// once per input). Every input must have the same length; no inputs gives an empty result.
+pub fn fold_all(op: BinaryOp, xs: &[&[f32]]) -> Vec<f32> {
+    const BLOCK: usize = 2048;
+    let Some((first, rest)) = xs.split_first() else {
+        return Vec::new();
+    };
+    debug_assert!(rest.iter().all(|x| x.len() == first.len()));
+    let mut out = super::pool::take(first.len());
+    let mut start = 0;
+    while start < first.len() {
+        let end = (start + BLOCK).min(first.len());
+        out.extend_from_slice(&first[start..end]);
+        for x in rest {
+            reduce_into(op, &mut out[start..end], &x[start..end]);
+        }
+        start = end;
+    }
+    out
+}
+
+/// Little-endian f32 bytes as f32s: borrowed when aligned (messages of this process, most
+/// received buffers), decoded into a copy otherwise.
+pub fn f32s_of_le_bytes(x: &[u8]) -> std::borrow::Cow<'_, [f32]> {
+    match bytemuck::try_cast_slice::<u8, f32>(x) {
+        Ok(xs) if cfg!(target_endian = "little") => std::borrow::Cow::Borrowed(xs),
+        _ => std::borrow::Cow::Owned(f32s_from_le_bytes(x)),
+    }
+}
+
 /// Like [`reduce_into`], reading `x` from little-endian f32 bytes (a received message).
 pub fn reduce_into_le_bytes(op: BinaryOp, acc: &mut [f32], x: &[u8]) {
     debug_assert_eq!(acc.len() * 4, x.len());

@@ -8,6 +8,7 @@
 pub mod cpu;
 #[cfg(feature = "wgpu")]
 pub mod gpu;
+pub mod pool;
 
 #[cfg(target_endian = "big")]
 compile_error!(

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use crate::backend::BinaryOp;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-pub use p2p::{CommOptions, P2p};
+pub use p2p::{AllReduceAlgo, CommOptions, P2p};
 pub use sig::{CallSig, Kind};
 
 /// How a reducing collective combines the ranks' tensors, elementwise.

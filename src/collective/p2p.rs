@@ -28,6 +28,65 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::transport::{Channel, Tag, Transport};
 
+/// Payloads from this size up go to a non-successor as two messages (signature, then the payload
+/// as is) instead of one with the signature copied in front.
+pub const SPLIT_BYTES: usize = 16 * 1024;
+
+/// Bit of a signature prefix's length word: the payload is the next message.
+const SPLIT_FLAG: u32 = 1 << 31;
+
+/// How large all_reduces (at least [`CommOptions::ring_threshold`] bytes per rank) move data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AllReduceAlgo {
+    /// [`AllReduceAlgo::Shared`] when the transport shares memory between ranks
+    /// ([`Transport::shares_memory`]: the in-process one), [`AllReduceAlgo::Ring`] otherwise.
+    Auto,
+    /// Ring: reduce-scatter then all-gather, `2(n-1)` steps, each rank talking only to its two
+    /// neighbours, in segments of [`CommOptions::segment_bytes`]. Best where every step crosses
+    /// a network link of its own.
+    Ring,
+    /// Pairwise: each rank owns one chunk, receives that chunk from every rank, reduces all `n`
+    /// contributions in one pass, and sends the result to every rank: 2 rounds, the same bytes
+    /// per rank as the ring, about half its passes over memory.
+    Pairwise,
+    /// Pairwise reduction, then group rank 0 assembles the finished chunks once and every rank's
+    /// result shares that one buffer. Sends cost nothing only where ranks share memory; over a
+    /// network rank 0 would send the whole result to everyone.
+    Shared,
+}
+
+impl AllReduceAlgo {
+    /// Every variant, `Auto` first.
+    pub const ALL: [AllReduceAlgo; 4] = [
+        AllReduceAlgo::Auto,
+        AllReduceAlgo::Ring,
+        AllReduceAlgo::Pairwise,
+        AllReduceAlgo::Shared,
+    ];
+
+    /// Lower-case name (`auto`, `ring`, `pairwise`, `shared`).
+    pub fn name(self) -> &'static str {
+        match self {
+            AllReduceAlgo::Auto => "auto",
+            AllReduceAlgo::Ring => "ring",
+            AllReduceAlgo::Pairwise => "pairwise",
+            AllReduceAlgo::Shared => "shared",
+        }
+    }
+
+    /// Parse a [`AllReduceAlgo::name`].
+    pub fn parse(s: &str) -> Result<Self> {
+        AllReduceAlgo::ALL
+            .into_iter()
+            .find(|a| a.name() == s)
+            .ok_or_else(|| {
+                Error::Input(format!(
+                    "unknown all_reduce algorithm {s:?} (auto, ring, pairwise, shared)"
+                ))
+            })
+    }
+}
+
 /// Tuning and safety knobs of a [`P2p`] communicator.
 #[derive(Debug, Clone)]
 pub struct CommOptions {
@@ -35,6 +94,8 @@ pub struct CommOptions {
     pub timeout: Duration,
     /// Payloads (bytes per rank) below this use direct exchange instead of the ring.
     pub ring_threshold: usize,
+    /// The algorithm of large all_reduces.
+    pub all_reduce: AllReduceAlgo,
     /// Large ring all_reduces run as successive ring passes over segments of `n *` this many
     /// bytes, so the chunks in flight stay in cache (in-process transport).
     pub segment_bytes: usize,
@@ -56,6 +117,7 @@ impl Default for CommOptions {
         CommOptions {
             timeout: Duration::from_secs(60),
             ring_threshold: 64 * 1024,
+            all_reduce: AllReduceAlgo::Auto,
             segment_bytes: 256 * 1024,
             confirm: true,
             record_calls: false,
@@ -65,10 +127,11 @@ impl Default for CommOptions {
 }
 
 impl CommOptions {
-    /// Defaults for transports that cross sockets: every ring step costs a network round, so large
-    /// all_reduces are not split into cache-sized segments.
+    /// Defaults for transports that cross sockets: large all_reduces use the ring, not split into
+    /// cache-sized segments (every ring step costs a network round).
     pub fn for_network() -> Self {
         CommOptions {
+            all_reduce: AllReduceAlgo::Ring,
             segment_bytes: 64 << 20,
             ..CommOptions::default()
         }
@@ -342,21 +405,29 @@ impl<T: Transport> Call<'_, T> {
     }
 
     /// Send `payload` to group rank `dst`. Messages to the successor go raw (it checks the signature
-    /// message); to anyone else they carry this rank's signature first.
+    /// message); to anyone else they carry this rank's signature first: small payloads in the same
+    /// message, large ones ([`SPLIT_BYTES`] and up) as a signature message followed by the payload
+    /// untouched, so sending a large chunk never copies it.
     pub async fn send(&self, dst: usize, payload: Bytes) -> Result<()> {
-        let msg = if dst == self.succ() {
-            payload
+        let t = &self.comm.transport;
+        let (to, tag) = (self.group.global(dst), self.tag(Channel::Data));
+        if dst == self.succ() {
+            return t.send(to, tag, payload).await;
+        }
+        let split = payload.len() >= SPLIT_BYTES;
+        let mut b = BytesMut::with_capacity(
+            4 + self.sig_bytes.len() + if split { 0 } else { payload.len() },
+        );
+        let flag = if split { SPLIT_FLAG } else { 0 };
+        b.put_u32_le(self.sig_bytes.len() as u32 | flag);
+        b.put_slice(&self.sig_bytes);
+        if split {
+            t.send(to, tag, b.freeze()).await?;
+            t.send(to, tag, payload).await
         } else {
-            let mut b = BytesMut::with_capacity(4 + self.sig_bytes.len() + payload.len());
-            b.put_u32_le(self.sig_bytes.len() as u32);
-            b.put_slice(&self.sig_bytes);
             b.put_slice(&payload);
-            b.freeze()
-        };
-        self.comm
-            .transport
-            .send(self.group.global(dst), self.tag(Channel::Data), msg)
-            .await
+            t.send(to, tag, b.freeze()).await
+        }
     }
 
     /// The next data message from group rank `src`, its sender's call verified to agree with ours.
@@ -388,20 +459,30 @@ impl<T: Transport> Call<'_, T> {
             };
             self.wait(src, both).await?
         };
-        self.strip_sig(src, msg)
+        let (split, payload) = self.strip_sig(src, msg)?;
+        if !split {
+            return Ok(payload);
+        }
+        if !payload.is_empty() {
+            return Err(self.protocol(src, "bytes after a split signature message"));
+        }
+        let data = t.recv(self.group.global(src), self.tag(Channel::Data));
+        self.wait(src, data).await
     }
 
-    fn strip_sig(&self, src: usize, mut msg: Bytes) -> Result<Bytes> {
+    /// Check and remove the signature prefix; `true` when the payload follows in the next message.
+    fn strip_sig(&self, src: usize, mut msg: Bytes) -> Result<(bool, Bytes)> {
         if msg.len() < 4 {
             return Err(self.protocol(src, "message shorter than its signature prefix"));
         }
-        let n = msg.get_u32_le() as usize;
+        let head = msg.get_u32_le();
+        let n = (head & !SPLIT_FLAG) as usize;
         if msg.len() < n {
             return Err(self.protocol(src, "signature prefix longer than the message"));
         }
         let sig = msg.split_to(n);
         self.verify(src, &sig)?;
-        Ok(msg)
+        Ok((head & SPLIT_FLAG != 0, msg))
     }
 
     /// The next data message from `src`, which must be exactly `want` bytes long.
@@ -588,20 +669,35 @@ impl<T: Transport> Communicator for P2p<T> {
             let host = stage(x, ring && on_gpu(&dev)).await?;
             // The algorithm (and the ring's segment size) is part of the call: ranks configured
             // differently fail with a mismatch naming both, not with a confusing byte count.
-            let algo = if ring {
-                vec![1, self.opts.segment_bytes as u64]
-            } else {
-                vec![0]
+            let algo = match self.opts.all_reduce {
+                AllReduceAlgo::Auto if self.transport.shares_memory() => AllReduceAlgo::Shared,
+                AllReduceAlgo::Auto => AllReduceAlgo::Ring,
+                a => a,
+            };
+            let extra = match (ring, algo) {
+                (false, _) => vec![0],
+                (true, AllReduceAlgo::Ring | AllReduceAlgo::Auto) => {
+                    vec![1, self.opts.segment_bytes as u64]
+                }
+                (true, AllReduceAlgo::Pairwise) => vec![2],
+                (true, AllReduceAlgo::Shared) => vec![3],
             };
             let sig = CallSig::new(Kind::AllReduce)
                 .op(op)
                 .shape(x.shape())
-                .extra(algo);
+                .extra(extra);
             let call = self.begin(group, sig).await?;
-            let r = if ring {
-                ring::all_reduce(&call, &host, op, self.opts.segment_bytes).await
-            } else {
-                direct::all_reduce(&call, &host, op).await
+            let r = match (ring, algo) {
+                (false, _) => direct::all_reduce(&call, &host, op).await,
+                (true, AllReduceAlgo::Ring | AllReduceAlgo::Auto) => {
+                    ring::all_reduce(&call, &host, op, self.opts.segment_bytes).await
+                }
+                (true, AllReduceAlgo::Pairwise) => {
+                    direct::all_reduce_pairwise(&call, &host, op, false).await
+                }
+                (true, AllReduceAlgo::Shared) => {
+                    direct::all_reduce_pairwise(&call, &host, op, true).await
+                }
             };
             self.finish(call, r).await?.to_device(&dev)
         })

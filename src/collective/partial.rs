@@ -62,6 +62,60 @@ impl Partial {
         }
     }
 
+    /// `op` over every rank's elements `start..start+len`, folded in group-rank order: `parts[j]` is
+    /// rank `j`'s contribution as received bytes, `None` marks this rank's own (taken from `x`).
+    /// One pass over memory on the host; on the GPU each received part is uploaded and folded in
+    /// with reduce-into, in the same order (bitwise the host's result).
+    pub(crate) fn fold_parts(
+        x: &Tensor,
+        start: usize,
+        len: usize,
+        parts: &[Option<Bytes>],
+        op: ReduceOp,
+    ) -> Result<Partial> {
+        if len == 0 {
+            return Ok(Partial::Host(Vec::new()));
+        }
+        match x.storage() {
+            Storage::Cpu(_) => {
+                let own = &x.cpu()?[start..start + len];
+                let inputs: Vec<std::borrow::Cow<'_, [f32]>> = parts
+                    .iter()
+                    .map(|p| match p {
+                        None => std::borrow::Cow::Borrowed(own),
+                        Some(b) => cpu::f32s_of_le_bytes(b),
+                    })
+                    .collect();
+                let refs: Vec<&[f32]> = inputs.iter().map(|c| c.as_ref()).collect();
+                Ok(Partial::Host(cpu::fold_all(op.combine(), &refs)))
+            }
+            #[cfg(feature = "wgpu")]
+            Storage::Gpu(_) => {
+                let mut acc: Option<Partial> = None;
+                for p in parts {
+                    match (&mut acc, p) {
+                        (None, None) => acc = Some(Partial::copy_of(x, start, len)?),
+                        (None, Some(b)) => {
+                            let buf = gpu_of(x)?.upload_le_bytes(b)?;
+                            acc = Some(Partial::Gpu(Tensor::from_gpu(vec![len], buf)));
+                        }
+                        (Some(a), None) => {
+                            let own = Partial::copy_of(x, start, len)?;
+                            if let (Partial::Gpu(a), Partial::Gpu(o)) = (a, &own)
+                                && let (Storage::Gpu(a), Storage::Gpu(o)) =
+                                    (a.storage(), o.storage())
+                            {
+                                a.gpu().reduce_into(op.combine(), a, o)?;
+                            }
+                        }
+                        (Some(a), Some(b)) => a.fold(op, b)?,
+                    }
+                }
+                Ok(acc.unwrap_or(Partial::Host(Vec::new())))
+            }
+        }
+    }
+
     /// `self = op(self, got)` in place.
     pub(crate) fn fold(&mut self, op: ReduceOp, got: &[u8]) -> Result<()> {
         match self {
@@ -117,5 +171,14 @@ pub(crate) async fn bytes_of(x: &Tensor, start: usize, len: usize) -> Result<Byt
         Storage::Cpu(_) => Ok(x.to_le_bytes()?.slice(start * 4..(start + len) * 4)),
         #[cfg(feature = "wgpu")]
         Storage::Gpu(_) => Partial::copy_of(x, start, len)?.into_bytes().await,
+    }
+}
+
+/// The GPU a tensor lives on.
+#[cfg(feature = "wgpu")]
+fn gpu_of(x: &Tensor) -> Result<crate::backend::gpu::Gpu> {
+    match x.storage() {
+        Storage::Gpu(b) => Ok(b.gpu().clone()),
+        Storage::Cpu(_) => Err(crate::Error::invalid("fold", "expected a GPU tensor")),
     }
 }

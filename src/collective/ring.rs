@@ -36,7 +36,7 @@ pub(crate) async fn all_reduce<T: Transport>(
     segment_bytes: usize,
 ) -> Result<Tensor> {
     let seg = (segment_bytes / 4).max(1) * call.n;
-    let mut out = Vec::with_capacity(x.numel());
+    let mut out = crate::backend::pool::take(x.numel());
     let mut start = 0;
     while start < x.numel() {
         let len = seg.min(x.numel() - start);

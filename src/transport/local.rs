@@ -82,4 +82,8 @@ impl Transport for LocalTransport {
         }
         self.boxes[self.rank].abort_local(reason);
     }
+
+    fn shares_memory(&self) -> bool {
+        true
+    }
 }

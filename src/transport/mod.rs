@@ -79,4 +79,9 @@ pub trait Transport {
     async fn recv(&self, src: usize, tag: Tag) -> Result<Bytes>;
     /// Fail every pending and later receive here, and tell every peer (best effort) with `reason`.
     async fn abort(&self, reason: &str);
+    /// Whether a sent payload reaches its receiver without a copy (ranks share memory), so that
+    /// algorithms may send one buffer to many ranks for free. Default: no.
+    fn shares_memory(&self) -> bool {
+        false
+    }
 }

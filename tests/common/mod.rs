@@ -22,7 +22,8 @@ use std::time::Duration;
 
 pub use distgrad::backend::Device;
 use distgrad::{
-    CommOptions, Communicator, Group, Objective, ReduceOp, Tape, Tensor, Var, dist, run_local,
+    AllReduceAlgo, CommOptions, Communicator, Group, Objective, ReduceOp, Tape, Tensor, Var, dist,
+    run_local,
 };
 
 #[cfg(feature = "wgpu")]
@@ -307,9 +308,16 @@ impl Setup {
         }
     }
 
-    /// Force the ring algorithms (all_reduce with numel >= n, all_gather, reduce_scatter).
+    /// Force the large-payload algorithms (all_reduce with numel >= n, all_gather,
+    /// reduce_scatter): the ring, or for all_reduce the algorithm [`Setup::algo`] picks.
     pub fn ring(mut self) -> Self {
         self.opts.ring_threshold = 0;
+        self
+    }
+
+    /// The algorithm of large all_reduces.
+    pub fn algo(mut self, a: AllReduceAlgo) -> Self {
+        self.opts.all_reduce = a;
         self
     }
 
@@ -331,11 +339,12 @@ impl Setup {
     /// Context for assertion messages (names the device).
     pub fn ctx(&self, coll: &Coll, group_rank: usize) -> String {
         format!(
-            "[device={} world={} group={:?} ring_threshold={} {:?} group_rank={} global_rank={}]",
+            "[device={} world={} group={:?} ring_threshold={} algo={:?} {:?} group_rank={} global_rank={}]",
             self.device.name(),
             self.world,
             self.group,
             self.opts.ring_threshold,
+            self.opts.all_reduce,
             coll,
             group_rank,
             self.group[group_rank]
@@ -345,11 +354,12 @@ impl Setup {
     /// Context for messages about the whole case (all ranks).
     pub fn ctx_all(&self, what: &str) -> String {
         format!(
-            "[device={} world={} group={:?} ring_threshold={} {what} all ranks]",
+            "[device={} world={} group={:?} ring_threshold={} algo={:?} {what} all ranks]",
             self.device.name(),
             self.world,
             self.group,
-            self.opts.ring_threshold
+            self.opts.ring_threshold,
+            self.opts.all_reduce
         )
     }
 
@@ -856,6 +866,13 @@ pub fn objectives(
 // ---------------------------------------------------------------------------------------------
 // Case parameters shared by the test files
 // ---------------------------------------------------------------------------------------------
+
+/// Every explicit algorithm of large all_reduces (`Auto` picks one of them).
+pub const LARGE_ALL_REDUCE: [AllReduceAlgo; 3] = [
+    AllReduceAlgo::Ring,
+    AllReduceAlgo::Pairwise,
+    AllReduceAlgo::Shared,
+];
 
 /// The subgroup case: world 5, group [4, 1, 3] (group rank != global rank; ranks 0 and 2 idle).
 pub const SUB_WORLD: usize = 5;
