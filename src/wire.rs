@@ -137,9 +137,11 @@ pub fn fragments(src: u32, dst: u32, tag: Tag, payload: &[u8], max_payload: usiz
 }
 
 /// Puts fragmented messages back together, per (source, tag); fragments of one pair arrive in order.
+/// Fragments are held as received and copied once, when the last one arrives, into one buffer of
+/// the exact size (a recycled one for large f32 payloads: see [`crate::backend::pool`]).
 #[derive(Debug)]
 pub struct Reassembler {
-    partial: std::collections::HashMap<(u32, Tag), BytesMut>,
+    partial: std::collections::HashMap<(u32, Tag), (Vec<Bytes>, usize)>,
     max_message: usize,
 }
 
@@ -156,7 +158,7 @@ impl Reassembler {
     /// an error (a peer sending more than allowed is a protocol fault).
     pub fn push(&mut self, src: u32, h: &Header, payload: Bytes) -> Result<Option<Bytes>, String> {
         let key = (src, h.tag);
-        let so_far = self.partial.get(&key).map_or(0, BytesMut::len);
+        let so_far = self.partial.get(&key).map_or(0, |p| p.1);
         if so_far + payload.len() > self.max_message {
             self.partial.remove(&key);
             return Err(format!(
@@ -164,18 +166,37 @@ impl Reassembler {
                 self.max_message, h.tag
             ));
         }
-        Ok(if h.more {
-            self.partial
-                .entry(key)
-                .or_default()
-                .extend_from_slice(&payload);
-            None
-        } else if let Some(mut p) = self.partial.remove(&key) {
-            p.extend_from_slice(&payload);
-            Some(p.freeze())
-        } else {
-            Some(payload)
-        })
+        if h.more {
+            let p = self.partial.entry(key).or_default();
+            p.1 += payload.len();
+            p.0.push(payload);
+            return Ok(None);
+        }
+        let Some((mut parts, total)) = self.partial.remove(&key) else {
+            return Ok(Some(payload));
+        };
+        let total = total + payload.len();
+        parts.push(payload);
+        Ok(Some(concat(&parts, total)))
+    }
+}
+
+/// The concatenation of `parts` (`total` bytes) in one new buffer.
+fn concat(parts: &[Bytes], total: usize) -> Bytes {
+    if parts.iter().all(|p| p.len().is_multiple_of(4)) {
+        // Most messages are f32 payloads cut at f32 boundaries: an f32 buffer keeps them aligned
+        // and recyclable.
+        let mut v = crate::backend::pool::take(total / 4);
+        for p in parts {
+            crate::backend::cpu::extend_from_le_bytes(&mut v, p);
+        }
+        crate::tensor::f32_bytes(v)
+    } else {
+        let mut b = BytesMut::with_capacity(total);
+        for p in parts {
+            b.extend_from_slice(p);
+        }
+        b.freeze()
     }
 }
 

@@ -8,13 +8,15 @@ use super::{BinaryOp, UnaryOp};
 /// `out[i] = op(a[i], b[i])` for equal-length slices.
 pub fn binary_same(op: BinaryOp, a: &[f32], b: &[f32]) -> Vec<f32> {
     debug_assert_eq!(a.len(), b.len());
+    let mut out = super::pool::take(a.len());
     // One match outside the loop so each arm's loop vectorizes.
     match op {
-        BinaryOp::Add => a.iter().zip(b).map(|(x, y)| x + y).collect(),
-        BinaryOp::Sub => a.iter().zip(b).map(|(x, y)| x - y).collect(),
-        BinaryOp::Mul => a.iter().zip(b).map(|(x, y)| x * y).collect(),
-        _ => a.iter().zip(b).map(|(&x, &y)| op.apply(x, y)).collect(),
+        BinaryOp::Add => out.extend(a.iter().zip(b).map(|(x, y)| x + y)),
+        BinaryOp::Sub => out.extend(a.iter().zip(b).map(|(x, y)| x - y)),
+        BinaryOp::Mul => out.extend(a.iter().zip(b).map(|(x, y)| x * y)),
+        _ => out.extend(a.iter().zip(b).map(|(&x, &y)| op.apply(x, y))),
     }
+    out
 }
 
 /// `acc[i] = op(acc[i], x[i])` in place: the local step of every reducing collective.
@@ -91,13 +93,9 @@ pub fn combine_le_bytes(op: BinaryOp, a: &[f32], x: &[u8]) -> Vec<f32> {
 
 /// Decode little-endian f32 bytes.
 pub fn f32s_from_le_bytes(x: &[u8]) -> Vec<f32> {
-    match bytemuck::try_cast_slice::<u8, f32>(x) {
-        Ok(xs) if cfg!(target_endian = "little") => xs.to_vec(),
-        _ => x
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-    }
+    let mut out = super::pool::take(x.len() / 4);
+    extend_from_le_bytes(&mut out, x);
+    out
 }
 
 /// Append little-endian f32 bytes to `out` (one copy, no temporary).
