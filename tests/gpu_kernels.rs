@@ -1,6 +1,7 @@
 //! The WGSL kernels against the CPU backend: bit-exact where promised (elementwise add/sub/mul/max/
 //! min/eq, reduce-into, copies), within a stated tolerance elsewhere (div, tanh, sums, matmul).
-//! Sizes: 0, 1, non-multiples of the workgroup size, and a 2-D dispatch (> 65535 workgroups).
+//! Sizes: 0, 1, non-multiples of the workgroup size, a 2-D dispatch (> 65535 workgroups), and
+//! buffers above the device's storage-binding limit (window by window).
 //!
 //! Runs on any wgpu adapter (lavapipe in CI). Without one each test prints "skipped: ..." and
 //! passes, unless DISTGRAD_REQUIRE_GPU=1 (set by .ci/run, which installs lavapipe), where the
@@ -249,9 +250,119 @@ fn matmul_within_tolerance() {
 #[test]
 fn too_large_buffers_are_errors() {
     let Some(g) = gpu() else { return };
-    let max = g.limits().max_storage_buffer_binding_size as usize;
-    let e = g.alloc(max / 4 + 1).unwrap_err().to_string();
+    let max = usize::try_from(g.limits().max_buffer_size).unwrap_or(usize::MAX);
+    let e = g
+        .alloc((max / 4).saturating_add(1))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("exceed"), "{e}");
+}
+
+/// Buffers above the device's storage-binding limit (128 MiB on lavapipe) run window by window:
+/// reduce-into, elementwise ops and copies bit-exact with the CPU, sums within tolerance, on a size
+/// that is neither a multiple of 4 nor of the workgroup; a strided region whose span does not fit
+/// in one binding is a clear error.
+#[test]
+fn buffers_above_the_binding_limit_work_window_by_window() {
+    let Some(g) = gpu() else { return };
+    let w = g.window_elems();
+    let n = w + 1003;
+    if (n as u64) * 4 > g.limits().max_buffer_size {
+        println!(
+            "skipped: this adapter's largest buffer ({} bytes) is its binding limit",
+            g.limits().max_buffer_size
+        );
+        return;
+    }
+    println!(
+        "binding window {w} elements; buffers of {n} ({} bytes)",
+        n * 4
+    );
+    let (a, b) = (vals(20, n), vals(21, n));
+    let gb = g.upload(&b).unwrap();
+    for op in [BinaryOp::Add, BinaryOp::Max] {
+        let gacc = g.upload(&a).unwrap();
+        g.reduce_into(op, &gacc, &gb).unwrap();
+        let mut want = a.clone();
+        cpu::reduce_into(op, &mut want, &b);
+        assert!(bits(&read(g, &gacc)) == bits(&want), "reduce_into {op:?}");
+    }
+    let ga = g.upload(&a).unwrap();
+    let got = read(g, &g.binary(BinaryOp::Sub, &ga, &gb, n, None).unwrap());
+    assert!(
+        bits(&got) == bits(&cpu::binary_same(BinaryOp::Sub, &a, &b)),
+        "binary sub"
+    );
+    let got = read(g, &g.unary(UnaryOp::Scale(0.5), &ga).unwrap());
+    assert!(
+        bits(&got) == bits(&cpu::unary(UnaryOp::Scale(0.5), &a)),
+        "unary scale"
+    );
+    // Contiguous copies (the copy engine): a chunk across the window boundary, and all but the
+    // first 3 elements.
+    let at = |offset, strides| At { offset, strides };
+    let out = g.alloc(1000).unwrap();
+    g.copy_strided(&ga, at(w - 5, &[1]), &out, at(0, &[1]), &[1000])
+        .unwrap();
+    assert_eq!(bits(&read(g, &out)), bits(&a[w - 5..w + 995]));
+    let out = g.alloc(n - 3).unwrap();
+    g.copy_strided(&ga, at(3, &[1]), &out, at(0, &[1]), &[n - 3])
+        .unwrap();
+    assert!(bits(&read(g, &out)) == bits(&a[3..]), "big contiguous copy");
+    // A strided region past the first window (its span fits one binding): 3 rows of 7 with a
+    // row stride of 300, starting beyond the first window; and into a big destination.
+    let out = g.alloc(21).unwrap();
+    g.copy_strided(&ga, at(w + 10, &[300, 1]), &out, at(0, &[7, 1]), &[3, 7])
+        .unwrap();
+    let want: Vec<f32> = (0..3)
+        .flat_map(|r| a[w + 10 + r * 300..w + 17 + r * 300].to_vec())
+        .collect();
+    assert_eq!(bits(&read(g, &out)), bits(&want));
+    let small = vals(22, 21);
+    let big = g.upload(&a).unwrap();
+    g.copy_strided(
+        &g.upload(&small).unwrap(),
+        at(0, &[7, 1]),
+        &big,
+        at(w + 500, &[100, 1]),
+        &[3, 7],
+    )
+    .unwrap();
+    let mut want = a.clone();
+    for r in 0..3 {
+        want[w + 500 + r * 100..w + 507 + r * 100].copy_from_slice(&small[r * 7..r * 7 + 7]);
+    }
+    assert!(
+        bits(&read(g, &big)) == bits(&want),
+        "strided copy into a big buffer"
+    );
+    // A transposing copy whose span is the whole buffer cannot be bound: an error, not a crash.
+    let out = g.alloc(n - 3).unwrap();
+    let e = g
+        .copy_strided(
+            &ga,
+            at(0, &[1, 2]),
+            &out,
+            at(0, &[(n - 3) / 2, 1]),
+            &[2, (n - 3) / 2],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("binding limit"), "{e}");
+    // sum of everything, within the summation-order bound
+    let got = read(g, &g.sum_all(&ga).unwrap())[0];
+    let want = cpu::sum_all(&a);
+    let bound = 2.0 * (n as f32).log2() * f32::EPSILON * a.iter().map(|x| x.abs()).sum::<f32>();
+    assert!(
+        (got - want).abs() <= bound,
+        "sum {got} vs {want} (bound {bound})"
+    );
+    // Kernels that bind whole buffers say so instead of failing inside the driver.
+    let e = g
+        .matmul(&ga, &g.upload(&[1.0]).unwrap(), n, 1, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("binding limit"), "{e}");
 }
 
 #[test]

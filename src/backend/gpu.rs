@@ -4,10 +4,12 @@
 //! on it. Kernels live in `shaders/` (one file per family, each kernel with a bounds guard) and are
 //! dispatched from here: the device setup is apart from the work so tests can inject it.
 //!
-//! [`crate::Tensor`]s hold `GpuBuf`s (`Tensor::to_device`), and every tensor op runs here. The
-//! collectives still take their local steps on the host: GPU inputs are read back at the entry of
-//! each collective and results uploaded again (running reduce-into and the chunk copies here, with
-//! readback only of the bytes a transport sends, is the next step).
+//! [`crate::Tensor`]s hold `GpuBuf`s (`Tensor::to_device`), and every tensor op runs here; the
+//! reducing collectives fold received data in here too (`collective::partial`).
+//!
+//! Buffers may be as large as the device's largest buffer; kernels bind at most the storage-binding
+//! limit (128 MiB on lavapipe), so elementwise ops, reduce-into, copies and sums over larger
+//! buffers run window by window ([`Gpu::window_elems`]); the others say so with an error.
 //!
 //! Bit-exactness: add, sub, mul, max, min, eq and the reduce-into step use the same single IEEE
 //! operation per element as the CPU backend and match it bit for bit on normal numbers (GPUs may
@@ -271,18 +273,51 @@ impl Gpu {
             )
         })?;
         let bytes = u64::from(n32.max(1)) * 4;
-        let max = self
-            .0
-            .limits
-            .max_buffer_size
-            .min(self.0.limits.max_storage_buffer_binding_size);
+        let max = self.0.limits.max_buffer_size;
         if bytes > max {
             return Err(gpu_err(
                 op,
-                format!("{bytes} bytes exceed the device's largest storage buffer ({max} bytes)"),
+                format!("{bytes} bytes exceed the device's largest buffer ({max} bytes)"),
             ));
         }
         Ok(bytes)
+    }
+
+    /// Most elements one binding of a storage buffer may cover: the device's storage-binding limit
+    /// (128 MiB on lavapipe), rounded down to the binding-offset alignment so that windows of a
+    /// larger buffer start at legal offsets. Kernels over larger buffers run window by window.
+    pub fn window_elems(&self) -> usize {
+        let lim = self.0.limits.max_storage_buffer_binding_size;
+        let align = u64::from(self.0.limits.min_storage_buffer_offset_alignment).max(16);
+        usize::try_from((lim / align) * align / 4).unwrap_or(usize::MAX)
+    }
+
+    /// `[start, start+len)` windows of at most [`Gpu::window_elems`] covering `n` elements (one
+    /// empty window for `n == 0`).
+    fn windows(&self, n: usize) -> Vec<(usize, usize)> {
+        let w = self.window_elems().max(4);
+        if n <= w {
+            return vec![(0, n)];
+        }
+        (0..n).step_by(w).map(|s| (s, w.min(n - s))).collect()
+    }
+
+    /// Fail with a clear error if a kernel that binds whole buffers gets one above the binding
+    /// limit (the windowed kernels are elementwise, reduce-into, copies and sums).
+    fn require_bindable(&self, op: &'static str, bufs: &[&GpuBuf]) -> Result<()> {
+        let w = self.window_elems();
+        match bufs.iter().find(|b| b.len > w) {
+            Some(b) => Err(gpu_err(
+                op,
+                format!(
+                    "a buffer of {} elements is above the device's storage binding limit of {w} \
+                     elements; {op} is not split into windows (elementwise ops on equal shapes, \
+                     reduce-into, copies and sums are)",
+                    b.len
+                ),
+            )),
+            None => Ok(()),
+        }
     }
 
     fn storage(&self, op: &'static str, n: usize) -> Result<GpuBuf> {
@@ -445,9 +480,14 @@ impl Gpu {
     }
 
     /// Run `entry` over `threads` invocations of a 256-wide 1-D kernel (2-D grid when needed).
-    /// Bindings are `(binding index, buffer)`: with automatic layouts a kernel's layout holds only
-    /// the bindings its entry point uses.
-    fn run(&self, k: Kernel, bindings: &[(u32, &wgpu::Buffer)], groups: u32) -> Result<()> {
+    /// Bindings are `(binding index, resource)`: with automatic layouts a kernel's layout holds
+    /// only the bindings its entry point uses.
+    fn run(
+        &self,
+        k: Kernel,
+        bindings: &[(u32, wgpu::BindingResource<'_>)],
+        groups: u32,
+    ) -> Result<()> {
         self.run_op(k, None, bindings, groups)
     }
 
@@ -455,7 +495,7 @@ impl Gpu {
         &self,
         k: Kernel,
         op: Option<u32>,
-        bindings: &[(u32, &wgpu::Buffer)],
+        bindings: &[(u32, wgpu::BindingResource<'_>)],
         groups: u32,
     ) -> Result<()> {
         if groups == 0 {
@@ -466,9 +506,9 @@ impl Gpu {
         let layout = p.get_bind_group_layout(0);
         let entries: Vec<wgpu::BindGroupEntry<'_>> = bindings
             .iter()
-            .map(|(i, b)| wgpu::BindGroupEntry {
+            .map(|(i, r)| wgpu::BindGroupEntry {
                 binding: *i,
-                resource: b.as_entire_binding(),
+                resource: r.clone(),
             })
             .collect();
         let bg = self.0.device.create_bind_group(&wgpu::BindGroupDescriptor {
@@ -535,24 +575,45 @@ impl Gpu {
             None => {}
         }
         let out = self.storage("binary", n)?;
+        let Some((shape, sa, sb)) = strides else {
+            // Equal shapes: window by window over buffers of any size.
+            for (st, len) in self.windows(n) {
+                let m = self.meta(&[len as u32, op_code(op), 0, 0]);
+                self.run(
+                    Kernel::Binary,
+                    &[
+                        (0, part(a, st, len)),
+                        (1, part(b, st, len)),
+                        (2, part(&out, st, len)),
+                        (3, m.as_entire_binding()),
+                    ],
+                    Self::groups(len, 1),
+                )?;
+            }
+            return Ok(out);
+        };
+        self.require_bindable("binary", &[a, b, &out])?;
+        if shape.len() > 8 {
+            return Err(gpu_err("binary", format!("rank {} above 8", shape.len())));
+        }
         let mut meta = vec![0u32; 28];
         meta[0] = n as u32;
         meta[1] = op_code(op);
-        if let Some((shape, sa, sb)) = strides {
-            if shape.len() > 8 {
-                return Err(gpu_err("binary", format!("rank {} above 8", shape.len())));
-            }
-            meta[2] = shape.len() as u32;
-            for (d, ((&s, &x), &y)) in shape.iter().zip(sa).zip(sb).enumerate() {
-                meta[4 + d] = s as u32;
-                meta[12 + d] = x as u32;
-                meta[20 + d] = y as u32;
-            }
+        meta[2] = shape.len() as u32;
+        for (d, ((&s, &x), &y)) in shape.iter().zip(sa).zip(sb).enumerate() {
+            meta[4 + d] = s as u32;
+            meta[12 + d] = x as u32;
+            meta[20 + d] = y as u32;
         }
         let m = self.meta(&meta);
         self.run(
             Kernel::Binary,
-            &[(0, &a.buf), (1, &b.buf), (2, &out.buf), (3, &m)],
+            &[
+                (0, a.buf.as_entire_binding()),
+                (1, b.buf.as_entire_binding()),
+                (2, out.buf.as_entire_binding()),
+                (3, m.as_entire_binding()),
+            ],
             Self::groups(n, 1),
         )?;
         Ok(out)
@@ -569,17 +630,24 @@ impl Gpu {
             UnaryOp::Tanh => (4, 0.0),
             UnaryOp::Square => (5, 0.0),
         };
-        let m = self.meta(&[a.len as u32, code, c.to_bits()]);
-        self.run(
-            Kernel::Unary,
-            &[(0, &a.buf), (2, &out.buf), (3, &m)],
-            Self::groups(a.len, 1),
-        )?;
+        for (st, len) in self.windows(a.len) {
+            let m = self.meta(&[len as u32, code, c.to_bits()]);
+            self.run(
+                Kernel::Unary,
+                &[
+                    (0, part(a, st, len)),
+                    (2, part(&out, st, len)),
+                    (3, m.as_entire_binding()),
+                ],
+                Self::groups(len, 1),
+            )?;
+        }
         Ok(out)
     }
 
     /// `acc[i] = op(acc[i], x[i])` in place: the local step of every reducing collective. Whole
-    /// vec4s go through a specialized grid-stride kernel, the last `n % 4` through the scalar one.
+    /// vec4s go through a specialized grid-stride kernel, the last `n % 4` through the scalar one;
+    /// buffers above the binding limit window by window.
     pub fn reduce_into(&self, op: BinaryOp, acc: &GpuBuf, x: &GpuBuf) -> Result<()> {
         if acc.len != x.len {
             return Err(gpu_err(
@@ -587,29 +655,52 @@ impl Gpu {
                 format!("accumulator of {} and input of {} elements", acc.len, x.len),
             ));
         }
-        let n = acc.len;
-        let n4 = n / 4;
-        if n4 > 0 {
-            let groups = n4.div_ceil(WG as usize).min(1024) as u32;
-            let m = self.meta(&[n4 as u32, groups * WG]);
-            let b = [(2, &m), (3, &*acc.buf), (4, &*x.buf)];
-            self.run_op(Kernel::ReduceInto4, Some(op_code(op)), &b, groups)?;
-        }
-        let tail = n - n4 * 4;
-        if tail > 0 {
-            let off = (n4 * 4) as u32;
-            let m = self.meta(&[tail as u32, op_code(op), off, off]);
-            self.run(
-                Kernel::ReduceInto,
-                &[(0, &acc.buf), (1, &x.buf), (2, &m)],
-                Self::groups(tail, 4),
-            )?;
+        for (st, n) in self.windows(acc.len) {
+            let n4 = n / 4;
+            if n4 > 0 {
+                let groups = n4.div_ceil(WG as usize).min(1024) as u32;
+                let m = self.meta(&[n4 as u32, groups * WG]);
+                let b = [
+                    (2, m.as_entire_binding()),
+                    (3, part(acc, st, n4 * 4)),
+                    (4, part(x, st, n4 * 4)),
+                ];
+                self.run_op(Kernel::ReduceInto4, Some(op_code(op)), &b, groups)?;
+            }
+            let tail = n - n4 * 4;
+            if tail > 0 {
+                // Only the last window can have a tail (windows are whole vec4s).
+                let off = (n4 * 4) as u32;
+                let m = self.meta(&[tail as u32, op_code(op), off, off]);
+                self.run(
+                    Kernel::ReduceInto,
+                    &[
+                        (0, part(acc, st, n)),
+                        (1, part(x, st, n)),
+                        (2, m.as_entire_binding()),
+                    ],
+                    Self::groups(tail, 4),
+                )?;
+            }
         }
         Ok(())
     }
 
     /// Sum of all elements (serial runs per thread, then a tree per workgroup, repeated).
     pub fn sum_all(&self, x: &GpuBuf) -> Result<GpuBuf> {
+        let wins = self.windows(x.len);
+        if wins.len() > 1 {
+            // Above the binding limit: each window's sum, then the sum of those.
+            let sums = self.alloc(wins.len())?;
+            for (i, &(st, len)) in wins.iter().enumerate() {
+                let w = self.alloc(len)?;
+                self.copy_contiguous(x, st, &w, 0, len);
+                let s = self.sum_all(&w)?;
+                self.copy_contiguous(&s, 0, &sums, i, 1);
+            }
+            self.check("sum")?;
+            return self.sum_all(&sums);
+        }
         let mut cur = x.clone();
         loop {
             let n = cur.len;
@@ -620,7 +711,11 @@ impl Gpu {
             let m = self.meta(&[n as u32, per as u32, groups as u32]);
             self.run(
                 Kernel::SumPartials,
-                &[(0, &out.buf), (1, &cur.buf), (2, &m)],
+                &[
+                    (0, out.buf.as_entire_binding()),
+                    (1, cur.buf.as_entire_binding()),
+                    (2, m.as_entire_binding()),
+                ],
                 groups as u32,
             )?;
             if groups == 1 {
@@ -669,10 +764,15 @@ impl Gpu {
             meta[28 + i] = *st as u32;
         }
         let out = self.storage("sum_to", n_out)?;
+        self.require_bindable("sum_to", &[x, &out])?;
         let m = self.meta(&meta);
         self.run(
             Kernel::SumTo,
-            &[(0, &out.buf), (1, &x.buf), (2, &m)],
+            &[
+                (0, out.buf.as_entire_binding()),
+                (1, x.buf.as_entire_binding()),
+                (2, m.as_entire_binding()),
+            ],
             Self::groups(n_out, 1),
         )?;
         Ok(out)
@@ -714,23 +814,31 @@ impl Gpu {
         }
         let dense = super::cpu::strides(shape);
         if src_strides == dense && dst_strides == dense {
-            // A contiguous block on both sides: the copy engine does it, no shader needed.
-            let mut enc = self.0.device.create_command_encoder(&Default::default());
-            enc.copy_buffer_to_buffer(
-                &src.buf,
-                (src_off * 4) as u64,
-                &dst.buf,
-                (dst_off * 4) as u64,
-                (n * 4) as u64,
-            );
-            self.0.queue.submit([enc.finish()]);
+            // A contiguous block on both sides: the copy engine does it (no shader, no binding
+            // limit).
+            self.copy_contiguous(src, src_off, dst, dst_off, n);
             return self.check("copy");
+        }
+        // Bind only the span each side touches, so a region of a buffer above the binding limit
+        // works when its span fits in one binding.
+        let (src_lo, src_len) = self.span(src, src_off, shape, src_strides);
+        let (dst_lo, dst_len) = self.span(dst, dst_off, shape, dst_strides);
+        let w = self.window_elems();
+        if src_len > w || dst_len > w {
+            return Err(gpu_err(
+                "copy",
+                format!(
+                    "a strided region {shape:?} spanning {} elements is above the device's \
+                     storage binding limit of {w} elements",
+                    src_len.max(dst_len)
+                ),
+            ));
         }
         let mut meta = vec![0u32; 28];
         meta[0] = n as u32;
         meta[1] = shape.len() as u32;
-        meta[2] = src_off as u32;
-        meta[3] = dst_off as u32;
+        meta[2] = (src_off - src_lo) as u32;
+        meta[3] = (dst_off - dst_lo) as u32;
         for d in 0..shape.len() {
             meta[4 + d] = shape[d] as u32;
             meta[12 + d] = src_strides[d] as u32;
@@ -739,9 +847,57 @@ impl Gpu {
         let m = self.meta(&meta);
         self.run(
             Kernel::CopyStrided,
-            &[(0, &src.buf), (1, &dst.buf), (2, &m)],
+            &[
+                (0, part(src, src_lo, src_len)),
+                (1, part(dst, dst_lo, dst_len)),
+                (2, m.as_entire_binding()),
+            ],
             Self::groups(n, 1),
         )
+    }
+
+    /// Copy `n` contiguous elements with the copy engine (no binding limit).
+    fn copy_contiguous(
+        &self,
+        src: &GpuBuf,
+        src_off: usize,
+        dst: &GpuBuf,
+        dst_off: usize,
+        n: usize,
+    ) {
+        if n == 0 {
+            return;
+        }
+        let mut enc = self.0.device.create_command_encoder(&Default::default());
+        enc.copy_buffer_to_buffer(
+            &src.buf,
+            (src_off * 4) as u64,
+            &dst.buf,
+            (dst_off * 4) as u64,
+            (n * 4) as u64,
+        );
+        self.0.queue.submit([enc.finish()]);
+    }
+
+    /// The aligned window `(start, len)` of `buf` holding every element of a non-empty strided
+    /// region that starts at `offset` (checked to fit by the caller).
+    fn span(
+        &self,
+        buf: &GpuBuf,
+        offset: usize,
+        shape: &[usize],
+        strides: &[usize],
+    ) -> (usize, usize) {
+        let last = shape
+            .iter()
+            .zip(strides)
+            .fold(offset, |acc, (&s, &st)| acc + (s - 1) * st);
+        let align = (self.0.limits.min_storage_buffer_offset_alignment.max(16) / 4) as usize;
+        let lo = offset / align * align;
+        if lo == 0 && last + 1 == buf.len {
+            return (0, buf.len);
+        }
+        (lo, last + 1 - lo)
     }
 
     /// A new buffer of `n` elements, contents unspecified (to be filled by copies).
@@ -764,6 +920,7 @@ impl Gpu {
         if m * n == 0 {
             return Ok(out);
         }
+        self.require_bindable("matmul", &[a, b, &out])?;
         let meta = self.meta(&[m as u32, k as u32, n as u32]);
         let p = self.pipeline(Kernel::Matmul);
         let layout = p.get_bind_group_layout(0);
@@ -799,6 +956,19 @@ impl Gpu {
         self.check("matmul")?;
         Ok(out)
     }
+}
+
+/// Elements `start..start+len` of `b` as a binding (the whole buffer when that is all of it, so
+/// empty buffers, which hold one padding element, bind too).
+fn part(b: &GpuBuf, start: usize, len: usize) -> wgpu::BindingResource<'_> {
+    if start == 0 && len == b.len {
+        return b.buf.as_entire_binding();
+    }
+    wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+        buffer: &b.buf,
+        offset: (start * 4) as u64,
+        size: std::num::NonZeroU64::new((len.max(1) * 4) as u64),
+    })
 }
 
 /// Whether every index `offset + Σ idx·strides` of a non-empty `shape` region lies in `buf`.
