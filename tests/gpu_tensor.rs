@@ -325,3 +325,94 @@ fn tree_reduce_local_steps_on_the_gpu_are_bit_exact() {
         }
     }
 }
+
+/// The collectives of [`collectives_read_back_only_what_they_send`].
+#[derive(Clone, Copy, Debug)]
+enum Coll {
+    Broadcast,
+    Gather,
+    Scatter,
+    AllGather,
+    AllToAll,
+    Permute,
+}
+
+/// Run `c` on this rank with its list of inputs; every output as a list.
+async fn run_coll<C: Communicator>(
+    comm: &C,
+    c: Coll,
+    x: Vec<Tensor>,
+) -> distgrad::Result<Vec<Tensor>> {
+    let g = comm.world();
+    Ok(match c {
+        Coll::Broadcast => vec![comm.broadcast(&x[0], 1, &g).await?],
+        Coll::Gather => comm.gather(&x[0], 2, &g).await?.unwrap_or_default(),
+        Coll::Scatter => {
+            let l = (comm.rank() == 0).then_some(&x[..]);
+            vec![comm.scatter(l, 0, &g).await?]
+        }
+        Coll::AllGather => comm.all_gather(&x[0], &g).await?,
+        Coll::AllToAll => comm.all_to_all(&x, &g).await?,
+        Coll::Permute => vec![comm.permute(&x[0], &[(0, 1), (1, 2)], &g).await?],
+    })
+}
+
+/// GPU tensors leave the GPU only at the transport boundary: each collective reads back exactly
+/// the bytes its rank sends (counted by the device), a rank's own part of a result is its input,
+/// received parts are uploaded, and the results equal the CPU's. World 4, `B` bytes per tensor:
+/// broadcast from 1 reads B (the root), gather to 2 reads 3B (the others), scatter from 0 reads 3B
+/// (the parts it sends), all_gather 4B (each rank's own), all_to_all 12B (3 parts per rank),
+/// permute 0->1->2 reads 2B (the two senders; rank 2 only receives, rank 3 gets zeros).
+#[test]
+fn collectives_read_back_only_what_they_send() {
+    let Some(_) = gpu() else { return };
+    // A device of its own, so that no other test's readbacks are counted.
+    let g = futures::executor::block_on(distgrad::backend::gpu::Gpu::new()).unwrap();
+    let dev = Device::Gpu(g.clone());
+    const W: usize = 4;
+    // 1000 B per tensor (direct algorithms) and 80000 B (ring all_gather)
+    for numel in [250, 20_000] {
+        let b = (numel * 4) as u64;
+        for (c, units) in [
+            (Coll::Broadcast, 1),
+            (Coll::Gather, 3),
+            (Coll::Scatter, 3),
+            (Coll::AllGather, 4),
+            (Coll::AllToAll, 12),
+            (Coll::Permute, 2),
+        ] {
+            let run = |d: &Device| {
+                let opts = CommOptions {
+                    device: d.clone(),
+                    ..CommOptions::default()
+                };
+                run_local(W, opts, |comm| {
+                    let r = comm.rank() as u64;
+                    let xs = (0..W as u64)
+                        .map(|j| t(100 * r + j, &[numel]).to_device(d))
+                        .collect::<distgrad::Result<Vec<_>>>();
+                    async move { run_coll(&comm, c, xs?).await }
+                })
+                .into_iter()
+                .map(Result::unwrap)
+                .collect::<Vec<_>>()
+            };
+            let before = g.bytes_read_back();
+            let on_gpu = run(&dev);
+            let read = g.bytes_read_back() - before;
+            assert_eq!(read, units * b, "{c:?} numel {numel}: bytes read back");
+            let on_cpu = run(&Device::Cpu);
+            for (r, (got, want)) in on_gpu.iter().zip(&on_cpu).enumerate() {
+                assert_eq!(got.len(), want.len(), "{c:?} rank {r}");
+                for (x, y) in got.iter().zip(want) {
+                    assert_eq!(
+                        x.device().name(),
+                        "wgpu",
+                        "{c:?} rank {r}: result on the GPU"
+                    );
+                    assert_eq!(bits(x), bits(y), "{c:?} rank {r}");
+                }
+            }
+        }
+    }
+}

@@ -40,6 +40,7 @@ struct Ctx {
     limits: wgpu::Limits,
     pipelines: Mutex<HashMap<(Kernel, u32), Arc<wgpu::ComputePipeline>>>,
     error: Arc<Mutex<Option<String>>>,
+    read_back: std::sync::atomic::AtomicU64,
 }
 
 /// A wgpu device ready to run distgrad's kernels. Cheap to clone (shared).
@@ -197,6 +198,7 @@ impl Gpu {
             limits,
             pipelines: Mutex::new(HashMap::new()),
             error,
+            read_back: std::sync::atomic::AtomicU64::new(0),
         })))
     }
 
@@ -383,9 +385,18 @@ impl Gpu {
         })
     }
 
+    /// Bytes read back from this device to the host so far (every readback counts): how tests
+    /// check that tensors leave the GPU only at the transport boundary.
+    pub fn bytes_read_back(&self) -> u64 {
+        self.0.read_back.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Copy `b` into a new mappable staging buffer (the first half of every readback).
     fn stage(&self, b: &GpuBuf) -> wgpu::Buffer {
         let size = (b.len * 4) as u64;
+        self.0
+            .read_back
+            .fetch_add(size, std::sync::atomic::Ordering::Relaxed);
         let staging = self.0.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("readback"),
             size,

@@ -7,7 +7,7 @@
 
 use bytes::Bytes;
 
-use super::p2p::{Call, decode_tensor, encode_tensor};
+use super::p2p::{Call, decode_tensor, encode_tensor_async};
 use super::partial::{Partial, bytes_of};
 use super::{ReduceOp, chunk_bounds};
 use crate::backend::cpu;
@@ -110,7 +110,7 @@ pub(crate) async fn all_reduce_pairwise<T: Transport>(
 
 /// Send `x` to every other rank, receive every other rank's equal-size tensor (`None` at our index).
 async fn exchange_all<T: Transport>(call: &Call<'_, T>, x: &Tensor) -> Result<Vec<Option<Bytes>>> {
-    let xb = x.to_le_bytes()?;
+    let xb = bytes_of(x, 0, x.numel()).await?;
     for k in 1..call.n {
         call.send((call.me + k) % call.n, xb.clone()).await?;
     }
@@ -168,7 +168,7 @@ pub(crate) async fn gather<T: Transport>(
     root: usize,
 ) -> Result<Option<Vec<Tensor>>> {
     if call.me != root {
-        call.send(root, x.to_le_bytes()?).await?;
+        call.send(root, bytes_of(x, 0, x.numel()).await?).await?;
         return Ok(None);
     }
     let mut out = Vec::with_capacity(call.n);
@@ -194,7 +194,7 @@ pub(crate) async fn scatter<T: Transport>(
             xs.ok_or_else(|| Error::invalid("scatter", "the root must pass the list to scatter"))?;
         for k in 1..call.n {
             let j = (root + k) % call.n;
-            call.send(j, encode_tensor(&xs[j])?).await?;
+            call.send(j, encode_tensor_async(&xs[j]).await?).await?;
         }
         return Ok(xs[root].clone());
     }
@@ -209,7 +209,7 @@ pub(crate) async fn all_to_all<T: Transport>(
 ) -> Result<Vec<Tensor>> {
     for k in 1..call.n {
         let j = (call.me + k) % call.n;
-        call.send(j, encode_tensor(&xs[j])?).await?;
+        call.send(j, encode_tensor_async(&xs[j]).await?).await?;
     }
     let mut out = Vec::with_capacity(call.n);
     for (i, x) in xs.iter().enumerate() {
@@ -238,12 +238,12 @@ pub(crate) async fn all_to_all_single<T: Transport>(
         starts.push(s);
         s += k;
     }
-    // Rows along dim 0 are contiguous: each piece is a byte range of the input (no copy on the CPU).
-    let xb = x.to_le_bytes()?;
-    let piece = |j: usize| xb.slice(starts[j] * row * 4..(starts[j] + in_splits[j]) * row * 4);
+    // Rows along dim 0 are contiguous: each piece is a range of the input (no copy on the CPU;
+    // on a GPU only the pieces sent are read back).
     for k in 1..call.n {
         let j = (call.me + k) % call.n;
-        call.send(j, piece(j)).await?;
+        call.send(j, bytes_of(x, starts[j] * row, in_splits[j] * row).await?)
+            .await?;
     }
     let mut parts = Vec::with_capacity(call.n);
     for (i, &rows) in out_splits.iter().enumerate() {
@@ -258,7 +258,7 @@ pub(crate) async fn all_to_all_single<T: Transport>(
                     ),
                 ));
             }
-            parts.push(Tensor::from_shared_le_bytes(piece(i), &shape)?);
+            parts.push(x.slice(0, starts[i], rows)?);
             continue;
         }
         let b = call.recv(i).await?;
@@ -272,7 +272,7 @@ pub(crate) async fn all_to_all_single<T: Transport>(
                 ),
             ));
         }
-        parts.push(Tensor::from_shared_le_bytes(b, &shape)?);
+        parts.push(Tensor::from_shared_le_bytes(b, &shape)?.to_device(&x.device())?);
     }
     Tensor::concat(&parts, 0)
 }
@@ -285,7 +285,7 @@ pub(crate) async fn permute<T: Transport>(
 ) -> Result<Tensor> {
     let me = call.me;
     if let Some(&(_, d)) = pairs.iter().find(|(s, d)| *s == me && *d != me) {
-        call.send(d, x.to_le_bytes()?).await?;
+        call.send(d, bytes_of(x, 0, x.numel()).await?).await?;
     }
     match pairs.iter().find(|(_, d)| *d == me) {
         Some(&(s, _)) if s == me => Ok(x.clone()),

@@ -503,10 +503,11 @@ impl<T: Transport> Call<'_, T> {
     }
 }
 
-/// Most collectives run their local steps on the host: GPU inputs are read back at the entry (the
-/// transport boundary) and outputs go back to the inputs' device. The reductions are the
-/// exception: a GPU tensor's reduce (tree), ring all_reduce and ring reduce_scatter stay on the
-/// GPU and fold the received data in there (`partial::Partial`).
+/// GPU tensors stay on the GPU: a collective reads back only the bytes it sends (the transport
+/// boundary), a rank's own part of a result is its input itself, and received parts are uploaded
+/// to the inputs' device. The reductions fold received data in on the GPU
+/// (`partial::Partial`); small direct all_reduces and reduce_scatters, whose every contribution
+/// is sent anyway, fold on the host.
 /// Whether `dev` is a GPU.
 fn on_gpu(dev: &Device) -> bool {
     !matches!(dev, Device::Cpu)
@@ -535,14 +536,26 @@ fn to_device(xs: &[Tensor], d: &Device) -> Result<Vec<Tensor>> {
 
 /// Whole-tensor wire form: `[u32 ndim][u64 dim]*[f32 LE data]`.
 pub fn encode_tensor(t: &Tensor) -> Result<Bytes> {
-    let data = t.to_le_bytes()?;
-    let mut b = BytesMut::with_capacity(4 + 8 * t.shape().len() + data.len());
-    b.put_u32_le(t.shape().len() as u32);
-    for &d in t.shape() {
+    Ok(encode_parts(t.shape(), &t.to_le_bytes()?))
+}
+
+/// [`encode_tensor`] of a tensor wherever it lives (a GPU tensor is read back asynchronously: the
+/// transport boundary, and the only way out of a GPU in a browser).
+pub(crate) async fn encode_tensor_async(t: &Tensor) -> Result<Bytes> {
+    Ok(encode_parts(
+        t.shape(),
+        &super::partial::bytes_of(t, 0, t.numel()).await?,
+    ))
+}
+
+fn encode_parts(shape: &[usize], data: &[u8]) -> Bytes {
+    let mut b = BytesMut::with_capacity(4 + 8 * shape.len() + data.len());
+    b.put_u32_le(shape.len() as u32);
+    for &d in shape {
         b.put_u64_le(d as u64);
     }
-    b.put_slice(&data);
-    Ok(b.freeze())
+    b.put_slice(data);
+    b.freeze()
 }
 
 /// Parse [`encode_tensor`]'s output; `None` if malformed.
@@ -614,7 +627,6 @@ impl<T: Transport> Communicator for P2p<T> {
     async fn broadcast(&self, x: &Tensor, root: usize, group: &Group) -> Result<Tensor> {
         self.guarded(async {
             let dev = x.device();
-            let x = &x.moved_to(&Device::Cpu).await?;
             group.check_rank("broadcast", "root", root)?;
             let call = self
                 .begin(
@@ -707,7 +719,6 @@ impl<T: Transport> Communicator for P2p<T> {
     async fn gather(&self, x: &Tensor, root: usize, group: &Group) -> Result<Option<Vec<Tensor>>> {
         self.guarded(async {
             let dev = x.device();
-            let x = &x.moved_to(&Device::Cpu).await?;
             group.check_rank("gather", "root", root)?;
             let call = self
                 .begin(
@@ -730,11 +741,6 @@ impl<T: Transport> Communicator for P2p<T> {
             let dev = xs
                 .and_then(|l| l.first())
                 .map_or(self.opts.device.clone(), Tensor::device);
-            let host = match xs {
-                Some(l) => Some(to_host(l).await?),
-                None => None,
-            };
-            let xs = host.as_deref();
             group.check_rank("scatter", "root", root)?;
             let me = group.require_member("scatter")?;
             let mut sig = CallSig::new(Kind::Scatter).root(root);
@@ -765,7 +771,6 @@ impl<T: Transport> Communicator for P2p<T> {
     async fn all_gather(&self, x: &Tensor, group: &Group) -> Result<Vec<Tensor>> {
         self.guarded(async {
             let dev = x.device();
-            let x = &x.moved_to(&Device::Cpu).await?;
             let ring = group.size() > 1 && x.numel() * 4 >= self.opts.ring_threshold;
             let sig = CallSig::new(Kind::AllGather)
                 .shape(x.shape())
@@ -813,7 +818,6 @@ impl<T: Transport> Communicator for P2p<T> {
     async fn all_to_all(&self, xs: &[Tensor], group: &Group) -> Result<Vec<Tensor>> {
         self.guarded(async {
             let dev = xs.first().map_or(Device::Cpu, Tensor::device);
-            let xs = &to_host(xs).await?;
             if xs.len() != group.size() {
                 return Err(Error::invalid(
                     "all_to_all",
@@ -840,7 +844,6 @@ impl<T: Transport> Communicator for P2p<T> {
     ) -> Result<Tensor> {
         self.guarded(async {
             let dev = x.device();
-            let x = &x.moved_to(&Device::Cpu).await?;
             let n = group.size();
             let op = "all_to_all_single";
             if x.shape().is_empty() {
@@ -879,7 +882,6 @@ impl<T: Transport> Communicator for P2p<T> {
 
     async fn send(&self, x: &Tensor, dst: usize, group: &Group) -> Result<()> {
         self.guarded(async {
-            let x = &x.moved_to(&Device::Cpu).await?;
             let me = group.require_member("send")?;
             group.check_rank("send", "destination", dst)?;
             if dst == me {
@@ -891,7 +893,7 @@ impl<T: Transport> Communicator for P2p<T> {
             }
             let seq = self.next_p2p_seq(group.id(), me, dst);
             let sb = sig.encode();
-            let data = encode_tensor(x)?;
+            let data = encode_tensor_async(x).await?;
             let mut b = BytesMut::with_capacity(4 + sb.len() + data.len());
             b.put_u32_le(sb.len() as u32);
             b.put_slice(&sb);
@@ -991,7 +993,6 @@ impl<T: Transport> Communicator for P2p<T> {
     async fn permute(&self, x: &Tensor, pairs: &[(usize, usize)], group: &Group) -> Result<Tensor> {
         self.guarded(async {
             let dev = x.device();
-            let x = &x.moved_to(&Device::Cpu).await?;
             super::check_pairs("permute", pairs, group.size())?;
             let extra = pairs
                 .iter()

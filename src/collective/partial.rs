@@ -170,6 +170,8 @@ pub(crate) async fn bytes_of(x: &Tensor, start: usize, len: usize) -> Result<Byt
     match x.storage() {
         Storage::Cpu(_) => Ok(x.to_le_bytes()?.slice(start * 4..(start + len) * 4)),
         #[cfg(feature = "wgpu")]
+        Storage::Gpu(_) if start == 0 && len == x.numel() => Ok(f32_bytes(x.read().await?)),
+        #[cfg(feature = "wgpu")]
         Storage::Gpu(_) => Partial::copy_of(x, start, len)?.into_bytes().await,
     }
 }

@@ -108,17 +108,24 @@ pub(crate) async fn all_gather<T: Transport>(
 ) -> Result<Vec<Tensor>> {
     let (n, me) = (call.n, call.me);
     let mut parts: Vec<Bytes> = vec![Bytes::new(); n];
-    let mut out = x.to_le_bytes()?;
-    parts[me] = out.clone();
+    let mut out = bytes_of(x, 0, x.numel()).await?;
     for s in 0..n - 1 {
         let c = (me + 2 * n - s - 1) % n;
         let got = step(call, out, x.numel() * 4).await?;
         parts[c] = got.clone();
         out = got;
     }
+    // Our own part is the input itself (it stays where it is).
     parts
         .iter()
-        .map(|p| Tensor::from_shared_le_bytes(p.clone(), x.shape()))
+        .enumerate()
+        .map(|(j, p)| {
+            if j == me {
+                Ok(x.clone())
+            } else {
+                Tensor::from_shared_le_bytes(p.clone(), x.shape())
+            }
+        })
         .collect()
 }
 

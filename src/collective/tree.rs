@@ -3,7 +3,7 @@
 
 use super::ReduceOp;
 use super::p2p::Call;
-use super::partial::Partial;
+use super::partial::{Partial, bytes_of};
 use crate::error::Result;
 use crate::tensor::Tensor;
 use crate::transport::Transport;
@@ -17,7 +17,12 @@ pub(crate) async fn broadcast<T: Transport>(
     let n = call.n;
     let v = (call.me + n - root) % n;
     let real = |vr: usize| (vr + root) % n;
-    let mut data = x.to_le_bytes()?;
+    // Only the root's input is sent (read back, for a GPU tensor); the others' only give the shape.
+    let mut data = if v == 0 {
+        bytes_of(x, 0, x.numel()).await?
+    } else {
+        bytes::Bytes::new()
+    };
     let mut mask = 1;
     while mask < n {
         if v & mask != 0 {
