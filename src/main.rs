@@ -22,6 +22,7 @@ mod cli {
 
     use clap::{Parser, Subcommand};
     use distgrad::bench::{self, BenchOp};
+    use distgrad::transport::Transport as _;
     use distgrad::vjp::{self, Which};
     use distgrad::{AllReduceAlgo, CommOptions, Communicator, ReduceOp};
 
@@ -169,6 +170,11 @@ mod cli {
             /// still trying WebRTC, need more than the default).
             #[arg(long, default_value_t = 10)]
             timeout_secs: u64,
+            /// Exchange data with the room's other native workers over direct TCP links,
+            /// listening on this address (e.g. 127.0.0.1:0); the relay only introduces them.
+            /// Pairs that cannot link (browser tabs, workers without this flag) use the relay.
+            #[arg(long)]
+            direct: Option<std::net::SocketAddr>,
         },
         /// Start a relay and N worker processes on this machine, run a collective forward and backward,
         /// and print the same per-rank table as `vjp`.
@@ -176,7 +182,8 @@ mod cli {
             /// Number of ranks.
             #[arg(long, default_value_t = 4)]
             world: usize,
-            /// `relay` (processes through a local relay) or `local` (threads).
+            /// `relay` (processes through a local relay), `direct` (processes introduced by a local
+            /// relay, data over direct TCP links) or `local` (threads).
             #[arg(long, default_value = "relay")]
             transport: String,
             /// Collective of the built-in example.
@@ -198,7 +205,9 @@ mod cli {
             /// `collectives` (default) or `kernels` (the WGSL kernels against a 1-thread CPU loop).
             #[arg(default_value = "collectives")]
             what: String,
-            /// Transport: `local` (ranks as threads of this process) or `relay`.
+            /// Transport: `local` (ranks as threads of this process), `relay` (each rank a
+            /// WebSocket to a relay) or `direct` (introduced by the relay, data over TCP links
+            /// between the ranks).
             #[arg(long, default_value = "local")]
             transport: String,
             /// Number of ranks.
@@ -294,6 +303,7 @@ mod cli {
                 root,
                 json,
                 timeout_secs,
+                direct,
             } => {
                 let opts = WorkerOpts {
                     relay,
@@ -302,6 +312,7 @@ mod cli {
                     rank,
                     token,
                     timeout: std::time::Duration::from_secs(timeout_secs.max(1)),
+                    direct,
                 };
                 run_worker(&opts, &collective, case.as_deref(), &op, root, json)
             }
@@ -408,9 +419,12 @@ mod cli {
             "relay" => {
                 "threads, each with its own WebSocket to a relay on 127.0.0.1 in this process"
             }
+            "direct" => {
+                "threads introduced by a relay on 127.0.0.1, data over direct TCP links between them"
+            }
             other => {
                 return Err(distgrad::Error::Input(format!(
-                    "unknown transport {other:?} (local or relay)"
+                    "unknown transport {other:?} (local, relay or direct)"
                 )));
             }
         };
@@ -450,6 +464,13 @@ mod cli {
                 let (ops, sizes) = (&ops, &sizes);
                 async move { rank_bench(&comm, ops, sizes, memcpy).await }
             })
+        } else if transport == "direct" {
+            distgrad::run::run_over_relay_direct(
+                world,
+                distgrad::relay::RelayConfig::default(),
+                opts,
+                async |comm| rank_bench(comm, &ops, &sizes, memcpy).await,
+            )?
         } else {
             distgrad::run::run_over_relay(
                 world,
@@ -786,6 +807,7 @@ mod cli {
         rank: Option<u32>,
         token: Option<String>,
         timeout: std::time::Duration,
+        direct: Option<std::net::SocketAddr>,
     }
 
     fn load_case(
@@ -827,10 +849,18 @@ mod cli {
         let mut join = distgrad::transport::ws::JoinOptions::new(&o.room, world);
         join.rank = o.rank;
         join.token = o.token.clone();
+        join.direct = o.direct;
         let result = runtime(false)?.block_on(async {
             let t = distgrad::transport::ws::WsTransport::connect(&o.relay, join).await?;
             if o.token.is_none() {
                 eprintln!("room {:?} token: {}", o.room, t.token());
+            }
+            if o.direct.is_some() {
+                eprintln!(
+                    "rank {}: direct links to ranks {:?}, the others through the relay",
+                    t.rank(),
+                    t.direct_peers()
+                );
             }
             let comm = distgrad::P2p::new(
                 t,
@@ -874,10 +904,11 @@ mod cli {
         let case = load_case(collective, None, world, op, root)?;
         let out = match transport {
             "local" => vjp::run_case(&case)?,
-            "relay" => demo_over_relay(&case, collective, op, root)?,
+            "relay" => demo_over_relay(&case, collective, op, root, false)?,
+            "direct" => demo_over_relay(&case, collective, op, root, true)?,
             other => {
                 return Err(distgrad::Error::Input(format!(
-                    "unknown transport {other:?} (relay or local)"
+                    "unknown transport {other:?} (relay, direct or local)"
                 )));
             }
         };
@@ -890,6 +921,7 @@ mod cli {
         collective: &str,
         op: &str,
         root: usize,
+        direct: bool,
     ) -> distgrad::Result<vjp::CaseOutput> {
         let world = case.world;
         let prepared = vjp::Prepared::new(case)?;
@@ -936,6 +968,11 @@ mod cli {
                         "--root",
                         &root.to_string(),
                     ])
+                    .args(if direct {
+                        &["--direct", "127.0.0.1:0"][..]
+                    } else {
+                        &[][..]
+                    })
                     .stdout(std::process::Stdio::piped())
                     .stderr(std::process::Stdio::piped())
                     .spawn()
@@ -955,6 +992,12 @@ mod cli {
                             "worker {r} failed: {}",
                             String::from_utf8_lossy(&out.stderr).trim()
                         )));
+                    }
+                    // Say which pairs linked directly (the workers' own report).
+                    for line in String::from_utf8_lossy(&out.stderr).lines() {
+                        if line.contains("direct links") {
+                            eprintln!("demo: {line}");
+                        }
                     }
                     serde_json::from_slice::<vjp::RankResult>(&out.stdout)
                         .map_err(|e| distgrad::Error::Input(format!("worker {r} output: {e}")))

@@ -91,6 +91,37 @@ where
     F: AsyncFn(&P2p<crate::transport::ws::WsTransport>) -> Result<R> + Sync,
     R: Send,
 {
+    relay_run(world, relay, opts, false, f)
+}
+
+/// [`run_over_relay`] with direct links: the relay introduces the ranks, which then exchange data
+/// over TCP between themselves on 127.0.0.1 ([`crate::transport::direct`]).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn run_over_relay_direct<R, F>(
+    world: usize,
+    relay: crate::relay::RelayConfig,
+    opts: CommOptions,
+    f: F,
+) -> Result<Vec<Result<R>>>
+where
+    F: AsyncFn(&P2p<crate::transport::ws::WsTransport>) -> Result<R> + Sync,
+    R: Send,
+{
+    relay_run(world, relay, opts, true, f)
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+fn relay_run<R, F>(
+    world: usize,
+    relay: crate::relay::RelayConfig,
+    opts: CommOptions,
+    direct: bool,
+    f: F,
+) -> Result<Vec<Result<R>>>
+where
+    F: AsyncFn(&P2p<crate::transport::ws::WsTransport>) -> Result<R> + Sync,
+    R: Send,
+{
     use crate::transport::ws::{JoinOptions, WsTransport};
     let io = |e: std::io::Error| Error::Relay {
         detail: e.to_string(),
@@ -128,6 +159,9 @@ where
                             join.token = Some(token.clone());
                             join.rank = Some(rank as u32);
                             join.max_payload = max_payload;
+                            if direct {
+                                join.direct = Some(([127, 0, 0, 1], 0).into());
+                            }
                             let t = WsTransport::connect(url, join).await?;
                             let comm = P2p::new(t, opts);
                             let r = f(&comm).await;

@@ -222,6 +222,41 @@ fn demo_over_relay_processes_equals_in_process_vjp_for_every_collective() {
     );
 }
 
+/// `distgrad demo --transport direct`: worker processes introduced by the relay, data over direct
+/// links, print the same JSON as the in-process `vjp` (a few collectives; every collective runs
+/// over direct links in-process in `direct_links_carry_every_collective_bitwise_like_local`).
+#[test]
+fn demo_with_direct_links_equals_in_process_vjp() {
+    for (coll, op, root) in [
+        ("all_reduce", "max", "0"),
+        ("scatter", "sum", "2"),
+        ("all_to_all", "sum", "0"),
+    ] {
+        let common = ["--world", "4", "--op", op, "--root", root, "--json"];
+        let demo_args: Vec<&str> = ["demo", "--transport", "direct", "--collective", coll]
+            .into_iter()
+            .chain(common)
+            .collect();
+        let demo = run_bin(&demo_args, Duration::from_secs(60));
+        assert!(
+            demo.status.success(),
+            "{coll}: distgrad {demo_args:?} failed: {}",
+            String::from_utf8_lossy(&demo.stderr)
+        );
+        let err = String::from_utf8_lossy(&demo.stderr);
+        for r in 0..4 {
+            let others: Vec<usize> = (0..4).filter(|&x| x != r).collect();
+            let want = format!("rank {r}: direct links to ranks {others:?}");
+            assert!(err.contains(&want), "{coll}: no {want:?} in {err}");
+        }
+        let vjp_args: Vec<&str> = ["vjp", coll].into_iter().chain(common).collect();
+        let local = run_bin(&vjp_args, Duration::from_secs(60));
+        let dj: serde_json::Value = serde_json::from_slice(&demo.stdout).expect("demo JSON");
+        let lj: serde_json::Value = serde_json::from_slice(&local.stdout).expect("vjp JSON");
+        assert_eq!(dj, lj, "{coll}: demo over direct links and vjp differ");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // 2a. In-process relay, ranks as threads: bitwise equal to the in-process transport
 // ---------------------------------------------------------------------------------------------
@@ -266,6 +301,144 @@ fn collectives_through_in_process_relay_equal_local_bitwise() {
             .unwrap_or_else(|e| panic!("{ctx}: over the relay: {e}"));
         assert_bitwise_eq(&over_relay, &local, &ctx);
     }
+    relay.shutdown(Duration::from_secs(5));
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2b. Direct links: the relay introduces native ranks, data goes over TCP between them
+// ---------------------------------------------------------------------------------------------
+
+/// Join options with direct links on 127.0.0.1.
+fn direct_join(room: &str, world: u32, rank: u32) -> JoinOptions {
+    let mut j = join_opts(room, "tok", world, rank);
+    j.direct = Some(([127, 0, 0, 1], 0).into());
+    j
+}
+
+/// The built-in examples (every kind of collective, roots != 0, a subgroup) plus a 1 MiB
+/// all_reduce, forward and backward, with 4 native ranks linked directly (each reports links to
+/// the 3 others): bitwise equal to `run_local`.
+#[test]
+fn direct_links_carry_every_collective_bitwise_like_local() {
+    let relay = TestRelay::default_config();
+    let url = relay.url();
+    let cases: Vec<(Which, ReduceOp, usize, Option<Vec<usize>>)> = vec![
+        (Which::Broadcast, ReduceOp::Sum, 3, None),
+        (Which::Reduce, ReduceOp::Prod, 2, None),
+        (Which::Gather, ReduceOp::Sum, 1, None),
+        (Which::Scatter, ReduceOp::Sum, 2, None),
+        (Which::AllGather, ReduceOp::Sum, 0, None),
+        (Which::ReduceScatter, ReduceOp::Max, 0, None),
+        (Which::AllToAll, ReduceOp::Sum, 0, None),
+        (Which::AllReduce, ReduceOp::Avg, 0, None),
+        (Which::Permute, ReduceOp::Sum, 0, None),
+        (Which::AllToAllSingle, ReduceOp::Sum, 0, None),
+        (Which::Reduce, ReduceOp::Min, 1, Some(vec![3, 0, 2])),
+    ];
+    for (k, (which, op, root, group)) in cases.into_iter().enumerate() {
+        let ctx = format!(
+            "direct {} op={} root={root} group={group:?}",
+            which.name(),
+            op.name()
+        );
+        let case = vjp::example_case(which, 4, op, root, group).expect("example case");
+        let local = vjp::run_case(&case).unwrap_or_else(|e| panic!("{ctx}: local run: {e}"));
+        let prepared = vjp::Prepared::new(&case).expect("prepare");
+        let room = format!("direct-{k}");
+        let joins = (0..4).map(|r| direct_join(&room, 4, r)).collect();
+        let results = run_ranks(&url, joins, vjp::case_options(), |r, comm| {
+            let p = &prepared;
+            async move {
+                let peers = comm.transport().direct_peers();
+                let want: Vec<usize> = (0..4).filter(|&x| x != r).collect();
+                assert_eq!(peers, want, "rank {r}: direct links");
+                vjp::run_rank(&comm, p).await
+            }
+        });
+        let direct = vjp::assemble(&prepared, results)
+            .unwrap_or_else(|e| panic!("{ctx}: over direct links: {e}"));
+        assert_bitwise_eq(&direct, &local, &ctx);
+    }
+    // A large message on a link (one frame of 1 MiB, no fragments): ring all_reduce.
+    const N: usize = 1 << 18;
+    let x_of = |r: usize| -> Vec<f32> {
+        (0..N)
+            .map(|i| ((i * 7 + r * 13) % 101) as f32 * 0.25 - 12.0)
+            .collect()
+    };
+    let opts = CommOptions {
+        all_reduce: AllReduceAlgo::Ring,
+        ..CommOptions::default()
+    };
+    let local = all_ok(
+        "local",
+        run_local(4, opts.clone(), |comm| async move {
+            let x = Tensor::vector(&x_of(comm.rank()));
+            Ok(comm
+                .all_reduce(&x, ReduceOp::Sum, &comm.world())
+                .await?
+                .to_vec())
+        }),
+    );
+    let joins = (0..4).map(|r| direct_join("direct-big", 4, r)).collect();
+    let remote = all_ok(
+        "direct",
+        run_ranks(&url, joins, opts, |_, comm| async move {
+            let x = Tensor::vector(&x_of(comm.rank()));
+            Ok(comm
+                .all_reduce(&x, ReduceOp::Sum, &comm.world())
+                .await?
+                .to_vec())
+        }),
+    );
+    for r in 0..4 {
+        assert!(
+            bits(&remote[r]) == bits(&local[r]),
+            "rank {r}: 1 MiB all_reduce"
+        );
+    }
+    relay.shutdown(Duration::from_secs(5));
+}
+
+/// Ranks 0 and 2 make direct links, 1 and 3 do not: only the pair (0, 2) links, every other
+/// pair goes through the relay, and the results are still bitwise the in-process ones.
+#[test]
+fn direct_and_relay_only_ranks_mix() {
+    let relay = TestRelay::default_config();
+    let url = relay.url();
+    let case = vjp::example_case(Which::AllToAll, 4, ReduceOp::Sum, 0, None).unwrap();
+    let local = vjp::run_case(&case).unwrap();
+    let prepared = vjp::Prepared::new(&case).unwrap();
+    let joins = (0..4)
+        .map(|r| {
+            if r % 2 == 0 {
+                direct_join("mix", 4, r)
+            } else {
+                join_opts("mix", "tok", 4, r)
+            }
+        })
+        .collect();
+    let t0 = Instant::now();
+    let results = run_ranks(&url, joins, vjp::case_options(), |r, comm| {
+        let p = &prepared;
+        async move {
+            let want: Vec<usize> = match r {
+                0 => vec![2],
+                2 => vec![0],
+                _ => vec![],
+            };
+            assert_eq!(comm.transport().direct_peers(), want, "rank {r}");
+            vjp::run_rank(&comm, p).await
+        }
+    });
+    // Relay-only ranks say so at once: nobody waits for the link timeout.
+    assert!(
+        t0.elapsed() < Duration::from_secs(4),
+        "joining took {:?}",
+        t0.elapsed()
+    );
+    let out = vjp::assemble(&prepared, results).expect("mixed run");
+    assert_bitwise_eq(&out, &local, "mixed direct / relay-only");
     relay.shutdown(Duration::from_secs(5));
 }
 
@@ -908,6 +1081,17 @@ fn frames_cannot_cross_rooms() {
 /// 5 s. Another room on the same relay still works afterwards.
 #[test]
 fn killed_worker_process_fails_its_room_within_5s_and_the_relay_keeps_serving() {
+    killed_worker(false);
+}
+
+/// The same with direct links between the three ranks (the worker's data comes over TCP, not the
+/// relay): its death still fails the others within 5 s.
+#[test]
+fn killed_worker_with_direct_links_fails_its_room_within_5s() {
+    killed_worker(true);
+}
+
+fn killed_worker(direct: bool) {
     let relay = TestRelay::default_config();
     let url = relay.url();
     let case = vjp::example_case(Which::AllReduce, 3, ReduceOp::Sum, 0, None).unwrap();
@@ -924,6 +1108,11 @@ fn killed_worker_process_fails_its_room_within_5s_and_the_relay_keeps_serving() 
                 "all_reduce",
                 "--json",
             ])
+            .args(if direct {
+                &["--direct", "127.0.0.1:0"][..]
+            } else {
+                &[][..]
+            })
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -940,9 +1129,17 @@ fn killed_worker_process_fails_its_room_within_5s_and_the_relay_keeps_serving() 
                 let (url, prepared, joined_tx) = (&url, &prepared, joined_tx.clone());
                 s.spawn(move || {
                     rank_runtime().block_on(async move {
-                        let t = WsTransport::connect(url, join_opts("loss", "tk", 3, r as u32))
+                        let mut join = join_opts("loss", "tk", 3, r as u32);
+                        if direct {
+                            join.direct = Some(([127, 0, 0, 1], 0).into());
+                        }
+                        let t = WsTransport::connect(url, join)
                             .await
                             .unwrap_or_else(|e| panic!("rank {r}: joining: {e}"));
+                        if direct {
+                            let want: Vec<usize> = (0..3).filter(|&x| x != r).collect();
+                            assert_eq!(t.direct_peers(), want, "rank {r}: direct links");
+                        }
                         joined_tx.send(r).unwrap();
                         let killed_at = go.recv_timeout(Duration::from_secs(30)).expect("go");
                         let comm = distgrad::P2p::new(t, vjp::case_options());

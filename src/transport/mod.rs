@@ -6,6 +6,8 @@
 //! peer loss and abort. Implementations: [`local`] (ranks as threads of one process) and, natively, `ws`
 //! (WebSocket through the relay).
 
+#[cfg(not(target_arch = "wasm32"))]
+pub mod direct;
 pub mod local;
 pub mod mailbox;
 #[cfg(not(target_arch = "wasm32"))]

@@ -13,7 +13,7 @@ use futures::{SinkExt, StreamExt};
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
 
-use super::{Mailbox, Tag, Transport};
+use super::{Mailbox, Tag, Transport, direct};
 use crate::error::{Error, Result};
 use crate::wire::{Control, HEADER_LEN, Header, LEFT_CLEANLY, Reassembler, fragments};
 
@@ -36,6 +36,13 @@ pub struct JoinOptions {
     pub max_message: usize,
     /// Longest wait for room in the outgoing queue (the relay pushing back) before a send fails.
     pub send_timeout: Duration,
+    /// Direct links: listen on this address (port 0: any) and exchange data with the room's
+    /// other native members over TCP, the relay only introducing them ([`super::direct`]);
+    /// `None` (the default): everything through the relay.
+    pub direct: Option<std::net::SocketAddr>,
+    /// How long joining waits for the direct links to come up; pairs not linked by then use the
+    /// relay.
+    pub direct_timeout: Duration,
 }
 
 impl JoinOptions {
@@ -50,6 +57,8 @@ impl JoinOptions {
             max_payload: 1 << 20,
             max_message: 1 << 30,
             send_timeout: Duration::from_secs(60),
+            direct: None,
+            direct_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -60,11 +69,12 @@ pub struct WsTransport {
     world: usize,
     token: String,
     mailbox: Arc<Mailbox>,
-    out: Option<mpsc::Sender<Bytes>>,
+    out: Option<mpsc::Sender<Message>>,
     max_payload: usize,
     send_timeout: Duration,
     reader: Option<tokio::task::JoinHandle<()>>,
     writer: Option<tokio::task::JoinHandle<()>>,
+    links: std::collections::HashMap<usize, direct::Link>,
 }
 
 fn relay_err(detail: impl Into<String>) -> Error {
@@ -130,10 +140,10 @@ impl WsTransport {
         let (rank, world) = (rank as usize, opts.world as usize);
         let mailbox = Arc::new(Mailbox::new(rank, world));
 
-        let (tx, mut rx) = mpsc::channel::<Bytes>(64);
+        let (tx, mut rx) = mpsc::channel::<Message>(64);
         let writer = tokio::spawn(async move {
-            while let Some(frame) = rx.recv().await {
-                if sink.send(Message::binary(frame)).await.is_err() {
+            while let Some(msg) = rx.recv().await {
+                if sink.send(msg).await.is_err() {
                     break;
                 }
             }
@@ -141,6 +151,10 @@ impl WsTransport {
         });
         let mb = mailbox.clone();
         let max_message = opts.max_message;
+        let (signals, peer_signals) = mpsc::unbounded_channel();
+        let direct_on = opts.direct.is_some();
+        // Weak: the writer must still end when the transport drops its sender.
+        let replies = tx.downgrade();
         let reader = tokio::spawn(async move {
             let mut parts = Reassembler::new(max_message);
             let reason = loop {
@@ -171,6 +185,31 @@ impl WsTransport {
                             mb.peer_lost(rank as usize, &reason)
                         }
                         Ok(Control::Error { message }) => break format!("relay error: {message}"),
+                        Ok(Control::Signal {
+                            from: Some(from),
+                            data,
+                            ..
+                        }) => {
+                            let kind = direct::peer_kind(&data);
+                            // A rank without direct links answers a peer that offers one, so
+                            // that the peer does not wait for it (only such peers are told).
+                            if !direct_on && matches!(kind, direct::PeerKind::Listening(_)) {
+                                let reply = Control::Signal {
+                                    to: Some(from),
+                                    from: None,
+                                    data: direct::announcement(None),
+                                };
+                                if let Ok(text) = serde_json::to_string(&reply)
+                                    && let Some(tx) = replies.upgrade()
+                                {
+                                    tokio::spawn(async move {
+                                        let _ = tx.send(Message::text(text)).await;
+                                    });
+                                }
+                            }
+                            // Only read while the links are set up; later signals are moot.
+                            let _ = signals.send((from as usize, kind));
+                        }
                         Ok(_) => {}
                         Err(e) => break format!("malformed control message from relay: {e}"),
                     },
@@ -180,6 +219,44 @@ impl WsTransport {
             };
             mb.abort_local(&reason);
         });
+        // With direct links: announce where we listen to every peer, then make the links (peers
+        // without them answer, see the reader). Nothing is sent before this ends, so each
+        // direction keeps one route for its whole life.
+        let listener = match opts.direct {
+            Some(addr) => Some(tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+                relay_err(format!("cannot listen for direct links on {addr}: {e}"))
+            })?),
+            None => None,
+        };
+        let here = listener.as_ref().and_then(|l| l.local_addr().ok());
+        let note = direct::announcement(here);
+        for r in (0..world).filter(|&r| r != rank && here.is_some()) {
+            let msg = Control::Signal {
+                to: Some(r as u32),
+                from: None,
+                data: note.clone(),
+            };
+            let text = serde_json::to_string(&msg).map_err(|e| relay_err(e.to_string()))?;
+            tx.send(Message::text(text))
+                .await
+                .map_err(|_| relay_err("the connection to the relay closed while joining"))?;
+        }
+        let links = match listener {
+            Some(l) => {
+                direct::establish(
+                    rank,
+                    world,
+                    &token,
+                    l,
+                    peer_signals,
+                    mailbox.clone(),
+                    opts.max_message,
+                    opts.direct_timeout,
+                )
+                .await
+            }
+            None => std::collections::HashMap::new(),
+        };
         Ok(WsTransport {
             rank,
             world,
@@ -190,7 +267,16 @@ impl WsTransport {
             send_timeout: opts.send_timeout,
             reader: Some(reader),
             writer: Some(writer),
+            links,
         })
+    }
+
+    /// The ranks this one exchanges data with over direct links (ascending); the others go
+    /// through the relay.
+    pub fn direct_peers(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self.links.keys().copied().collect();
+        v.sort_unstable();
+        v
     }
 
     /// The room token (share it with the ranks that join later).
@@ -203,6 +289,11 @@ impl WsTransport {
     pub async fn close(mut self) {
         self.out.take();
         let limit = Duration::from_secs(10);
+        // Direct links first: each writer flushes what is queued and ends its side of the link.
+        for (_, (tx, _, writer)) in std::mem::take(&mut self.links) {
+            drop(tx);
+            let _ = tokio::time::timeout(limit, writer).await;
+        }
         if let Some(w) = self.writer.take() {
             let _ = tokio::time::timeout(limit, w).await;
         }
@@ -214,10 +305,14 @@ impl WsTransport {
 
 impl Drop for WsTransport {
     fn drop(&mut self) {
-        // Dropping the sender lets the writer flush what is queued and close; the reader stops now.
+        // Dropping the senders lets the writers flush what is queued and close; the readers stop
+        // now.
         self.out.take();
         if let Some(r) = &self.reader {
             r.abort();
+        }
+        for (_, (_, reader, _)) in self.links.drain() {
+            reader.abort();
         }
     }
 }
@@ -241,7 +336,7 @@ impl Transport for WsTransport {
             detail: "connection to the relay is closed".into(),
         };
         let push = |frame: Bytes| async move {
-            match tokio::time::timeout(self.send_timeout, out.send(frame)).await {
+            match tokio::time::timeout(self.send_timeout, out.send(Message::binary(frame))).await {
                 Ok(Ok(())) => Ok(()),
                 Ok(Err(_)) => Err(closed()),
                 Err(_) => Err(Error::Transport {
@@ -253,6 +348,23 @@ impl Transport for WsTransport {
                 }),
             }
         };
+        if let Some((link, _, _)) = self.links.get(&dst) {
+            let head = direct::frame_head(self.rank, dst, tag, payload.len());
+            return match tokio::time::timeout(self.send_timeout, link.send((head, payload))).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(_)) => Err(Error::Transport {
+                    rank: self.rank,
+                    detail: format!("the direct link to rank {dst} is closed"),
+                }),
+                Err(_) => Err(Error::Transport {
+                    rank: self.rank,
+                    detail: format!(
+                        "rank {dst} accepted nothing on the direct link for {:?} (receiver stalled?)",
+                        self.send_timeout
+                    ),
+                }),
+            };
+        }
         for frame in fragments(
             self.rank as u32,
             dst as u32,

@@ -498,6 +498,10 @@ impl BrowserTransport {
                     .as_str()
                     .map(str::to_string)
                     .ok_or_else(|| format!("{want} without sdp")),
+                // A native worker announces its direct-link address instead: no WebRTC there.
+                Some(v) if v["kind"] == "tcp" => {
+                    Err("it is a native process (no WebRTC)".to_string())
+                }
                 Some(v) => Err(format!("expected an {want}, got {v}")),
                 None => Err("signaling ended".to_string()),
             };

@@ -1,0 +1,302 @@
+//! Direct TCP links between native members of a relay room: the relay introduces them (each
+//! announces a listening address through the room's signaling), then data between two native
+//! ranks goes straight from one to the other instead of through the relay — the native
+//! counterpart of the browser's WebRTC mesh. Pairs that cannot link (a browser tab, a rank without
+//! direct links, a refused or timed-out connection) keep using the relay.
+//!
+//! Each direction of a pair uses one route for its whole life (decided before the transport sends
+//! anything), so messages of one (source, tag) never overtake each other.
+//!
+//! Link setup: rank `i < j` connects to `j`'s announced address and sends a hello (magic, its rank,
+//! the room token); `j` checks the token and that `i` is a lower rank not yet linked, and answers
+//! one byte. Frames on a link: `[u32 length][24-byte wire header][payload]`, with no fragmenting
+//! and no masking; the receiver trusts the connection, not the header, for the source rank.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+use super::{Mailbox, Tag};
+use crate::wire::{HEADER_LEN, Header};
+
+/// First bytes of a link's hello.
+const HELLO_MAGIC: u32 = 0xD6D6_0001;
+/// Longest token a hello may carry.
+const MAX_TOKEN: usize = 1024;
+
+/// The signaling payload announcing a rank's link address (`None`: this rank makes no links).
+pub(crate) fn announcement(addr: Option<SocketAddr>) -> serde_json::Value {
+    match addr {
+        Some(a) => serde_json::json!({ "kind": "tcp", "addr": a.to_string() }),
+        None => serde_json::json!({ "kind": "tcp" }),
+    }
+}
+
+/// What a peer's signal says about direct links.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum PeerKind {
+    /// A native rank listening at this address.
+    Listening(SocketAddr),
+    /// A rank that makes no direct links (a native rank without them, or a browser tab, whose
+    /// WebRTC signals say what it is).
+    NoLinks,
+}
+
+/// Interpret a signal from a peer.
+pub(crate) fn peer_kind(data: &serde_json::Value) -> PeerKind {
+    if data["kind"] == "tcp"
+        && let Some(a) = data["addr"].as_str().and_then(|s| s.parse().ok())
+    {
+        return PeerKind::Listening(a);
+    }
+    PeerKind::NoLinks
+}
+
+/// One established link's sending side: frames queue here for the writer task.
+pub(crate) type LinkTx = mpsc::Sender<(Bytes, Bytes)>;
+
+/// A link: its sending side and its reader and writer tasks.
+pub(crate) type Link = (
+    LinkTx,
+    tokio::task::JoinHandle<()>,
+    tokio::task::JoinHandle<()>,
+);
+
+/// Establish links with every peer that can make them, within `timeout`. `peers` receives each
+/// peer's signal (rank, what it is) as the relay delivers them. Returns the established links by
+/// rank; their reading sides deliver into `mailbox`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn establish(
+    me: usize,
+    world: usize,
+    token: &str,
+    listener: TcpListener,
+    mut peers: mpsc::UnboundedReceiver<(usize, PeerKind)>,
+    mailbox: Arc<Mailbox>,
+    max_message: usize,
+    timeout: Duration,
+) -> HashMap<usize, Link> {
+    use futures::StreamExt as _;
+    let deadline = tokio::time::Instant::now() + timeout;
+    // A peer is settled when it makes no links, when our link with it is up, or (higher ranks,
+    // which we connect to) when our attempt ended. Lower ranks connect to us.
+    let mut settled = vec![false; world];
+    settled[me] = true;
+    let mut links = HashMap::new();
+    let mut connecting = futures::stream::FuturesUnordered::new();
+    while !settled.iter().all(|&s| s) {
+        tokio::select! {
+            _ = tokio::time::sleep_until(deadline) => break,
+            got = peers.recv() => {
+                let Some((r, kind)) = got else { break };
+                if r >= world || settled[r] {
+                    continue;
+                }
+                match kind {
+                    PeerKind::NoLinks => settled[r] = true,
+                    PeerKind::Listening(addr) if r > me => {
+                        connecting.push(async move { (r, connect(addr, me, token).await) });
+                    }
+                    PeerKind::Listening(_) => {}
+                }
+            }
+            conn = listener.accept() => {
+                let Ok((stream, _)) = conn else { continue };
+                let hello = tokio::time::timeout(Duration::from_secs(2), accept(stream, me, token));
+                if let Ok(Ok((stream, r))) = hello.await
+                    && !settled[r]
+                {
+                    settled[r] = true;
+                    links.insert(r, start(stream, r, mailbox.clone(), max_message));
+                }
+            }
+            Some((r, res)) = connecting.next(), if !connecting.is_empty() => {
+                settled[r] = true;
+                if let Ok(stream) = res {
+                    links.insert(r, start(stream, r, mailbox.clone(), max_message));
+                }
+            }
+        }
+    }
+    links
+}
+
+/// Connect to a higher rank and introduce ourselves; the link is up once it answers.
+async fn connect(addr: SocketAddr, me: usize, token: &str) -> std::io::Result<TcpStream> {
+    let mut s = tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr))
+        .await
+        .map_err(|_| std::io::Error::other("connect timed out"))??;
+    s.set_nodelay(true)?;
+    let mut hello = BytesMut::with_capacity(12 + token.len());
+    hello.extend_from_slice(&HELLO_MAGIC.to_le_bytes());
+    hello.extend_from_slice(&(me as u32).to_le_bytes());
+    hello.extend_from_slice(&(token.len() as u32).to_le_bytes());
+    hello.extend_from_slice(token.as_bytes());
+    s.write_all(&hello).await?;
+    let mut ok = [0u8; 1];
+    tokio::time::timeout(Duration::from_secs(2), s.read_exact(&mut ok))
+        .await
+        .map_err(|_| std::io::Error::other("no answer to the hello"))??;
+    if ok[0] != 1 {
+        return Err(std::io::Error::other("hello refused"));
+    }
+    Ok(s)
+}
+
+/// Read a lower rank's hello on an accepted connection; answer, and return the stream and its
+/// rank, if the token is the room's.
+async fn accept(mut s: TcpStream, me: usize, token: &str) -> std::io::Result<(TcpStream, usize)> {
+    let mut head = [0u8; 12];
+    s.read_exact(&mut head).await?;
+    let word = |i: usize| u32::from_le_bytes([head[i], head[i + 1], head[i + 2], head[i + 3]]);
+    let (magic, rank, len) = (word(0), word(4) as usize, word(8) as usize);
+    if magic != HELLO_MAGIC || len > MAX_TOKEN || rank >= me {
+        return Err(std::io::Error::other("bad hello"));
+    }
+    let mut theirs = vec![0u8; len];
+    s.read_exact(&mut theirs).await?;
+    if theirs != token.as_bytes() {
+        return Err(std::io::Error::other("wrong room token"));
+    }
+    s.write_all(&[1]).await?;
+    s.set_nodelay(true)?;
+    Ok((s, rank))
+}
+
+/// Start a link's reader and writer tasks.
+fn start(stream: TcpStream, peer: usize, mailbox: Arc<Mailbox>, max_message: usize) -> Link {
+    let (mut rd, mut wr) = stream.into_split();
+    let (tx, mut rx) = mpsc::channel::<(Bytes, Bytes)>(64);
+    let writer = tokio::spawn(async move {
+        while let Some((head, payload)) = rx.recv().await {
+            let mut frame = head.chain(payload);
+            if wr.write_all_buf(&mut frame).await.is_err() {
+                break;
+            }
+        }
+        let _ = wr.shutdown().await;
+    });
+    let reader = tokio::spawn(async move {
+        let reason = loop {
+            let mut len = [0u8; 4];
+            match rd.read_exact(&mut len).await {
+                Ok(_) => {}
+                // End of stream between frames: the peer closed its transport.
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    mailbox.peer_gone(peer);
+                    return;
+                }
+                Err(e) => break format!("direct link to rank {peer} failed: {e}"),
+            }
+            let len = u32::from_le_bytes(len) as usize;
+            if !(HEADER_LEN..=HEADER_LEN + max_message).contains(&len) {
+                break format!("rank {peer} sent a frame of {len} bytes on the direct link");
+            }
+            let mut head = [0u8; HEADER_LEN];
+            if let Err(e) = rd.read_exact(&mut head).await {
+                break format!("direct link to rank {peer} failed: {e}");
+            }
+            let h = match Header::decode(&head) {
+                Ok(h) if !h.more => h,
+                Ok(_) => break format!("rank {peer} sent a fragment on the direct link"),
+                Err(e) => break format!("rank {peer} sent a bad frame: {e}"),
+            };
+            let n = len - HEADER_LEN;
+            let payload = match read_payload(&mut rd, n).await {
+                Ok(p) => p,
+                Err(e) => break format!("direct link to rank {peer} failed: {e}"),
+            };
+            mailbox.deliver(peer, h.tag, payload);
+        };
+        mailbox.peer_lost(peer, &reason);
+    });
+    (tx, reader, writer)
+}
+
+/// Read `n` payload bytes: into a recycled f32 buffer when they are whole f32s (aligned, one copy).
+async fn read_payload(rd: &mut tokio::net::tcp::OwnedReadHalf, n: usize) -> std::io::Result<Bytes> {
+    if n.is_multiple_of(4) {
+        let mut v = crate::backend::pool::take(n / 4);
+        v.resize(n / 4, 0.0);
+        rd.read_exact(bytemuck::cast_slice_mut(&mut v)).await?;
+        return Ok(crate::tensor::f32_bytes(v));
+    }
+    let mut b = vec![0u8; n];
+    rd.read_exact(&mut b).await?;
+    Ok(Bytes::from(b))
+}
+
+/// The frame head (`[u32 length][wire header]`) of a message to send on a link.
+pub(crate) fn frame_head(src: usize, dst: usize, tag: Tag, payload_len: usize) -> Bytes {
+    let mut b = BytesMut::with_capacity(4 + HEADER_LEN);
+    b.extend_from_slice(&((HEADER_LEN + payload_len) as u32).to_le_bytes());
+    Header {
+        src: src as u32,
+        dst: dst as u32,
+        tag,
+        more: false,
+    }
+    .put(&mut b);
+    b.freeze()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn the_hello_needs_the_room_token_and_a_lower_rank() {
+        rt().block_on(async {
+            let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = l.local_addr().unwrap();
+            // (our rank, their rank, their token, accepted?)
+            for (me, them, token, ok) in [
+                (2, 0, "secret", true),
+                (2, 1, "wrong", false),
+                (2, 2, "secret", false),
+                (1, 3, "secret", false),
+            ] {
+                let client = tokio::spawn(async move { connect(addr, them, token).await });
+                let (s, _) = l.accept().await.unwrap();
+                let got = accept(s, me, "secret").await;
+                assert_eq!(got.is_ok(), ok, "rank {them} -> {me} with {token:?}");
+                if let Ok((_, r)) = got {
+                    assert_eq!(r, them);
+                }
+                let dialed = client.await.unwrap();
+                assert_eq!(dialed.is_ok(), ok, "the dialing side agrees");
+            }
+            // Not a hello at all: refused.
+            let client = tokio::spawn(async move {
+                let mut s = TcpStream::connect(addr).await.unwrap();
+                let _ = s.write_all(b"GET / HTTP/1.1\r\n\r\n").await;
+            });
+            let (s, _) = l.accept().await.unwrap();
+            assert!(accept(s, 1, "secret").await.is_err());
+            client.await.unwrap();
+        });
+    }
+
+    #[test]
+    fn signals_say_who_listens() {
+        let a: SocketAddr = "127.0.0.1:4567".parse().unwrap();
+        assert_eq!(peer_kind(&announcement(Some(a))), PeerKind::Listening(a));
+        assert_eq!(peer_kind(&announcement(None)), PeerKind::NoLinks);
+        // A browser tab's WebRTC offer: it makes no TCP links.
+        let offer = serde_json::json!({ "kind": "offer", "sdp": "v=0" });
+        assert_eq!(peer_kind(&offer), PeerKind::NoLinks);
+    }
+}
