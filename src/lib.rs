@@ -38,7 +38,8 @@
 //!   [`ReduceOp`], call signatures, and [`P2p`]: every collective from point-to-point messages
 //!   (ring, tree, direct and pairwise algorithms; [`AllReduceAlgo`] picks the large all_reduce's).
 //! - [`transport`]: the [`transport::Transport`] trait (async, tag-matched bytes), the shared
-//!   [`transport::Mailbox`], the in-process transport and (native) the WebSocket transport.
+//!   [`transport::Mailbox`], the in-process transport and (native) the WebSocket transport with
+//!   its direct TCP links between native ranks (`transport::direct`).
 //! - [`wire`]: the one wire format (data-frame header, JSON control messages) of relay and clients.
 //! - `relay` (native): the WebSocket relay server: rooms, ranks, routing, signaling, static files.
 //! - [`run`]: run N ranks in one process: as threads (`run_local`) or interleaved on one task

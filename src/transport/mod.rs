@@ -4,7 +4,8 @@
 //! under a tag; messages between one pair of ranks with one tag arrive in the order they were sent.
 //! Incoming messages of every transport land in a [`Mailbox`], the one place that does tag matching,
 //! peer loss and abort. Implementations: [`local`] (ranks as threads of one process) and, natively, `ws`
-//! (WebSocket through the relay).
+//! (WebSocket through the relay, with `direct` TCP links between native ranks where they can make
+//! them).
 
 #[cfg(not(target_arch = "wasm32"))]
 pub mod direct;
