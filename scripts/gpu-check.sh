@@ -2,8 +2,9 @@
 # GPU check on a machine with an NVIDIA GPU: the WGSL backend (Vulkan) and the NCCL target.
 # Builds with --features native-nccl, runs the kernel tests on the real adapter, the NCCL tests
 # (every collective forward + backward on NCCL vs the in-process group; mismatch detection with 2+
-# GPUs), `distgrad train --backend nccl` on every GPU (up to 8), and the kernel benchmark, printing
-# figures. Sized to finish in a few minutes.
+# GPUs), `distgrad train --backend nccl` on every GPU (up to 8), the NCCL all_reduce benchmark
+# (1 KiB .. 1 GiB, GPU-resident vs host-staged, beside the device copy bandwidth) and the kernel
+# benchmark, printing figures. Sized to finish in a few minutes.
 #
 #   scripts/gpu-check.sh            # from the repository root
 #
@@ -52,6 +53,9 @@ echo "== distgrad train --backend nccl --world $world"
 "$CARGO_TARGET_DIR/release/distgrad" train --backend nccl --world "$world" --steps 200 || status=1
 echo "== the same on in-process ranks (reference)"
 "$CARGO_TARGET_DIR/release/distgrad" train --backend local --world "$world" --steps 200 | tail -2
+echo "== NCCL all_reduce 1 KiB .. 1 GiB: GPU-resident buffers vs host staging, beside the device copy"
+"$CARGO_TARGET_DIR/release/distgrad" bench --transport nccl --world "$world" \
+  --min-bytes 1024 --max-bytes 1073741824 || status=1
 
 if ldconfig -p 2>/dev/null | grep -q libvulkan; then
   echo "== WGSL kernel tests on the real adapter"

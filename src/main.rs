@@ -206,8 +206,9 @@ mod cli {
             #[arg(default_value = "collectives")]
             what: String,
             /// Transport: `local` (ranks as threads of this process), `relay` (each rank a
-            /// WebSocket to a relay) or `direct` (introduced by the relay, data over TCP links
-            /// between the ranks).
+            /// WebSocket to a relay), `direct` (introduced by the relay, data over TCP links
+            /// between the ranks) or `nccl` (one process per GPU, all_reduce only; needs
+            /// `--features native-nccl`).
             #[arg(long, default_value = "local")]
             transport: String,
             /// Number of ranks.
@@ -407,6 +408,9 @@ mod cli {
             return Err(distgrad::Error::Input(format!(
                 "world must be 1..=64, got {world}"
             )));
+        }
+        if transport == "nccl" {
+            return run_bench_nccl(world, min, max);
         }
         let ops: Vec<BenchOp> = ops
             .iter()
@@ -699,6 +703,60 @@ mod cli {
         ))
     }
 
+    #[cfg(not(feature = "native-nccl"))]
+    fn run_bench_nccl(_world: usize, _min: usize, _max: usize) -> distgrad::Result<()> {
+        Err(distgrad::Error::Input(
+            "this build has no NCCL backend: build with `cargo run --release --features native-nccl -- bench --transport nccl`"
+                .into(),
+        ))
+    }
+
+    /// NCCL all_reduce on every GPU (one process each): per size, GPU-resident buffers (NCCL
+    /// alone) beside the host-staged Communicator path, and the device's copy bandwidth.
+    #[cfg(feature = "native-nccl")]
+    fn run_bench_nccl(world: usize, min: usize, max: usize) -> distgrad::Result<()> {
+        use distgrad::nccl::{NcclComm, NcclOptions};
+        use distgrad::rendezvous::LaunchEnv;
+        let Some(env) = LaunchEnv::from_env()? else {
+            return launch_per_gpu(world, "bench");
+        };
+        let comm = NcclComm::from_launch(&env, NcclOptions::default())?;
+        let n = env.world as f64;
+        let factor = 2.0 * (n - 1.0) / n;
+        let copy = comm.copy_gbps(max.clamp(1 << 20, 1 << 30))?;
+        if env.rank == 0 {
+            println!("# distgrad bench: transport=nccl, world={}", env.world);
+            println!("# device copy (device to device, same run): {copy:.1} GB/s");
+            println!("# busbw = algbw * 2(n-1)/n (nccl-tests); with one rank it is 0: read algbw");
+            println!(
+                "{:>10} {:>12} {:>10} {:>10} {:>8} {:>12} {:>10} {:>10}",
+                "size", "device(us)", "algbw", "busbw", "/copy", "staged(us)", "algbw", "busbw"
+            );
+        }
+        for bytes in bench::sizes(min, max) {
+            let iters = ((1usize << 30) / bytes.max(1)).clamp(5, 200);
+            let r = comm.bench_all_reduce(bytes, iters)?;
+            if env.rank == 0 {
+                let (ad, as_) = (
+                    r.bytes as f64 / r.device_s / 1e9,
+                    r.bytes as f64 / r.staged_s / 1e9,
+                );
+                println!(
+                    "{:>10} {:>12.1} {:>10.2} {:>10.2} {:>8.2} {:>12.1} {:>10.2} {:>10.2}",
+                    bench::fmt_bytes(r.bytes),
+                    r.device_s * 1e6,
+                    ad,
+                    ad * factor,
+                    ad * factor / copy,
+                    r.staged_s * 1e6,
+                    as_,
+                    as_ * factor
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// Under a launcher (RANK set): be that rank. Otherwise: start one process per GPU with the
     /// launcher variables set, and wait for them.
     #[cfg(feature = "native-nccl")]
@@ -731,6 +789,12 @@ mod cli {
             );
             return Ok(());
         }
+        launch_per_gpu(world, "train")
+    }
+
+    /// Start this same command once per GPU with torchrun's variables set, and wait for them.
+    #[cfg(feature = "native-nccl")]
+    fn launch_per_gpu(world: usize, what: &str) -> distgrad::Result<()> {
         distgrad::nccl::check_libraries()?;
         let gpus = distgrad::nccl::device_count()?;
         if world == 0 || world > gpus {
@@ -749,7 +813,7 @@ mod cli {
         let exe = std::env::current_exe()
             .map_err(|e| distgrad::Error::Input(format!("cannot find this program: {e}")))?;
         let args: Vec<String> = std::env::args().skip(1).collect();
-        eprintln!("train: {world} processes (one per GPU), store at 127.0.0.1:{port}");
+        eprintln!("{what}: {world} processes (one per GPU), store at 127.0.0.1:{port}");
         let children: Vec<_> = (0..world)
             .map(|r| {
                 std::process::Command::new(&exe)

@@ -15,7 +15,9 @@
 //!   when they differ, instead of NCCL hanging or mixing buffers. [`NcclOptions::check_calls`] turns
 //!   it off. A rank that never calls still hangs NCCL: NCCL has no receive timeout.
 //! - **Data path**: host staging (tensor → host → device buffer → NCCL → host → the input's device).
-//!   The zero-copy path (Vulkan memory exported to CUDA) is not written yet.
+//!   The zero-copy path (Vulkan memory exported to CUDA) is not written yet;
+//!   [`NcclComm::bench_all_reduce`] measures the staging beside NCCL on GPU-resident buffers (what
+//!   zero-copy can reach) and [`NcclComm::copy_gbps`] the device's copy bandwidth.
 //!
 //! The calls block the calling thread until the GPU is done (the `async` methods complete when first
 //! polled); one process drives one GPU.
@@ -357,6 +359,79 @@ impl NcclComm {
                 }
             })
             .collect()
+    }
+}
+
+/// One size of the NCCL all_reduce benchmark ([`NcclComm::bench_all_reduce`]).
+#[derive(Debug, Clone, Copy)]
+pub struct NcclBenchRow {
+    /// Bytes per rank.
+    pub bytes: usize,
+    /// Seconds per call with both buffers resident on the GPU (NCCL alone: what a zero-copy
+    /// path from the compute buffers can reach).
+    pub device_s: f64,
+    /// Seconds per call through the [`Communicator`] API with a host tensor: host staging
+    /// (upload, NCCL, download) plus the call check.
+    pub staged_s: f64,
+}
+
+impl NcclComm {
+    /// Device-to-device copy bandwidth of this rank's GPU (GB/s of bytes copied; the baseline
+    /// beside NCCL's bus bandwidth).
+    pub fn copy_gbps(&self, bytes: usize) -> Result<f64> {
+        let n = (bytes / 4).max(1);
+        let src = self.zeros("bench", n)?;
+        let mut dst = self.zeros("bench", n)?;
+        let sync = |s: &Self| s.stream.synchronize().map_err(|e| s.err("bench", e));
+        self.stream
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(|e| self.err("bench", e))?;
+        sync(self)?;
+        let iters = 20;
+        let t0 = std::time::Instant::now();
+        for _ in 0..iters {
+            self.stream
+                .memcpy_dtod(&src, &mut dst)
+                .map_err(|e| self.err("bench", e))?;
+        }
+        sync(self)?;
+        Ok((n * 4 * iters) as f64 / t0.elapsed().as_secs_f64() / 1e9)
+    }
+
+    /// all_reduce(SUM) of `bytes` per rank over the world, `iters` calls after one warm-up, both
+    /// with GPU-resident buffers and through the Communicator API with a host tensor. Every rank
+    /// must call it with the same arguments.
+    pub fn bench_all_reduce(&self, bytes: usize, iters: usize) -> Result<NcclBenchRow> {
+        let g = self.world();
+        let (c, _) = self.comm(&g, "bench")?;
+        let n = (bytes / 4).max(1);
+        let iters = iters.max(1);
+        let sync = |s: &Self| s.stream.synchronize().map_err(|e| s.err("bench", e));
+        let send = self.upload("bench", &vec![1.0f32; n])?;
+        let mut recv = self.zeros("bench", n)?;
+        let op = to_nccl(ReduceOp::Sum);
+        c.all_reduce(&send, &mut recv, &op)
+            .map_err(|e| self.err("bench", e))?;
+        sync(self)?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..iters {
+            c.all_reduce(&send, &mut recv, &op)
+                .map_err(|e| self.err("bench", e))?;
+        }
+        sync(self)?;
+        let device_s = t0.elapsed().as_secs_f64() / iters as f64;
+        let x = Tensor::full(&[n], 1.0);
+        futures::executor::block_on(self.all_reduce(&x, ReduceOp::Sum, &g))?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..iters {
+            futures::executor::block_on(self.all_reduce(&x, ReduceOp::Sum, &g))?;
+        }
+        let staged_s = t0.elapsed().as_secs_f64() / iters as f64;
+        Ok(NcclBenchRow {
+            bytes: n * 4,
+            device_s,
+            staged_s,
+        })
     }
 }
 

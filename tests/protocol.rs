@@ -372,20 +372,19 @@ fn all_reduce_is_bitwise_identical_on_every_rank() {
     }
 }
 
-#[test]
-fn ranks_configured_for_different_algorithms_fail_with_a_mismatch() {
-    // Rank 1 would use the ring for this size, the others direct exchange (options are per
-    // communicator, so build the ranks by hand).
+/// One all_reduce of 64 zeros on 3 ranks, each built by hand with its own options (options are
+/// per communicator).
+fn all_reduce_with_options(
+    opts_of: impl Fn(usize) -> CommOptions + Sync,
+) -> Vec<distgrad::Result<Tensor>> {
     let transports = distgrad::transport::local::LocalTransport::world(3);
-    let results: Vec<_> = std::thread::scope(|s| {
+    std::thread::scope(|s| {
         let hs: Vec<_> = transports
             .into_iter()
             .enumerate()
             .map(|(rank, t)| {
+                let o = opts_of(rank);
                 s.spawn(move || {
-                    let mut o = opts(30_000);
-                    o.ring_threshold = if rank == 1 { 0 } else { 1 << 30 };
-                    o.all_reduce = distgrad::AllReduceAlgo::Ring;
                     let comm = distgrad::P2p::new(t, o);
                     futures::executor::block_on(comm.all_reduce(
                         &Tensor::zeros(&[64]),
@@ -396,6 +395,17 @@ fn ranks_configured_for_different_algorithms_fail_with_a_mismatch() {
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn ranks_configured_for_different_algorithms_fail_with_a_mismatch() {
+    // Rank 1 would use the ring for this size, the others direct exchange.
+    let results = all_reduce_with_options(|rank| {
+        let mut o = opts(30_000);
+        o.ring_threshold = if rank == 1 { 0 } else { 1 << 30 };
+        o.all_reduce = distgrad::AllReduceAlgo::Ring;
+        o
     });
     assert_mismatch(&results, "args=[1, ", "args=[0]");
 }
@@ -403,30 +413,15 @@ fn ranks_configured_for_different_algorithms_fail_with_a_mismatch() {
 #[test]
 fn ranks_configured_for_different_large_all_reduce_algorithms_fail_with_a_mismatch() {
     // Same threshold, but rank 2 would use the pairwise algorithm and the others the shared one.
-    let transports = distgrad::transport::local::LocalTransport::world(3);
-    let results: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = transports
-            .into_iter()
-            .enumerate()
-            .map(|(rank, t)| {
-                s.spawn(move || {
-                    let mut o = opts(30_000);
-                    o.ring_threshold = 0;
-                    o.all_reduce = if rank == 2 {
-                        distgrad::AllReduceAlgo::Pairwise
-                    } else {
-                        distgrad::AllReduceAlgo::Shared
-                    };
-                    let comm = distgrad::P2p::new(t, o);
-                    futures::executor::block_on(comm.all_reduce(
-                        &Tensor::zeros(&[64]),
-                        ReduceOp::Sum,
-                        &comm.world(),
-                    ))
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let results = all_reduce_with_options(|rank| {
+        let mut o = opts(30_000);
+        o.ring_threshold = 0;
+        o.all_reduce = if rank == 2 {
+            distgrad::AllReduceAlgo::Pairwise
+        } else {
+            distgrad::AllReduceAlgo::Shared
+        };
+        o
     });
     assert_mismatch(&results, "args=[2]", "args=[3]");
 }

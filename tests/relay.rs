@@ -261,13 +261,10 @@ fn demo_with_direct_links_equals_in_process_vjp() {
 // 2a. In-process relay, ranks as threads: bitwise equal to the in-process transport
 // ---------------------------------------------------------------------------------------------
 
-/// Forward + backward of the built-in examples through an in-process relay (4 ranks, each its own
-/// thread and runtime) equal `run_local` bitwise: roots != 0, every kind of collective, a subgroup.
-#[test]
-fn collectives_through_in_process_relay_equal_local_bitwise() {
-    let relay = TestRelay::default_config();
-    let url = relay.url();
-    let cases: Vec<(Which, ReduceOp, usize, Option<Vec<usize>>)> = vec![
+/// The built-in example cases run over the relay and over direct links: (collective, op, root,
+/// subgroup) for 4 ranks — every kind of collective, roots != 0, subgroups.
+fn example_cases() -> Vec<(Which, ReduceOp, usize, Option<Vec<usize>>)> {
+    vec![
         (Which::Broadcast, ReduceOp::Sum, 3, None),
         (Which::Reduce, ReduceOp::Prod, 2, None),
         (Which::Gather, ReduceOp::Sum, 1, None),
@@ -281,8 +278,16 @@ fn collectives_through_in_process_relay_equal_local_bitwise() {
         // a subgroup: global rank 1 takes no part, group rank 1 (global 0) is the root
         (Which::Reduce, ReduceOp::Min, 1, Some(vec![3, 0, 2])),
         (Which::AllReduce, ReduceOp::Prod, 0, Some(vec![2, 1])),
-    ];
-    for (k, (which, op, root, group)) in cases.into_iter().enumerate() {
+    ]
+}
+
+/// Forward + backward of the built-in examples through an in-process relay (4 ranks, each its own
+/// thread and runtime) equal `run_local` bitwise: roots != 0, every kind of collective, a subgroup.
+#[test]
+fn collectives_through_in_process_relay_equal_local_bitwise() {
+    let relay = TestRelay::default_config();
+    let url = relay.url();
+    for (k, (which, op, root, group)) in example_cases().into_iter().enumerate() {
         let ctx = format!(
             "{} op={} root={root} group={group:?}",
             which.name(),
@@ -322,20 +327,7 @@ fn direct_join(room: &str, world: u32, rank: u32) -> JoinOptions {
 fn direct_links_carry_every_collective_bitwise_like_local() {
     let relay = TestRelay::default_config();
     let url = relay.url();
-    let cases: Vec<(Which, ReduceOp, usize, Option<Vec<usize>>)> = vec![
-        (Which::Broadcast, ReduceOp::Sum, 3, None),
-        (Which::Reduce, ReduceOp::Prod, 2, None),
-        (Which::Gather, ReduceOp::Sum, 1, None),
-        (Which::Scatter, ReduceOp::Sum, 2, None),
-        (Which::AllGather, ReduceOp::Sum, 0, None),
-        (Which::ReduceScatter, ReduceOp::Max, 0, None),
-        (Which::AllToAll, ReduceOp::Sum, 0, None),
-        (Which::AllReduce, ReduceOp::Avg, 0, None),
-        (Which::Permute, ReduceOp::Sum, 0, None),
-        (Which::AllToAllSingle, ReduceOp::Sum, 0, None),
-        (Which::Reduce, ReduceOp::Min, 1, Some(vec![3, 0, 2])),
-    ];
-    for (k, (which, op, root, group)) in cases.into_iter().enumerate() {
+    for (k, (which, op, root, group)) in example_cases().into_iter().enumerate() {
         let ctx = format!(
             "direct {} op={} root={root} group={group:?}",
             which.name(),
