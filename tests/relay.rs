@@ -1636,6 +1636,16 @@ fn relay_stamps_the_source_rank() {
 /// the whole run by a 120 s deadline after which ranks abort and the test fails.
 #[test]
 fn load_16_ranks_many_all_reduces_nothing_lost_or_corrupted() {
+    load_test(false);
+}
+
+/// The same load with direct links between all 16 ranks (120 TCP links, each rank reporting 15).
+#[test]
+fn load_16_ranks_over_direct_links_nothing_lost_or_corrupted() {
+    load_test(true);
+}
+
+fn load_test(direct: bool) {
     // N = 2000 as in the issue: in a debug build on the 2-core test machine this takes about 8 s
     // (16 threads + the relay; ~270 collectives/s).
     const WORLD: usize = 16;
@@ -1652,12 +1662,25 @@ fn load_16_ranks_many_all_reduces_nothing_lost_or_corrupted() {
         ..CommOptions::default()
     };
     let joins = (0..WORLD as u32)
-        .map(|r| join_opts("load", "tl", 16, r))
+        .map(|r| {
+            let mut j = join_opts("load", "tl", 16, r);
+            if direct {
+                j.direct = Some(([127, 0, 0, 1], 0).into());
+            }
+            j
+        })
         .collect();
     let t0 = Instant::now();
     let res = run_ranks(&url, joins, opts, |_, comm| async move {
         let r = comm.rank();
         let g = comm.world();
+        if direct {
+            assert_eq!(
+                comm.transport().direct_peers().len(),
+                WORLD - 1,
+                "rank {r}: links"
+            );
+        }
         let mut checksum: u64 = 0;
         for it in 0..N {
             if t0.elapsed() > DEADLINE {
@@ -1691,7 +1714,7 @@ fn load_16_ranks_many_all_reduces_nothing_lost_or_corrupted() {
     let took = t0.elapsed();
     let sums = all_ok("load test", res);
     eprintln!(
-        "load test: {WORLD} ranks x {N} all_reduces in {:.1} s ({:.0} collectives/s)",
+        "load test (direct links: {direct}): {WORLD} ranks x {N} all_reduces in {:.1} s ({:.0} collectives/s)",
         took.as_secs_f64(),
         N as f64 / took.as_secs_f64()
     );

@@ -90,6 +90,7 @@ pub(crate) async fn establish(
     settled[me] = true;
     let mut links = HashMap::new();
     let mut connecting = futures::stream::FuturesUnordered::new();
+    let mut hellos = futures::stream::FuturesUnordered::new();
     while !settled.iter().all(|&s| s) {
         tokio::select! {
             _ = tokio::time::sleep_until(deadline) => break,
@@ -107,9 +108,16 @@ pub(crate) async fn establish(
                 }
             }
             conn = listener.accept() => {
-                let Ok((stream, _)) = conn else { continue };
-                let hello = tokio::time::timeout(Duration::from_secs(2), accept(stream, me, token));
-                if let Ok(Ok((stream, r))) = hello.await
+                // Hellos are read concurrently: a silent connection does not hold up the others.
+                if let Ok((stream, _)) = conn {
+                    hellos.push(tokio::time::timeout(
+                        Duration::from_secs(2),
+                        accept(stream, me, token),
+                    ));
+                }
+            }
+            Some(hello) = hellos.next(), if !hellos.is_empty() => {
+                if let Ok(Ok((stream, r))) = hello
                     && !settled[r]
                 {
                     settled[r] = true;
@@ -287,6 +295,32 @@ mod tests {
             let (s, _) = l.accept().await.unwrap();
             assert!(accept(s, 1, "secret").await.is_err());
             client.await.unwrap();
+        });
+    }
+
+    #[test]
+    fn a_silent_stranger_does_not_hold_up_the_links() {
+        rt().block_on(async {
+            let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = l.local_addr().unwrap();
+            // A connection that never says hello, made first.
+            let _silent = TcpStream::connect(addr).await.unwrap();
+            let (tx, rx) = mpsc::unbounded_channel();
+            // Rank 0 announces a listener of its own (it is lower: it connects to us).
+            let l0 = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send((0, PeerKind::Listening(l0.local_addr().unwrap())))
+                .unwrap();
+            let dial = tokio::spawn(async move { connect(addr, 0, "tok").await });
+            let mb = Arc::new(Mailbox::new(1, 2));
+            let t0 = std::time::Instant::now();
+            let links = establish(1, 2, "tok", l, rx, mb, 1 << 20, Duration::from_secs(5)).await;
+            assert!(links.contains_key(&0), "rank 0 linked");
+            assert!(
+                t0.elapsed() < Duration::from_secs(1),
+                "took {:?}",
+                t0.elapsed()
+            );
+            assert!(dial.await.unwrap().is_ok());
         });
     }
 
