@@ -121,13 +121,13 @@ pub(crate) async fn establish(
                     && !settled[r]
                 {
                     settled[r] = true;
-                    links.insert(r, start(stream, r, mailbox.clone(), max_message));
+                    links.insert(r, start(stream, me, r, mailbox.clone(), max_message));
                 }
             }
             Some((r, res)) = connecting.next(), if !connecting.is_empty() => {
                 settled[r] = true;
                 if let Ok(stream) = res {
-                    links.insert(r, start(stream, r, mailbox.clone(), max_message));
+                    links.insert(r, start(stream, me, r, mailbox.clone(), max_message));
                 }
             }
         }
@@ -177,8 +177,14 @@ async fn accept(mut s: TcpStream, me: usize, token: &str) -> std::io::Result<(Tc
     Ok((s, rank))
 }
 
-/// Start a link's reader and writer tasks.
-fn start(stream: TcpStream, peer: usize, mailbox: Arc<Mailbox>, max_message: usize) -> Link {
+/// Start the reader and writer tasks of our (`me`) link with `peer`.
+fn start(
+    stream: TcpStream,
+    me: usize,
+    peer: usize,
+    mailbox: Arc<Mailbox>,
+    max_message: usize,
+) -> Link {
     let (mut rd, mut wr) = stream.into_split();
     let (tx, mut rx) = mpsc::channel::<(Bytes, Bytes)>(64);
     let writer = tokio::spawn(async move {
@@ -211,8 +217,11 @@ fn start(stream: TcpStream, peer: usize, mailbox: Arc<Mailbox>, max_message: usi
                 break format!("direct link to rank {peer} failed: {e}");
             }
             let h = match Header::decode(&head) {
-                Ok(h) if !h.more => h,
-                Ok(_) => break format!("rank {peer} sent a fragment on the direct link"),
+                Ok(h) if h.more => break format!("rank {peer} sent a fragment on the direct link"),
+                Ok(h) if h.dst as usize != me => {
+                    break format!("rank {peer} sent a frame for rank {} on our link", h.dst);
+                }
+                Ok(h) => h,
                 Err(e) => break format!("rank {peer} sent a bad frame: {e}"),
             };
             let n = len - HEADER_LEN;

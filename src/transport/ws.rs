@@ -352,9 +352,12 @@ impl Transport for WsTransport {
             let head = direct::frame_head(self.rank, dst, tag, payload.len());
             return match tokio::time::timeout(self.send_timeout, link.send((head, payload))).await {
                 Ok(Ok(())) => Ok(()),
-                Ok(Err(_)) => Err(Error::Transport {
+                // The link's writer stopped: the peer is gone (its end closed or broke).
+                Ok(Err(_)) => Err(Error::PeerLost {
                     rank: self.rank,
-                    detail: format!("the direct link to rank {dst} is closed"),
+                    peer: dst,
+                    call: String::new(),
+                    reason: "its direct link closed".into(),
                 }),
                 Err(_) => Err(Error::Transport {
                     rank: self.rank,
