@@ -107,3 +107,22 @@ fn reduce_into_vec4(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_
         acc4[i] = apply4(acc4[i], x4[i]);
     }
 }
+
+// Several inputs folded into the accumulator in one pass: acc = ((acc ⊕ y1) ⊕ y2) ⊕ y3, the same
+// operations in the same order as three reduce-into passes (bit for bit), with one read of each
+// input and one write. params: [n_vec4, total threads, inputs (1..3)]
+@group(0) @binding(7) var<storage, read> y2: array<vec4<f32>>;
+@group(0) @binding(8) var<storage, read> y3: array<vec4<f32>>;
+
+@compute @workgroup_size(256)
+fn fold_into_vec4(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let n = params[0];
+    let stride = params[1];
+    let k = params[2];
+    for (var i = linear_index(gid, nwg, 256u); i < n; i += stride) {
+        var a = apply4(acc4[i], x4[i]);
+        if (k >= 2u) { a = apply4(a, y2[i]); }
+        if (k >= 3u) { a = apply4(a, y3[i]); }
+        acc4[i] = a;
+    }
+}

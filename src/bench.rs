@@ -262,7 +262,8 @@ fn best_of(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 }
 
 /// GB/s of the WGSL kernels on `gpu` for `n` f32 per input: reduce-into of 4 inputs (acc ⊕= x
-/// three times), a flat copy, and sum-to-scalar; each beside the same work as a 1-thread CPU loop.
+/// three times; then the same with the three folded in one pass on both sides), a flat copy, and
+/// sum-to-scalar; each beside the same work as a 1-thread CPU loop.
 #[cfg(feature = "wgpu")]
 pub fn kernels(gpu: &crate::backend::gpu::Gpu, n: usize) -> Result<Vec<KernelRow>> {
     use crate::backend::gpu::At;
@@ -292,6 +293,24 @@ pub fn kernels(gpu: &crate::backend::gpu::Gpu, n: usize) -> Result<Vec<KernelRow
         gpu_gbps: reduce_bytes / t_gpu / 1e9,
         cpu_gbps: reduce_bytes / t_cpu / 1e9,
     }];
+    // The same job with the three inputs folded in one pass on both sides (GPU: one dispatch;
+    // CPU: the blocked in-place fold); GB/s counted as above, so the rows compare.
+    let refs: Vec<&crate::backend::gpu::GpuBuf> = g[1..].iter().collect();
+    let t_gpu = best_of(3, || {
+        gpu.reduce_into_many(BinaryOp::Add, &acc, &refs)?;
+        gpu.sync()
+    })?;
+    let inputs: Vec<&[f32]> = xs[1..].iter().map(Vec::as_slice).collect();
+    let t_cpu = best_of(3, || {
+        cpu::reduce_into_many(BinaryOp::Add, &mut cacc, &inputs);
+        std::hint::black_box(&cacc);
+        Ok(())
+    })?;
+    rows.push(KernelRow {
+        name: "reduce-into, one pass",
+        gpu_gbps: reduce_bytes / t_gpu / 1e9,
+        cpu_gbps: reduce_bytes / t_cpu / 1e9,
+    });
     let dst = gpu.alloc(n)?;
     let t_gpu = best_of(3, || {
         gpu.copy_strided(

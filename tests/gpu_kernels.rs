@@ -149,6 +149,48 @@ fn reduce_into_is_bit_exact_for_every_op() {
     }
 }
 
+/// Several inputs folded in one pass (groups of three per dispatch): bitwise the same as
+/// reduce-into with each input in turn, on the GPU and with the CPU's blocked fold, for every op,
+/// 1..7 inputs and every size.
+#[test]
+fn reduce_into_many_is_bit_exact_with_one_input_at_a_time() {
+    let Some(g) = gpu() else { return };
+    for &n in &SIZES {
+        let acc = vals(30, n);
+        let xs: Vec<Vec<f32>> = (0..7).map(|k| vals(31 + k, n)).collect();
+        // The 2-D dispatch size once (it is slow in a debug build), every case on the others.
+        let (ops, ks): (&[BinaryOp], &[usize]) = if n > 100_000 {
+            (&[BinaryOp::Max], &[4])
+        } else {
+            (
+                &[BinaryOp::Add, BinaryOp::Mul, BinaryOp::Max, BinaryOp::Min],
+                &[1, 2, 3, 4, 7],
+            )
+        };
+        for &op in ops {
+            for &k in ks {
+                let mut want = acc.clone();
+                for x in &xs[..k] {
+                    cpu::reduce_into(op, &mut want, x);
+                }
+                let mut host = acc.clone();
+                let refs: Vec<&[f32]> = xs[..k].iter().map(Vec::as_slice).collect();
+                cpu::reduce_into_many(op, &mut host, &refs);
+                assert_eq!(bits(&host), bits(&want), "cpu {op:?}, {k} inputs, n = {n}");
+                let gacc = g.upload(&acc).unwrap();
+                let gx: Vec<_> = xs[..k].iter().map(|x| g.upload(x).unwrap()).collect();
+                let grefs: Vec<_> = gx.iter().collect();
+                g.reduce_into_many(op, &gacc, &grefs).unwrap();
+                assert_eq!(
+                    bits(&read(g, &gacc)),
+                    bits(&want),
+                    "gpu {op:?}, {k} inputs, n = {n}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn sums_within_tolerance() {
     let Some(g) = gpu() else { return };
@@ -287,6 +329,12 @@ fn buffers_above_the_binding_limit_work_window_by_window() {
         cpu::reduce_into(op, &mut want, &b);
         assert!(bits(&read(g, &gacc)) == bits(&want), "reduce_into {op:?}");
     }
+    let gacc = g.upload(&a).unwrap();
+    g.reduce_into_many(BinaryOp::Add, &gacc, &[&gb, &gb])
+        .unwrap();
+    let mut want = a.clone();
+    cpu::reduce_into_many(BinaryOp::Add, &mut want, &[&b, &b]);
+    assert!(bits(&read(g, &gacc)) == bits(&want), "reduce_into_many");
     let ga = g.upload(&a).unwrap();
     let got = read(g, &g.binary(BinaryOp::Sub, &ga, &gb, n, None).unwrap());
     assert!(

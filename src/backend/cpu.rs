@@ -56,6 +56,22 @@ pub fn fold_all(op: BinaryOp, xs: &[&[f32]]) -> Vec<f32> {
     out
 }
 
+/// `acc = op(..op(op(acc, xs[0]), xs[1]).., xs[k-1])` in place, element by element: the same
+/// operations in the same order as [`reduce_into`] with each input in turn, in one pass over
+/// memory (block by block, the block of `acc` staying in L1).
+pub fn reduce_into_many(op: BinaryOp, acc: &mut [f32], xs: &[&[f32]]) {
+    const BLOCK: usize = 2048;
+    debug_assert!(xs.iter().all(|x| x.len() == acc.len()));
+    let mut start = 0;
+    while start < acc.len() {
+        let end = (start + BLOCK).min(acc.len());
+        for x in xs {
+            reduce_into(op, &mut acc[start..end], &x[start..end]);
+        }
+        start = end;
+    }
+}
+
 /// Little-endian f32 bytes as f32s: borrowed when aligned (messages of this process, most
 /// received buffers), decoded into a copy otherwise.
 pub fn f32s_of_le_bytes(x: &[u8]) -> std::borrow::Cow<'_, [f32]> {

@@ -113,6 +113,7 @@ enum Kernel {
     Unary,
     ReduceInto,
     ReduceInto4,
+    FoldInto4,
     SumPartials,
     SumTo,
     CopyStrided,
@@ -126,6 +127,7 @@ impl Kernel {
             Kernel::Unary => "unary",
             Kernel::ReduceInto => "reduce_into",
             Kernel::ReduceInto4 => "reduce_into_vec4",
+            Kernel::FoldInto4 => "fold_into_vec4",
             Kernel::SumPartials => "sum_partials",
             Kernel::SumTo => "sum_to",
             Kernel::CopyStrided => "copy_strided",
@@ -141,9 +143,11 @@ impl Kernel {
                 "elementwise.wgsl",
                 include_str!("../../shaders/elementwise.wgsl"),
             ),
-            Kernel::ReduceInto | Kernel::ReduceInto4 | Kernel::SumPartials | Kernel::SumTo => {
-                ("reduce.wgsl", include_str!("../../shaders/reduce.wgsl"))
-            }
+            Kernel::ReduceInto
+            | Kernel::ReduceInto4
+            | Kernel::FoldInto4
+            | Kernel::SumPartials
+            | Kernel::SumTo => ("reduce.wgsl", include_str!("../../shaders/reduce.wgsl")),
             Kernel::CopyStrided => ("copy.wgsl", include_str!("../../shaders/copy.wgsl")),
             Kernel::Matmul => ("matmul.wgsl", include_str!("../../shaders/matmul.wgsl")),
         };
@@ -692,6 +696,54 @@ impl Gpu {
                     ],
                     Self::groups(tail, 4),
                 )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `acc = op(..op(op(acc, xs[0]), xs[1]).., xs[k-1])` in place: several inputs folded in with
+    /// one pass over memory per three inputs (bitwise the same as [`Gpu::reduce_into`] with each
+    /// input in turn): the local step that reduces many ranks' contributions at once.
+    pub fn reduce_into_many(&self, op: BinaryOp, acc: &GpuBuf, xs: &[&GpuBuf]) -> Result<()> {
+        if let Some(x) = xs.iter().find(|x| x.len != acc.len) {
+            return Err(gpu_err(
+                "reduce_into",
+                format!("accumulator of {} and input of {} elements", acc.len, x.len),
+            ));
+        }
+        for group in xs.chunks(3) {
+            for (st, n) in self.windows(acc.len) {
+                let n4 = n / 4;
+                if n4 > 0 {
+                    let groups = n4.div_ceil(WG as usize).min(1024) as u32;
+                    let m = self.meta(&[n4 as u32, groups * WG, group.len() as u32]);
+                    // Unused inputs bind the first one again (never read).
+                    let y = |i: usize| group.get(i).copied().unwrap_or(group[0]);
+                    let b = [
+                        (2, m.as_entire_binding()),
+                        (3, part(acc, st, n4 * 4)),
+                        (4, part(y(0), st, n4 * 4)),
+                        (7, part(y(1), st, n4 * 4)),
+                        (8, part(y(2), st, n4 * 4)),
+                    ];
+                    self.run_op(Kernel::FoldInto4, Some(op_code(op)), &b, groups)?;
+                }
+                let tail = n - n4 * 4;
+                if tail > 0 {
+                    let off = (n4 * 4) as u32;
+                    for x in group {
+                        let m = self.meta(&[tail as u32, op_code(op), off, off]);
+                        self.run(
+                            Kernel::ReduceInto,
+                            &[
+                                (0, part(acc, st, n)),
+                                (1, part(x, st, n)),
+                                (2, m.as_entire_binding()),
+                            ],
+                            Self::groups(tail, 4),
+                        )?;
+                    }
+                }
             }
         }
         Ok(())

@@ -64,8 +64,8 @@ impl Partial {
 
     /// `op` over every rank's elements `start..start+len`, folded in group-rank order: `parts[j]` is
     /// rank `j`'s contribution as received bytes, `None` marks this rank's own (taken from `x`).
-    /// One pass over memory on the host; on the GPU each received part is uploaded and folded in
-    /// with reduce-into, in the same order (bitwise the host's result).
+    /// One pass over memory on the host; on the GPU the received parts are uploaded and folded in
+    /// with the fused reduce-into, in the same order (bitwise the host's result).
     pub(crate) fn fold_parts(
         x: &Tensor,
         start: usize,
@@ -91,27 +91,31 @@ impl Partial {
             }
             #[cfg(feature = "wgpu")]
             Storage::Gpu(_) => {
-                let mut acc: Option<Partial> = None;
+                // Every part on the GPU (received ones uploaded, ours copied out of `x`), then
+                // one fused fold into the first, in rank order.
+                let gpu = gpu_of(x)?;
+                let mut bufs = Vec::with_capacity(parts.len());
                 for p in parts {
-                    match (&mut acc, p) {
-                        (None, None) => acc = Some(Partial::copy_of(x, start, len)?),
-                        (None, Some(b)) => {
-                            let buf = gpu_of(x)?.upload_le_bytes(b)?;
-                            acc = Some(Partial::Gpu(Tensor::from_gpu(vec![len], buf)));
-                        }
-                        (Some(a), None) => {
-                            let own = Partial::copy_of(x, start, len)?;
-                            if let (Partial::Gpu(a), Partial::Gpu(o)) = (a, &own)
-                                && let (Storage::Gpu(a), Storage::Gpu(o)) =
-                                    (a.storage(), o.storage())
-                            {
-                                a.gpu().reduce_into(op.combine(), a, o)?;
-                            }
-                        }
-                        (Some(a), Some(b)) => a.fold(op, b)?,
-                    }
+                    let t = match p {
+                        None => Partial::copy_of(x, start, len)?.into_tensor(&[len])?,
+                        Some(b) => Tensor::from_gpu(vec![len], gpu.upload_le_bytes(b)?),
+                    };
+                    bufs.push(t);
                 }
-                Ok(acc.unwrap_or(Partial::Host(Vec::new())))
+                let raw: Vec<&crate::backend::gpu::GpuBuf> = bufs
+                    .iter()
+                    .filter_map(|t| match t.storage() {
+                        Storage::Gpu(b) => Some(b),
+                        Storage::Cpu(_) => None,
+                    })
+                    .collect();
+                if let Some((first, rest)) = raw.split_first() {
+                    gpu.reduce_into_many(op.combine(), first, rest)?;
+                }
+                Ok(bufs
+                    .into_iter()
+                    .next()
+                    .map_or(Partial::Host(Vec::new()), Partial::Gpu))
             }
         }
     }
