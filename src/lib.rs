@@ -48,7 +48,7 @@
 //! - [`vjp`]: the JSON case format and runner behind `distgrad vjp`.
 //! - [`lesson`]: the teaching demo's lessons (JSON in `www/lessons/`) and their traces, shown by
 //!   the page and printed by `distgrad run`.
-//! - [`bench`]: the benchmarks behind `distgrad bench`.
+//! - [`bench`](mod@bench): the benchmarks behind `distgrad bench`.
 //! - [`train`]: data-parallel training through the collectives' duals (`distgrad train`).
 //! - `rendezvous` (native): launcher variables (RANK, WORLD_SIZE, ...) and a TCP store for
 //!   multi-process launches.

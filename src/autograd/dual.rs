@@ -1,6 +1,6 @@
 //! THE DUAL TABLE: for every collective, the collective its backward pass runs.
 //!
-//! One exhaustive `match` in [`dual`], no `_ =>` arm, so a new collective does not compile until its
+//! One exhaustive `match` in `dual`, no `_ =>` arm, so a new collective does not compile until its
 //! dual is written here. Conventions (see [`super::Objective`]): by default the global objective is
 //! the sum over ranks of each rank's loss, so "everyone's cotangents summed" is an
 //! `all_reduce(SUM, g)`; in replicated mode an all_reduce output is invariant, its cotangent already

@@ -1,9 +1,9 @@
 //! [`P2p`]: every collective built from a [`Transport`]'s point-to-point messages.
 //!
-//! A call runs in three steps: [`P2p::begin`] numbers it in its group and sends this rank's
-//! [`CallSig`] to the ring successor; the algorithm exchanges data through [`Call::send`] /
-//! [`Call::recv`], which check signatures before any byte is used and bound every wait by the
-//! timeout; [`P2p::finish`] waits for the predecessor's signature if it has not come yet. Every
+//! A call runs in three steps: `P2p::begin` numbers it in its group and sends this rank's
+//! [`CallSig`] to the ring successor; the algorithm exchanges data through `Call::send` /
+//! `Call::recv`, which check signatures before any byte is used and bound every wait by the
+//! timeout; `P2p::finish` waits for the predecessor's signature if it has not come yet. Every
 //! collective runs inside `guarded`, which on any error (bad argument included) aborts the
 //! transport once, so that every other rank fails too (never a hang, never garbage).
 //!
