@@ -32,7 +32,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use cudarc::nccl::{self as nc, Comm, Id};
 
 use crate::backend::Device;
-use crate::collective::{CallSig, Communicator, Group, Kind, ReduceOp, check_pairs};
+use crate::collective::{CallSig, Communicator, Group, Kind, ReduceOp, check_pairs, list_shape};
 use crate::error::{Error, Result};
 use crate::rendezvous::{LaunchEnv, Store, StoreServer};
 use crate::tensor::Tensor;
@@ -600,23 +600,7 @@ impl Communicator for NcclComm {
                     format!("the root (group rank {root}) must pass the list"),
                 )
             })?;
-            if xs.len() != group.size() {
-                return Err(Error::invalid(
-                    "scatter",
-                    format!(
-                        "root passed {} tensors for a group of {}",
-                        xs.len(),
-                        group.size()
-                    ),
-                ));
-            }
-            let shape = xs[0].shape().to_vec();
-            if xs.iter().any(|t| t.shape() != shape.as_slice()) {
-                return Err(Error::invalid(
-                    "scatter",
-                    "the root's tensors must share one shape",
-                ));
-            }
+            let shape = list_shape("scatter", xs, group.size())?;
             sig = sig.shape(&shape);
             self.check(&c, group, &sig)?;
             // Tell the others the shape, then send each its tensor.
@@ -662,19 +646,7 @@ impl Communicator for NcclComm {
 
     async fn reduce_scatter(&self, xs: &[Tensor], op: ReduceOp, group: &Group) -> Result<Tensor> {
         let (c, _) = self.comm(group, "reduce_scatter")?;
-        if xs.len() != group.size() {
-            return Err(Error::invalid(
-                "reduce_scatter",
-                format!("{} tensors for a group of {}", xs.len(), group.size()),
-            ));
-        }
-        let shape = xs[0].shape().to_vec();
-        if xs.iter().any(|t| t.shape() != shape.as_slice()) {
-            return Err(Error::invalid(
-                "reduce_scatter",
-                "the tensors must share one shape",
-            ));
-        }
+        let shape = list_shape("reduce_scatter", xs, group.size())?;
         self.check(
             &c,
             group,
@@ -700,19 +672,7 @@ impl Communicator for NcclComm {
 
     async fn all_to_all(&self, xs: &[Tensor], group: &Group) -> Result<Vec<Tensor>> {
         let (c, me) = self.comm(group, "all_to_all")?;
-        if xs.len() != group.size() {
-            return Err(Error::invalid(
-                "all_to_all",
-                format!("{} tensors for a group of {}", xs.len(), group.size()),
-            ));
-        }
-        let shape = xs[0].shape().to_vec();
-        if xs.iter().any(|t| t.shape() != shape.as_slice()) {
-            return Err(Error::invalid(
-                "all_to_all",
-                "the tensors must share one shape",
-            ));
-        }
+        let shape = list_shape("all_to_all", xs, group.size())?;
         self.check(&c, group, &CallSig::new(Kind::AllToAll).shape(&shape))?;
         let hosts: Vec<Vec<f32>> = xs.iter().map(Self::host).collect::<Result<_>>()?;
         let n = xs[0].numel();

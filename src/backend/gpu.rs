@@ -660,45 +660,10 @@ impl Gpu {
         Ok(out)
     }
 
-    /// `acc[i] = op(acc[i], x[i])` in place: the local step of every reducing collective. Whole
-    /// vec4s go through a specialized grid-stride kernel, the last `n % 4` through the scalar one;
-    /// buffers above the binding limit window by window.
+    /// `acc[i] = op(acc[i], x[i])` in place: the local step of every reducing collective
+    /// ([`Gpu::reduce_into_many`] with one input).
     pub fn reduce_into(&self, op: BinaryOp, acc: &GpuBuf, x: &GpuBuf) -> Result<()> {
-        if acc.len != x.len {
-            return Err(gpu_err(
-                "reduce_into",
-                format!("accumulator of {} and input of {} elements", acc.len, x.len),
-            ));
-        }
-        for (st, n) in self.windows(acc.len) {
-            let n4 = n / 4;
-            if n4 > 0 {
-                let groups = n4.div_ceil(WG as usize).min(1024) as u32;
-                let m = self.meta(&[n4 as u32, groups * WG]);
-                let b = [
-                    (2, m.as_entire_binding()),
-                    (3, part(acc, st, n4 * 4)),
-                    (4, part(x, st, n4 * 4)),
-                ];
-                self.run_op(Kernel::ReduceInto4, Some(op_code(op)), &b, groups)?;
-            }
-            let tail = n - n4 * 4;
-            if tail > 0 {
-                // Only the last window can have a tail (windows are whole vec4s).
-                let off = (n4 * 4) as u32;
-                let m = self.meta(&[tail as u32, op_code(op), off, off]);
-                self.run(
-                    Kernel::ReduceInto,
-                    &[
-                        (0, part(acc, st, n)),
-                        (1, part(x, st, n)),
-                        (2, m.as_entire_binding()),
-                    ],
-                    Self::groups(tail, 4),
-                )?;
-            }
-        }
-        Ok(())
+        self.reduce_into_many(op, acc, &[x])
     }
 
     /// `acc = op(..op(op(acc, xs[0]), xs[1]).., xs[k-1])` in place: several inputs folded in with
@@ -717,16 +682,23 @@ impl Gpu {
                 if n4 > 0 {
                     let groups = n4.div_ceil(WG as usize).min(1024) as u32;
                     let m = self.meta(&[n4 as u32, groups * WG, group.len() as u32]);
-                    // Unused inputs bind the first one again (never read).
-                    let y = |i: usize| group.get(i).copied().unwrap_or(group[0]);
-                    let b = [
+                    let mut b = vec![
                         (2, m.as_entire_binding()),
                         (3, part(acc, st, n4 * 4)),
-                        (4, part(y(0), st, n4 * 4)),
-                        (7, part(y(1), st, n4 * 4)),
-                        (8, part(y(2), st, n4 * 4)),
+                        (4, part(group[0], st, n4 * 4)),
                     ];
-                    self.run_op(Kernel::FoldInto4, Some(op_code(op)), &b, groups)?;
+                    // One input: the plain kernel (the fold kernel's input count costs ~20 % on
+                    // software GPUs). More: the fold kernel; unused inputs bind the first again
+                    // (never read).
+                    let kernel = if group.len() == 1 {
+                        Kernel::ReduceInto4
+                    } else {
+                        let y = |i: usize| group.get(i).copied().unwrap_or(group[0]);
+                        b.push((7, part(y(1), st, n4 * 4)));
+                        b.push((8, part(y(2), st, n4 * 4)));
+                        Kernel::FoldInto4
+                    };
+                    self.run_op(kernel, Some(op_code(op)), &b, groups)?;
                 }
                 let tail = n - n4 * 4;
                 if tail > 0 {

@@ -270,6 +270,26 @@ pub fn chunk_bounds(n: usize, parts: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
+/// The one shape of a list of tensors, one per group rank (`n`), or an error naming `op`.
+pub(crate) fn list_shape(op: &'static str, xs: &[Tensor], n: usize) -> Result<Vec<usize>> {
+    if xs.len() != n {
+        return Err(Error::invalid(
+            op,
+            format!("need one tensor per group rank ({n}), got {}", xs.len()),
+        ));
+    }
+    let shape = xs[0].shape().to_vec();
+    if let Some(bad) = xs.iter().find(|x| x.shape() != shape.as_slice()) {
+        return Err(Error::shape(
+            op,
+            &shape,
+            bad.shape(),
+            "all tensors of the list must have one shape",
+        ));
+    }
+    Ok(shape)
+}
+
 /// Validate a permutation: pairs in range, each rank at most once as source and once as destination.
 pub fn check_pairs(op: &'static str, pairs: &[(usize, usize)], n: usize) -> Result<()> {
     let mut src_seen = vec![false; n];

@@ -22,7 +22,7 @@ use futures::future::{Either, select};
 use futures::pin_mut;
 
 use super::sig::{CallSig, Kind};
-use super::{Communicator, Group, ReduceOp, direct, ring, tree};
+use super::{Communicator, Group, ReduceOp, direct, list_shape, ring, tree};
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -576,25 +576,6 @@ pub fn decode_tensor(mut b: Bytes) -> Option<Tensor> {
         return None;
     }
     Tensor::from_shared_le_bytes(b, &shape).ok()
-}
-
-fn list_shape(op: &'static str, xs: &[Tensor], n: usize) -> Result<Vec<usize>> {
-    if xs.len() != n {
-        return Err(Error::invalid(
-            op,
-            format!("need one tensor per group rank ({n}), got {}", xs.len()),
-        ));
-    }
-    let shape = xs[0].shape().to_vec();
-    if let Some(bad) = xs.iter().find(|x| x.shape() != shape.as_slice()) {
-        return Err(Error::shape(
-            op,
-            &shape,
-            bad.shape(),
-            "all tensors of the list must have one shape",
-        ));
-    }
-    Ok(shape)
 }
 
 impl<T: Transport> Communicator for P2p<T> {
