@@ -266,7 +266,7 @@ fn best_of(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 /// sum-to-scalar; each beside the same work as a 1-thread CPU loop.
 #[cfg(feature = "wgpu")]
 pub fn kernels(gpu: &crate::backend::gpu::Gpu, n: usize) -> Result<Vec<KernelRow>> {
-    use crate::backend::gpu::At;
+    use crate::backend::gpu::{At, Vec4Layout};
     use crate::backend::{BinaryOp, cpu};
     let xs: Vec<Vec<f32>> = (0..4)
         .map(|k| (0..n).map(|i| ((i * 7 + k) % 13) as f32 - 6.0).collect())
@@ -311,6 +311,21 @@ pub fn kernels(gpu: &crate::backend::gpu::Gpu, n: usize) -> Result<Vec<KernelRow
         gpu_gbps: reduce_bytes / t_gpu / 1e9,
         cpu_gbps: reduce_bytes / t_cpu / 1e9,
     });
+    // Both thread layouts of the kernel (the row above uses the one chosen for this adapter).
+    for (name, layout) in [
+        ("  one pass, grid-stride", Vec4Layout::GridStride),
+        ("  one pass, runs", Vec4Layout::Runs),
+    ] {
+        let t = best_of(3, || {
+            gpu.reduce_into_many_in(layout, BinaryOp::Add, &acc, &refs)?;
+            gpu.sync()
+        })?;
+        rows.push(KernelRow {
+            name,
+            gpu_gbps: reduce_bytes / t / 1e9,
+            cpu_gbps: reduce_bytes / t_cpu / 1e9,
+        });
+    }
     let dst = gpu.alloc(n)?;
     let t_gpu = best_of(3, || {
         gpu.copy_strided(

@@ -8,7 +8,7 @@
 //! missing adapter is a failure.
 #![cfg(feature = "wgpu")]
 
-use distgrad::backend::gpu::{At, Gpu};
+use distgrad::backend::gpu::{At, Gpu, Vec4Layout};
 use distgrad::backend::{BinaryOp, UnaryOp, cpu};
 
 mod common_gpu;
@@ -150,12 +150,13 @@ fn reduce_into_is_bit_exact_for_every_op() {
 }
 
 /// Several inputs folded in one pass (groups of three per dispatch): bitwise the same as
-/// reduce-into with each input in turn, on the GPU and with the CPU's blocked fold, for every op,
-/// 1..7 inputs and every size.
+/// reduce-into with each input in turn, on the GPU (both thread layouts) and with the CPU's blocked
+/// fold, for every op, 1..7 inputs and every size.
 #[test]
 fn reduce_into_many_is_bit_exact_with_one_input_at_a_time() {
     let Some(g) = gpu() else { return };
-    for &n in &SIZES {
+    // 1_000_003: the runs layout ends with a partial run and a scalar tail.
+    for &n in SIZES.iter().chain(&[1_000_003]) {
         let acc = vals(30, n);
         let xs: Vec<Vec<f32>> = (0..7).map(|k| vals(31 + k, n)).collect();
         // The 2-D dispatch size once (it is slow in a debug build), every case on the others.
@@ -177,15 +178,17 @@ fn reduce_into_many_is_bit_exact_with_one_input_at_a_time() {
                 let refs: Vec<&[f32]> = xs[..k].iter().map(Vec::as_slice).collect();
                 cpu::reduce_into_many(op, &mut host, &refs);
                 assert_eq!(bits(&host), bits(&want), "cpu {op:?}, {k} inputs, n = {n}");
-                let gacc = g.upload(&acc).unwrap();
                 let gx: Vec<_> = xs[..k].iter().map(|x| g.upload(x).unwrap()).collect();
                 let grefs: Vec<_> = gx.iter().collect();
-                g.reduce_into_many(op, &gacc, &grefs).unwrap();
-                assert_eq!(
-                    bits(&read(g, &gacc)),
-                    bits(&want),
-                    "gpu {op:?}, {k} inputs, n = {n}"
-                );
+                for layout in [Vec4Layout::Auto, Vec4Layout::GridStride, Vec4Layout::Runs] {
+                    let gacc = g.upload(&acc).unwrap();
+                    g.reduce_into_many_in(layout, op, &gacc, &grefs).unwrap();
+                    assert_eq!(
+                        bits(&read(g, &gacc)),
+                        bits(&want),
+                        "gpu {op:?}, {k} inputs, n = {n}, {layout:?}"
+                    );
+                }
             }
         }
     }

@@ -43,6 +43,18 @@ struct Ctx {
     read_back: std::sync::atomic::AtomicU64,
 }
 
+/// How the vec4 reduce-into kernels spread their work over invocations (the same operations on
+/// every element either way, so the results are identical).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Vec4Layout {
+    /// `Runs` on a CPU adapter (lavapipe), `GridStride` on any other.
+    Auto,
+    /// Grid-stride loop: neighbouring invocations touch neighbouring vec4s (coalesced on a GPU).
+    GridStride,
+    /// Each invocation folds its own run of consecutive vec4s (fast on a CPU rasterizer).
+    Runs,
+}
+
 /// A wgpu device ready to run distgrad's kernels. Cheap to clone (shared).
 #[derive(Clone)]
 pub struct Gpu(Arc<Ctx>);
@@ -670,6 +682,18 @@ impl Gpu {
     /// one pass over memory per three inputs (bitwise the same as [`Gpu::reduce_into`] with each
     /// input in turn): the local step that reduces many ranks' contributions at once.
     pub fn reduce_into_many(&self, op: BinaryOp, acc: &GpuBuf, xs: &[&GpuBuf]) -> Result<()> {
+        self.reduce_into_many_in(Vec4Layout::Auto, op, acc, xs)
+    }
+
+    /// [`Gpu::reduce_into_many`] with the kernels' thread layout chosen by the caller (tests and
+    /// `distgrad bench kernels` compare them; the result is the same either way).
+    pub fn reduce_into_many_in(
+        &self,
+        layout: Vec4Layout,
+        op: BinaryOp,
+        acc: &GpuBuf,
+        xs: &[&GpuBuf],
+    ) -> Result<()> {
         if let Some(x) = xs.iter().find(|x| x.len != acc.len) {
             return Err(gpu_err(
                 "reduce_into",
@@ -680,8 +704,8 @@ impl Gpu {
             for (st, n) in self.windows(acc.len) {
                 let n4 = n / 4;
                 if n4 > 0 {
-                    let groups = n4.div_ceil(WG as usize).min(1024) as u32;
-                    let m = self.meta(&[n4 as u32, groups * WG, group.len() as u32]);
+                    let (groups, per) = self.vec4_layout(layout, n4);
+                    let m = self.meta(&[n4 as u32, groups * WG, group.len() as u32, per]);
                     let mut b = vec![
                         (2, m.as_entire_binding()),
                         (3, part(acc, st, n4 * 4)),
@@ -719,6 +743,27 @@ impl Gpu {
             }
         }
         Ok(())
+    }
+
+    /// Workgroups and vec4s per invocation of the vec4 reduce kernels for `n4` vec4s. A real GPU
+    /// gets a grid-stride loop (per = 0: neighbouring invocations read neighbouring vec4s, so
+    /// accesses coalesce). A CPU adapter (lavapipe) runs one invocation per SIMD lane and loads
+    /// lane by lane; there each invocation gets its own run of consecutive vec4s, about 4x faster
+    /// (measured with `distgrad bench kernels`). Runs are sized to give each CPU thread several
+    /// workgroups. Both layouts do the same operations on every element: results are identical.
+    fn vec4_layout(&self, layout: Vec4Layout, n4: usize) -> (u32, u32) {
+        let runs = match layout {
+            Vec4Layout::Auto => self.0.info.device_type == wgpu::DeviceType::Cpu,
+            Vec4Layout::GridStride => false,
+            Vec4Layout::Runs => true,
+        };
+        if runs {
+            let per = n4.div_ceil(WG as usize * 8).clamp(1, 256);
+            let groups = n4.div_ceil(per * WG as usize);
+            (groups as u32, per as u32)
+        } else {
+            (n4.div_ceil(WG as usize).min(1024) as u32, 0)
+        }
     }
 
     /// Sum of all elements (serial runs per thread, then a tree per workgroup, repeated).
