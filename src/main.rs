@@ -133,6 +133,12 @@ mod cli {
             /// Allowed browser origins (repeat or comma-separate); default: any.
             #[arg(long, value_delimiter = ',')]
             allowed_origin: Option<Vec<String>>,
+            /// Refuse data streams: native members send their data on the WebSocket too.
+            #[arg(long)]
+            no_streams: bool,
+            /// Forward data-stream payloads through a buffer instead of splice(2) (Linux).
+            #[arg(long)]
+            no_splice: bool,
         },
         /// Join a relay room as one rank and run a case (built-in example or file) forward and backward.
         Worker {
@@ -175,6 +181,9 @@ mod cli {
             /// Pairs that cannot link (browser tabs, workers without this flag) use the relay.
             #[arg(long)]
             direct: Option<std::net::SocketAddr>,
+            /// Send data on the WebSocket (as browsers do) instead of a data stream to the relay.
+            #[arg(long)]
+            no_stream: bool,
         },
         /// Start a relay and N worker processes on this machine, run a collective forward and backward,
         /// and print the same per-rank table as `vjp`.
@@ -206,8 +215,9 @@ mod cli {
             #[arg(default_value = "collectives")]
             what: String,
             /// Transport: `local` (ranks as threads of this process), `relay` (each rank a
-            /// WebSocket to a relay), `direct` (introduced by the relay, data over TCP links
-            /// between the ranks) or `nccl` (one process per GPU, all_reduce only; needs
+            /// WebSocket plus a data stream to a relay), `relay-ws` (data on the WebSocket too, as
+            /// browsers send it), `relay-buffered` (streams, forwarded without splice(2)), `direct`
+            /// (introduced by the relay, data over TCP links between the ranks) or `nccl` (one process per GPU, all_reduce only; needs
             /// `--features native-nccl`).
             #[arg(long, default_value = "local")]
             transport: String,
@@ -279,6 +289,8 @@ mod cli {
                 max_pending_bytes,
                 idle_timeout_secs,
                 allowed_origin,
+                no_streams,
+                no_splice,
             } => {
                 let cfg = distgrad::relay::RelayConfig {
                     max_frame,
@@ -288,6 +300,8 @@ mod cli {
                     idle_timeout: std::time::Duration::from_secs(idle_timeout_secs.max(1)),
                     allowed_origins: allowed_origin,
                     static_dir,
+                    streams: !no_streams,
+                    splice: !no_splice,
                     ..Default::default()
                 };
                 run_relay(&addr, cfg)
@@ -305,6 +319,7 @@ mod cli {
                 json,
                 timeout_secs,
                 direct,
+                no_stream,
             } => {
                 let opts = WorkerOpts {
                     relay,
@@ -314,6 +329,7 @@ mod cli {
                     token,
                     timeout: std::time::Duration::from_secs(timeout_secs.max(1)),
                     direct,
+                    no_stream,
                 };
                 run_worker(&opts, &collective, case.as_deref(), &op, root, json)
             }
@@ -421,14 +437,20 @@ mod cli {
         let what = match transport {
             "local" => "in-process threads",
             "relay" => {
-                "threads, each with its own WebSocket to a relay on 127.0.0.1 in this process"
+                "threads, each with a WebSocket and a data stream to a relay on 127.0.0.1 in this process"
+            }
+            "relay-ws" => {
+                "threads, each with its own WebSocket (data included) to a relay on 127.0.0.1 in this process"
+            }
+            "relay-buffered" => {
+                "as relay, the relay forwarding stream payloads through a buffer instead of splice(2)"
             }
             "direct" => {
                 "threads introduced by a relay on 127.0.0.1, data over direct TCP links between them"
             }
             other => {
                 return Err(distgrad::Error::Input(format!(
-                    "unknown transport {other:?} (local, relay or direct)"
+                    "unknown transport {other:?} (local, relay, relay-ws, relay-buffered or direct)"
                 )));
             }
         };
@@ -468,18 +490,20 @@ mod cli {
                 let (ops, sizes) = (&ops, &sizes);
                 async move { rank_bench(&comm, ops, sizes, memcpy).await }
             })
-        } else if transport == "direct" {
-            distgrad::run::run_over_relay_direct(
-                world,
-                distgrad::relay::RelayConfig::default(),
-                opts,
-                async |comm| rank_bench(comm, &ops, &sizes, memcpy).await,
-            )?
         } else {
-            distgrad::run::run_over_relay(
+            let route = match transport {
+                "direct" => distgrad::run::RelayRoute::Direct,
+                "relay-ws" => distgrad::run::RelayRoute::WebSocket,
+                _ => distgrad::run::RelayRoute::Stream,
+            };
+            distgrad::run::run_over_relay_via(
                 world,
-                distgrad::relay::RelayConfig::default(),
+                distgrad::relay::RelayConfig {
+                    splice: transport != "relay-buffered",
+                    ..Default::default()
+                },
                 opts,
+                route,
                 async |comm| rank_bench(comm, &ops, &sizes, memcpy).await,
             )?
         };
@@ -872,6 +896,7 @@ mod cli {
         token: Option<String>,
         timeout: std::time::Duration,
         direct: Option<std::net::SocketAddr>,
+        no_stream: bool,
     }
 
     fn load_case(
@@ -914,6 +939,7 @@ mod cli {
         join.rank = o.rank;
         join.token = o.token.clone();
         join.direct = o.direct;
+        join.stream = !o.no_stream;
         let result = runtime(false)?.block_on(async {
             let t = distgrad::transport::ws::WsTransport::connect(&o.relay, join).await?;
             if o.token.is_none() {

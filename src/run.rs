@@ -78,8 +78,21 @@ where
     futures::future::join_all(ranks).await
 }
 
-/// Run `f(comm)` on `world` ranks (threads, each with its own tokio runtime and its own WebSocket)
-/// through a relay started for the occasion on an ephemeral loopback port, stopped afterwards.
+/// How ranks started by [`run_over_relay_via`] send their data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RelayRoute {
+    /// Through the relay, on each rank's WebSocket (as browsers do).
+    WebSocket,
+    /// Through the relay, on each rank's data stream (the native default).
+    Stream,
+    /// Over direct TCP links between the ranks, the relay only introducing them
+    /// ([`crate::transport::direct`]).
+    Direct,
+}
+
+/// Run `f(comm)` on `world` ranks (threads, each with its own tokio runtime and its own connection)
+/// through a relay started for the occasion on an ephemeral loopback port, stopped afterwards;
+/// data through the relay on data streams (native clients' default).
 #[cfg(not(target_arch = "wasm32"))]
 pub fn run_over_relay<R, F>(
     world: usize,
@@ -91,31 +104,16 @@ where
     F: AsyncFn(&P2p<crate::transport::ws::WsTransport>) -> Result<R> + Sync,
     R: Send,
 {
-    relay_run(world, relay, opts, false, f)
+    run_over_relay_via(world, relay, opts, RelayRoute::Stream, f)
 }
 
-/// [`run_over_relay`] with direct links: the relay introduces the ranks, which then exchange data
-/// over TCP between themselves on 127.0.0.1 ([`crate::transport::direct`]).
+/// [`run_over_relay`] with the data sent by `route`.
 #[cfg(not(target_arch = "wasm32"))]
-pub fn run_over_relay_direct<R, F>(
+pub fn run_over_relay_via<R, F>(
     world: usize,
     relay: crate::relay::RelayConfig,
     opts: CommOptions,
-    f: F,
-) -> Result<Vec<Result<R>>>
-where
-    F: AsyncFn(&P2p<crate::transport::ws::WsTransport>) -> Result<R> + Sync,
-    R: Send,
-{
-    relay_run(world, relay, opts, true, f)
-}
-
-#[cfg(not(target_arch = "wasm32"))]
-fn relay_run<R, F>(
-    world: usize,
-    relay: crate::relay::RelayConfig,
-    opts: CommOptions,
-    direct: bool,
+    route: RelayRoute,
     f: F,
 ) -> Result<Vec<Result<R>>>
 where
@@ -159,7 +157,8 @@ where
                             join.token = Some(token.clone());
                             join.rank = Some(rank as u32);
                             join.max_payload = max_payload;
-                            if direct {
+                            join.stream = route != RelayRoute::WebSocket;
+                            if route == RelayRoute::Direct {
                                 join.direct = Some(([127, 0, 0, 1], 0).into());
                             }
                             let t = WsTransport::connect(url, join).await?;

@@ -216,6 +216,10 @@ pub enum Control {
         /// Wanted rank (any free rank if absent).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         rank: Option<u32>,
+        /// The client will attach a TCP data stream (native clients; see [`StreamHello`]). The
+        /// room is not announced ready before it did, or said [`Control::NoStream`].
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        stream: bool,
     },
     /// Relay → client: you joined.
     Welcome {
@@ -227,7 +231,14 @@ pub enum Control {
         token: String,
         /// Ranks present now.
         members: Vec<u32>,
+        /// The key that attaches this member's data stream (present when the join asked for a
+        /// stream and the relay accepts them).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stream_key: Option<String>,
     },
+    /// Client → relay: the data stream the join announced could not be attached; data goes
+    /// through the WebSocket.
+    NoStream,
     /// Relay → all members: membership changed.
     Members {
         /// Ranks present now.
@@ -263,11 +274,79 @@ pub enum Control {
     },
 }
 
+/// First bytes of a data stream's hello. The first byte is not ASCII, so the relay tells a data
+/// stream from an HTTP request (which opens a WebSocket) by it.
+pub const STREAM_MAGIC: [u8; 4] = [0xD7, b'd', b'g', b's'];
+
+/// Bit of a data stream's length word marking a control frame: the relay sends a member with a
+/// stream its [`Control::PeerLeft`] notices this way, in order with the data it forwarded, followed
+/// by `length & !STREAM_CONTROL` bytes of JSON.
+pub const STREAM_CONTROL: u32 = 1 << 31;
+
+/// Largest payload of one data-stream frame; longer messages are sent as fragments of this size.
+pub const MAX_STREAM_PAYLOAD: usize = 1 << 30;
+
+/// Longest JSON body of a [`StreamHello`].
+pub const MAX_STREAM_HELLO: usize = 4096;
+
+/// A native member's TCP data stream to the relay, on the relay's own port. It carries data frames
+/// only (control stays on the WebSocket), without WebSocket framing or masking:
+/// `[u32 length][24-byte header][payload]`, length counting header + payload. Frames are not
+/// limited to the relay's frame size (only to [`MAX_STREAM_PAYLOAD`]): the relay forwards them
+/// piece by piece. Relay → member, a length with [`STREAM_CONTROL`] set is a control message.
+///
+/// Opening: [`STREAM_MAGIC`], `u32` body length, then this JSON; the relay answers one byte, 1 if
+/// the stream is attached (0, or a closed connection, otherwise).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamHello {
+    /// The member's room.
+    pub room: String,
+    /// Its rank.
+    pub rank: u32,
+    /// The key from its [`Control::Welcome`].
+    pub key: String,
+}
+
+impl StreamHello {
+    /// The opening bytes of a stream.
+    pub fn encode(&self) -> Vec<u8> {
+        let body = serde_json::to_vec(self).unwrap_or_default();
+        let mut b = Vec::with_capacity(8 + body.len());
+        b.extend_from_slice(&STREAM_MAGIC);
+        b.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        b.extend_from_slice(&body);
+        b
+    }
+
+    /// The body length announced by the first 8 bytes, or why they are not a stream hello.
+    pub fn body_len(head: &[u8; 8]) -> Result<usize, String> {
+        if head[..4] != STREAM_MAGIC {
+            return Err("not a data stream hello".into());
+        }
+        let n = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
+        if n > MAX_STREAM_HELLO {
+            return Err(format!(
+                "stream hello of {n} bytes (limit {MAX_STREAM_HELLO})"
+            ));
+        }
+        Ok(n)
+    }
+
+    /// Decode the JSON body.
+    pub fn decode(body: &[u8]) -> Result<StreamHello, String> {
+        serde_json::from_slice(body).map_err(|e| format!("malformed stream hello: {e}"))
+    }
+}
+
 /// Feed `data` to every decoder of bytes that arrive from the network (frame header, control JSON,
 /// call signature, whole-tensor message). The fuzz target calls this; none of them may panic.
 pub fn fuzz_decoders(data: &[u8]) {
     let _ = Header::decode(data);
     let _ = serde_json::from_slice::<Control>(data);
+    if let Some(head) = data.first_chunk::<8>() {
+        let _ = StreamHello::body_len(head);
+    }
+    let _ = StreamHello::decode(data);
     let _ = crate::collective::CallSig::decode(data);
     let _ = crate::collective::p2p::decode_tensor(Bytes::copy_from_slice(data));
 }
@@ -349,10 +428,41 @@ mod tests {
             token: None,
             world: 4,
             rank: Some(1),
+            stream: false,
         };
         let s = serde_json::to_string(&j).unwrap();
+        // A join without a stream reads as browsers (which never send the field) write it.
         assert_eq!(s, r#"{"type":"join","room":"r","world":4,"rank":1}"#);
         assert_eq!(serde_json::from_str::<Control>(&s).unwrap(), j);
+        let with = r#"{"type":"join","room":"r","world":4,"stream":true}"#;
+        match serde_json::from_str::<Control>(with).unwrap() {
+            Control::Join { stream, rank, .. } => assert!(stream && rank.is_none()),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            serde_json::to_string(&Control::NoStream).unwrap(),
+            r#"{"type":"no_stream"}"#
+        );
         assert!(serde_json::from_str::<Control>(r#"{"type":"nope"}"#).is_err());
+    }
+
+    #[test]
+    fn stream_hello_round_trip_and_rejects() {
+        let h = StreamHello {
+            room: "r".into(),
+            rank: 3,
+            key: "k".into(),
+        };
+        let b = h.encode();
+        let head: &[u8; 8] = b.first_chunk().unwrap();
+        // Not ASCII: the relay tells a stream from an HTTP request by the first byte.
+        assert!(!head[0].is_ascii());
+        assert_eq!(StreamHello::body_len(head), Ok(b.len() - 8));
+        assert_eq!(StreamHello::decode(&b[8..]), Ok(h));
+        assert!(StreamHello::body_len(b"GET / HT").is_err());
+        let mut big = *head;
+        big[4..].copy_from_slice(&(MAX_STREAM_HELLO as u32 + 1).to_le_bytes());
+        assert!(StreamHello::body_len(&big).unwrap_err().contains("limit"));
+        assert!(StreamHello::decode(b"{\"room\":1}").is_err());
     }
 }

@@ -1,6 +1,7 @@
 //! The relay and the native WebSocket transport: end to end across processes, bitwise against the
 //! in-process transport; join refusals; room isolation; peer loss; a hostile third-party client;
-//! source stamping; a bounded load test; idle timeout; backpressure.
+//! source stamping; a bounded load test; idle timeout; backpressure; data streams (hello checks,
+//! stream <-> WebSocket routing, splice and buffered forwarding, fallback).
 //!
 //! Every test talks only to 127.0.0.1 (port 0), and every wait is bounded (raw-client waits by
 //! `common_relay::WAIT`, collectives by `CommOptions::timeout`), so a broken relay fails a test
@@ -297,10 +298,21 @@ fn collectives_through_in_process_relay_equal_local_bitwise() {
         let local = vjp::run_case(&case).unwrap_or_else(|e| panic!("{ctx}: local run: {e}"));
         let prepared = vjp::Prepared::new(&case).expect("prepare");
         let room = format!("coll-{k}");
-        let joins = (0..4).map(|r| join_opts(&room, "tok", 4, r)).collect();
-        let results = run_ranks(&url, joins, vjp::case_options(), |_, comm| {
+        // Even ranks send on data streams, odd ones on their WebSockets (as browsers do): every
+        // pairing of the two routes, both ways.
+        let joins = (0..4)
+            .map(|r| {
+                let mut j = join_opts(&room, "tok", 4, r);
+                j.stream = r % 2 == 0;
+                j
+            })
+            .collect();
+        let results = run_ranks(&url, joins, vjp::case_options(), |r, comm| {
             let p = &prepared;
-            async move { vjp::run_rank(&comm, p).await }
+            async move {
+                assert_eq!(comm.transport().has_data_stream(), r % 2 == 0, "rank {r}");
+                vjp::run_rank(&comm, p).await
+            }
         });
         let over_relay = vjp::assemble(&prepared, results)
             .unwrap_or_else(|e| panic!("{ctx}: over the relay: {e}"));
@@ -423,6 +435,9 @@ fn direct_and_relay_only_ranks_mix() {
             vjp::run_rank(&comm, p).await
         }
     });
+    if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
+        panic!("mixed run failed: {e}");
+    }
     // Relay-only ranks say so at once: nobody waits for the link timeout.
     assert!(
         t0.elapsed() < Duration::from_secs(4),
@@ -494,10 +509,13 @@ fn large_all_reduce_is_fragmented_and_bitwise_equal_to_local() {
         let local = all_ok("local large all_reduce", local);
 
         let t0 = Instant::now();
+        // Ranks 0 and 1 send on data streams (whole messages; the relay cuts them into 64 KiB
+        // frames for the WebSocket ranks), 2 and 3 on their WebSockets in 64 KiB fragments.
         let joins = (0..WORLD as u32)
             .map(|r| {
                 let mut j = join_opts(&format!("big-{}", algo.name()), "tok", WORLD as u32, r);
                 j.max_payload = FRAME - HEADER_LEN;
+                j.stream = r < 2;
                 j
             })
             .collect();
@@ -629,10 +647,13 @@ fn close_right_after_a_large_collective_loses_nothing() {
     let mut failures = Vec::new();
     for round in 0..12 {
         let room = format!("close-{round}");
+        // Even rounds: data streams (the relay forwards what came on a stream before it announces
+        // the leave); odd rounds: WebSockets.
         let joins = (0..4)
             .map(|r| {
                 let mut j = join_opts(&room, "t", 4, r);
                 j.max_payload = (64 << 10) - HEADER_LEN;
+                j.stream = round % 2 == 0;
                 j
             })
             .collect();
@@ -672,6 +693,18 @@ fn close_right_after_a_large_collective_loses_nothing() {
 /// the socket loses it (the socket is reset because of the unread frame).
 #[test]
 fn close_after_sending_to_a_slow_reader_delivers_everything() {
+    close_after_sending_to_a_slow_reader(false);
+}
+
+/// The same with rank 0 sending on a data stream. The relay forwards what came on the stream
+/// before it answers the close, so here close() returns only once (nearly) everything is through;
+/// rank 1 must still see every byte before the leave.
+#[test]
+fn close_after_sending_on_a_stream_to_a_slow_reader_delivers_everything() {
+    close_after_sending_to_a_slow_reader(true);
+}
+
+fn close_after_sending_to_a_slow_reader(stream: bool) {
     const FRAME: usize = 64 << 10;
     const MSG: usize = 1 << 20;
     const COUNT: usize = 24;
@@ -690,6 +723,7 @@ fn close_after_sending_to_a_slow_reader_delivers_everything() {
         rank_runtime().block_on(async move {
             let mut j = join_opts("close-slow", "t", 3, 0);
             j.max_payload = FRAME - HEADER_LEN;
+            j.stream = stream;
             let t = WsTransport::connect(&url_s, j).await.expect("sender joins");
             for k in 0..COUNT {
                 t.send(1, p2p_tag(k as u64), content(k).into())
@@ -712,14 +746,21 @@ fn close_after_sending_to_a_slow_reader_delivers_everything() {
         let mut got = 0usize;
         let mut buf = Vec::new();
         let mut k = 0usize;
-        while k < COUNT {
+        let mut closed_at = None;
+        while k < COUNT || sender.is_some() {
             if sender.is_some() && closed_rx.try_recv().is_ok() {
+                closed_at = Some(k);
                 peer.send_binary(frame(2, 0, 0, b"for rank 0"))
                     .await
                     .unwrap();
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 ack_tx.send(()).unwrap();
                 sender.take().unwrap().join().expect("sender thread");
+            }
+            if k == COUNT {
+                // Everything arrived; rank 0's close() has yet to return.
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
             }
             match rx.next().await {
                 Event::Binary(f) => {
@@ -745,11 +786,13 @@ fn close_after_sending_to_a_slow_reader_delivers_everything() {
                 other => panic!("receiver: unexpected {other:?} after {got} bytes"),
             }
         }
-        assert!(
-            sender.is_none(),
-            "rank 1 received everything before rank 0's close() returned: the test did not \
-             exercise a close with data in flight (raise COUNT)"
-        );
+        if !stream {
+            assert!(
+                closed_at.is_some_and(|k| k < COUNT),
+                "rank 1 received everything before rank 0's close() returned: the test did not \
+                 exercise a close with data in flight (raise COUNT)"
+            );
+        }
     });
 }
 
@@ -871,6 +914,7 @@ fn join_refusals_say_why_and_leave_the_room_unchanged() {
                 token: None,
                 world: 2,
                 rank: Some(0),
+                stream: false,
             })
             .await;
             match c.next_control().await {
@@ -1984,4 +2028,223 @@ fn a_receiver_that_never_reads_stops_its_sender() {
         eprintln!("sender blocked after {sent} MiB: {err}");
         assert!(err.to_string().contains("accepted nothing"), "{err}");
     });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Data streams: native members' plain TCP connections to the relay
+// ---------------------------------------------------------------------------------------------
+
+/// Join over a raw WebSocket announcing a data stream; returns the client and its stream key.
+async fn raw_join_with_stream(url: &str, room: &str, world: u32, rank: u32) -> (Raw, String) {
+    let mut c = Raw::connect(url).await;
+    c.send_control(&Control::Join {
+        room: room.into(),
+        token: Some("t".into()),
+        world,
+        rank: Some(rank),
+        stream: true,
+    })
+    .await;
+    match c.next_control().await {
+        Control::Welcome {
+            stream_key: Some(key),
+            ..
+        } => (c, key),
+        other => panic!("expected a welcome with a stream key, got {other:?}"),
+    }
+}
+
+/// Open a TCP connection to the relay, send `hello` bytes, and return it with the relay's answer
+/// byte (`None`: the relay closed without answering).
+async fn stream_hello(
+    addr: std::net::SocketAddr,
+    hello: &[u8],
+) -> (tokio::net::TcpStream, Option<u8>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    s.write_all(hello).await.expect("send hello");
+    let mut b = [0u8; 1];
+    let got = tokio::time::timeout(WAIT, s.read(&mut b))
+        .await
+        .expect("the relay neither answered nor closed the stream");
+    let answer = match got {
+        Ok(1) => Some(b[0]),
+        _ => None,
+    };
+    (s, answer)
+}
+
+/// A stream frame: `[u32 length][header][payload]`.
+fn stream_frame(src: u32, dst: u32, seq: u64, payload: &[u8]) -> Vec<u8> {
+    let f = frame(src, dst, seq, payload);
+    let mut v = ((f.len()) as u32).to_le_bytes().to_vec();
+    v.extend_from_slice(&f);
+    v
+}
+
+/// Stream hellos are checked (wrong key, unknown room or rank, a second stream, garbage: refused,
+/// nothing changes); frames on a stream are stamped with the sender's rank, reach WebSocket
+/// members cut to the frame limit, and WebSocket members' frames reach the stream; a client that
+/// sends a control frame on its stream is disconnected with a reason, its peer told, and the relay
+/// keeps serving.
+#[test]
+fn stream_hellos_are_checked_and_streams_carry_stamped_frames() {
+    use distgrad::wire::{STREAM_CONTROL, StreamHello};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let relay = TestRelay::default_config();
+    let (url, addr) = (relay.url(), relay.addr);
+    rank_runtime().block_on(async {
+        let (mut a, key) = raw_join_with_stream(&url, "st", 2, 0).await;
+        let hello = |room: &str, rank: u32, key: &str| {
+            StreamHello {
+                room: room.into(),
+                rank,
+                key: key.into(),
+            }
+            .encode()
+        };
+        for (what, bytes) in [
+            ("a wrong key", hello("st", 0, "nope")),
+            ("an unknown room", hello("other", 0, &key)),
+            ("an absent rank", hello("st", 1, &key)),
+            ("garbage after the magic", {
+                let mut g = distgrad::wire::STREAM_MAGIC.to_vec();
+                g.extend_from_slice(&5u32.to_le_bytes());
+                g.extend_from_slice(b"{{{{{");
+                g
+            }),
+            ("an oversized hello", {
+                let mut g = distgrad::wire::STREAM_MAGIC.to_vec();
+                g.extend_from_slice(&u32::MAX.to_le_bytes());
+                g
+            }),
+        ] {
+            let (_, answer) = stream_hello(addr, &bytes).await;
+            assert_ne!(answer, Some(1), "a stream hello with {what} was accepted");
+        }
+        let (mut sa, answer) = stream_hello(addr, &hello("st", 0, &key)).await;
+        assert_eq!(answer, Some(1), "the right key attaches the stream");
+        let (_, again) = stream_hello(addr, &hello("st", 0, &key)).await;
+        assert_ne!(
+            again,
+            Some(1),
+            "a second stream for the same member was accepted"
+        );
+
+        // Rank 1 announces a stream too, then says it has none: its data stays on the WebSocket.
+        let (mut b, _) = raw_join_with_stream(&url, "st", 2, 1).await;
+        b.send_control(&Control::NoStream).await;
+        b.wait_ready().await;
+        a.wait_ready().await;
+
+        // Stream -> WebSocket: stamped, and cut into frames of at most 1 MiB (the default limit).
+        sa.write_all(&stream_frame(7, 1, 1, b"hi")).await.unwrap();
+        let (h, p) = b.next_frame().await;
+        assert_eq!(
+            (h.src, h.dst, h.tag.seq, h.more, &p[..]),
+            (0, 1, 1, false, &b"hi"[..])
+        );
+        let big: Vec<u8> = (0..(3 << 20) + 5).map(|i| (i % 251) as u8).collect();
+        sa.write_all(&stream_frame(0, 1, 2, &big)).await.unwrap();
+        let mut got = Vec::new();
+        loop {
+            let (h, p) = b.next_frame().await;
+            assert!(p.len() <= 1 << 20, "a {}-byte WebSocket frame", p.len());
+            assert_eq!((h.src, h.tag.seq), (0, 2));
+            got.extend_from_slice(&p);
+            if !h.more {
+                break;
+            }
+        }
+        assert!(got == big, "the 3 MiB message arrived changed");
+
+        // WebSocket -> stream: `[len][header][payload]`, source stamped.
+        b.send_binary(frame(9, 0, 3, b"back")).await.unwrap();
+        let mut len = [0u8; 4];
+        sa.read_exact(&mut len).await.unwrap();
+        let mut f = vec![0u8; u32::from_le_bytes(len) as usize];
+        sa.read_exact(&mut f).await.unwrap();
+        let h = Header::decode(&f).unwrap();
+        assert_eq!(
+            (h.src, h.dst, h.tag.seq, &f[HEADER_LEN..]),
+            (1, 0, 3, &b"back"[..])
+        );
+
+        // A control frame from a client: that member is disconnected with a reason.
+        sa.write_all(&(STREAM_CONTROL | 2).to_le_bytes())
+            .await
+            .unwrap();
+        sa.write_all(b"{}").await.unwrap();
+        let refusal = a.expect_refusal().await;
+        let why = refusal.error.unwrap_or_default();
+        assert!(why.contains("WebSocket"), "reason given: {why:?}");
+        match b.next_control().await {
+            Control::PeerLeft { rank: 0, reason } => {
+                assert!(reason.contains("WebSocket"), "{reason}")
+            }
+            other => panic!("rank 1 expected rank 0's leave, got {other:?}"),
+        }
+    });
+    quick_all_reduce(&url, "after-stream-fault", 3);
+    relay.shutdown(Duration::from_secs(5));
+}
+
+/// A relay that takes no streams leaves native members' data on their WebSockets; a relay that
+/// forwards without splice(2) (its portable buffer loop) gives the same bits as one with it.
+#[test]
+fn streams_fall_back_and_both_forwarding_loops_are_exact() {
+    const N: usize = 300_001; // not a multiple of anything: ring chunks of uneven sizes
+    let opts = CommOptions {
+        timeout: Duration::from_secs(30),
+        ..CommOptions::for_network()
+    };
+    let x_of = |r: usize| -> Vec<f32> {
+        (0..N)
+            .map(|i| ((i * 31 + r * 17) % 1009) as f32 / 7.0 - 50.0)
+            .collect()
+    };
+    let local = all_ok(
+        "local",
+        run_local(4, opts.clone(), |comm| async move {
+            let x = Tensor::vector(&x_of(comm.rank()));
+            comm.all_reduce(&x, ReduceOp::Sum, &comm.world())
+                .await
+                .map(|t| t.to_vec())
+        }),
+    );
+    for (cfg, streams) in [
+        (
+            RelayConfig {
+                streams: false,
+                ..RelayConfig::default()
+            },
+            false,
+        ),
+        (
+            RelayConfig {
+                splice: false,
+                ..RelayConfig::default()
+            },
+            true,
+        ),
+        (RelayConfig::default(), true),
+    ] {
+        let ctx = format!("streams={} splice={}", cfg.streams, cfg.splice);
+        let relay = TestRelay::start(cfg);
+        let joins = (0..4).map(|r| join_opts("fb", "t", 4, r)).collect();
+        let res = run_ranks(&relay.url(), joins, opts.clone(), |r, comm| async move {
+            assert_eq!(comm.transport().has_data_stream(), streams, "{r}");
+            let x = Tensor::vector(&x_of(comm.rank()));
+            comm.all_reduce(&x, ReduceOp::Sum, &comm.world())
+                .await
+                .map(|t| t.to_vec())
+        });
+        for (r, y) in all_ok(&ctx, res).into_iter().enumerate() {
+            assert!(
+                bits(&y) == bits(&local[r]),
+                "{ctx}: rank {r} differs from run_local"
+            );
+        }
+        relay.shutdown(Duration::from_secs(5));
+    }
 }

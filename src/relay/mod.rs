@@ -2,6 +2,12 @@
 //! data frames by destination rank (stamping the source itself) and relays WebRTC signaling; with
 //! `static_dir` it also serves the built web app from the same port.
 //!
+//! Native members may also attach a **data stream** ([`crate::wire::StreamHello`]): a plain TCP
+//! connection to the same port, told apart from HTTP by its first byte, that carries their data
+//! frames without WebSocket framing or masking. Between two members with streams the relay moves
+//! payloads socket to socket (with `splice(2)` on Linux: the bytes never enter the relay's memory);
+//! see `src/relay/stream.rs`.
+//!
 //! One connection = one task reading the socket plus one writer task draining a queue. The queue of
 //! each member is bounded in BYTES (`max_pending_bytes`): a sender whose destination is slow waits
 //! for room in that queue before reading its own socket further, so a slow receiver slows its
@@ -9,7 +15,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use axum::Router;
@@ -23,6 +29,9 @@ use futures::{SinkExt, StreamExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use crate::wire::{Control, HEADER_LEN, Header, LEFT_CLEANLY};
+
+mod stream;
+use stream::StreamOut;
 
 /// Limits and options of a relay.
 #[derive(Debug, Clone)]
@@ -44,6 +53,12 @@ pub struct RelayConfig {
     pub allowed_origins: Option<Vec<String>>,
     /// Serve this folder (the built web app) at `/`.
     pub static_dir: Option<PathBuf>,
+    /// Accept data streams from native members (on by default; only with [`serve`], which owns
+    /// the listener). Members without one use the WebSocket.
+    pub streams: bool,
+    /// Move data-stream payloads with `splice(2)` (Linux; elsewhere, or when off, through a
+    /// 256 KiB buffer).
+    pub splice: bool,
 }
 
 impl Default for RelayConfig {
@@ -57,6 +72,8 @@ impl Default for RelayConfig {
             join_timeout: Duration::from_secs(10),
             allowed_origins: None,
             static_dir: None,
+            streams: true,
+            splice: true,
         }
     }
 }
@@ -69,11 +86,41 @@ enum Out {
     Routed(String, OwnedSemaphorePermit),
     Ping,
     Close(String),
+    /// A control message that must stay in order with data frames (a peer left): on the data
+    /// stream where the member has one, else on the WebSocket.
+    Notice(String),
 }
 
 struct Member {
     tx: mpsc::UnboundedSender<Out>,
     budget: Arc<Semaphore>,
+    /// Its data stream, once attached (set once, before the room is ready).
+    stream: Arc<OnceLock<Arc<StreamOut>>>,
+    /// The key that attaches its stream, if its join announced one.
+    key: Option<String>,
+    /// Its data route is decided (stream attached, or none coming): the room waits for this.
+    settled: bool,
+    /// Ends its connection with a reason (a fault seen on its data stream).
+    kill: Arc<tokio::sync::watch::Sender<Option<String>>>,
+}
+
+/// Where a frame for one member goes.
+struct Dest {
+    tx: mpsc::UnboundedSender<Out>,
+    budget: Arc<Semaphore>,
+    stream: Option<Arc<StreamOut>>,
+    kill: Arc<tokio::sync::watch::Sender<Option<String>>>,
+}
+
+impl Member {
+    fn dest(&self) -> Dest {
+        Dest {
+            tx: self.tx.clone(),
+            budget: self.budget.clone(),
+            stream: self.stream.get().cloned(),
+            kill: self.kill.clone(),
+        }
+    }
 }
 
 struct Room {
@@ -91,6 +138,8 @@ struct Shared {
     stopping: tokio::sync::watch::Receiver<bool>,
     /// One permit held by each open connection, so shutdown can wait for their goodbyes.
     conns: Arc<Semaphore>,
+    /// Data streams reach this relay (it owns its listener: [`serve`]).
+    streams: bool,
 }
 
 /// Permits of `Shared::conns` (far above any real number of connections).
@@ -100,6 +149,35 @@ impl Shared {
     fn rooms(&self) -> std::sync::MutexGuard<'_, HashMap<String, Room>> {
         self.rooms.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// Where frames from `seat` to rank `dst` go: `Err` if `dst` is outside the room's world,
+    /// `Ok(None)` if it left.
+    fn dest(&self, seat: &Seat, dst: u32) -> Result<Option<Dest>, String> {
+        let rooms = self.rooms();
+        let room = rooms.get(&seat.room).ok_or("room vanished")?;
+        if dst >= room.world {
+            return Err(format!(
+                "destination rank {dst} outside world {}",
+                room.world
+            ));
+        }
+        Ok(room.members.get(&dst).map(Member::dest))
+    }
+}
+
+/// Announce `ready` if the room is full and every member's data route is decided.
+fn ready_check(r: &mut Room) -> bool {
+    if r.started || r.members.len() as u32 != r.world || !r.members.values().all(|m| m.settled) {
+        return false;
+    }
+    r.started = true;
+    let mut members: Vec<u32> = r.members.keys().copied().collect();
+    members.sort_unstable();
+    let text = control(&Control::Ready { members });
+    for m in r.members.values() {
+        let _ = m.tx.send(Out::Text(text.clone()));
+    }
+    true
 }
 
 /// Permits (bytes) of one member's outgoing queue: at least 1, at most what a `u32` acquire can take.
@@ -128,24 +206,22 @@ pub fn random_token() -> String {
 }
 
 /// The relay's routes: `/ws` (WebSocket) and, with `static_dir`, the files of the web app.
+/// Data streams need the listener ([`serve`]): members of a relay served through this router alone
+/// send their data through the WebSocket.
 pub fn router(cfg: RelayConfig) -> Router {
     // No shutdown signal: the sender is dropped, which `stopped` treats as "never".
     let conns = Arc::new(Semaphore::new(CONN_PERMITS as usize));
-    router_with(cfg, tokio::sync::watch::channel(false).1, conns)
-}
-
-fn router_with(
-    cfg: RelayConfig,
-    stopping: tokio::sync::watch::Receiver<bool>,
-    conns: Arc<Semaphore>,
-) -> Router {
-    let static_dir = cfg.static_dir.clone();
-    let shared = Arc::new(Shared {
+    router_with(Arc::new(Shared {
         cfg,
         rooms: Mutex::new(HashMap::new()),
-        stopping,
+        stopping: tokio::sync::watch::channel(false).1,
         conns,
-    });
+        streams: false,
+    }))
+}
+
+fn router_with(shared: Arc<Shared>) -> Router {
+    let static_dir = shared.cfg.static_dir.clone();
     let r = Router::new()
         .route("/ws", get(ws_handler))
         .with_state(shared);
@@ -161,11 +237,6 @@ pub async fn serve(
     cfg: RelayConfig,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    use axum::serve::ListenerExt;
-    // Small control frames and latency-bound collectives must not wait for Nagle's algorithm.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let shutdown = async move {
         shutdown.await;
@@ -173,7 +244,16 @@ pub async fn serve(
         let _ = stop_tx.send(true);
     };
     let conns = Arc::new(Semaphore::new(CONN_PERMITS as usize));
-    axum::serve(listener, router_with(cfg, stop_rx, conns.clone()))
+    let shared = Arc::new(Shared {
+        streams: cfg.streams,
+        cfg,
+        rooms: Mutex::new(HashMap::new()),
+        stopping: stop_rx,
+        conns: conns.clone(),
+    });
+    // Accepted connections are sorted: data streams here, HTTP (page, WebSocket) to axum.
+    let incoming = stream::Incoming::new(listener, shared.clone())?;
+    axum::serve(incoming, router_with(shared))
         .with_graceful_shutdown(shutdown)
         .await?;
     // Give the open connections a moment to tell their members (error + close) before returning.
@@ -217,10 +297,30 @@ async fn connection(socket: WebSocket, shared: Arc<Shared>) {
     // A receiver that stops reading must not hold its senders forever: a write that does not
     // finish within the idle timeout ends the connection (its queue budget is then closed).
     let write_timeout = shared.cfg.idle_timeout.max(Duration::from_millis(10));
+    let slot: Arc<OnceLock<Arc<StreamOut>>> = Arc::default();
+    let data_stream = slot.clone();
     let writer = tokio::spawn(async move {
         while let Some(out) = rx.recv().await {
             let (msg, permit, last) = match out {
+                // A member with a data stream gets its frames there.
+                Out::Frame(b, permit) if data_stream.get().is_some() => {
+                    let Some(s) = data_stream.get() else { break };
+                    let ok = s.send_frame(&b, write_timeout).await.is_ok();
+                    drop(permit);
+                    if !ok {
+                        break;
+                    }
+                    continue;
+                }
                 Out::Frame(b, permit) => (Message::Binary(b), permit, false),
+                Out::Notice(t) if data_stream.get().is_some() => {
+                    let Some(s) = data_stream.get() else { break };
+                    if s.send_control(&t, write_timeout).await.is_err() {
+                        break;
+                    }
+                    continue;
+                }
+                Out::Notice(t) => (Message::Text(t.into()), None, false),
                 Out::Text(t) => (Message::Text(t.into()), None, false),
                 Out::Routed(t, permit) => (Message::Text(t.into()), Some(permit), false),
                 Out::Ping => (Message::Ping(Bytes::new()), None, false),
@@ -241,8 +341,15 @@ async fn connection(socket: WebSocket, shared: Arc<Shared>) {
         let _ = sink.close().await;
     });
     let budget = Arc::new(Semaphore::new(queue_budget(&shared.cfg)));
+    let (kill, mut killed) = tokio::sync::watch::channel(None);
+    let link = Link {
+        tx: tx.clone(),
+        budget,
+        stream: slot,
+        kill: Arc::new(kill),
+    };
 
-    let seat = match join(&shared, &mut stream, &tx, &budget).await {
+    let seat = match join(&shared, &mut stream, &link).await {
         Ok(seat) => seat,
         Err(reason) => {
             send_error(&tx, &reason);
@@ -251,12 +358,20 @@ async fn connection(socket: WebSocket, shared: Arc<Shared>) {
         }
     };
 
-    let reason = serve_member(&shared, &seat, &mut stream, &tx).await;
+    let reason = serve_member(&shared, &seat, &mut stream, &tx, &mut killed).await;
+    if reason == LEFT_CLEANLY
+        && let Some(s) = link.stream.get()
+    {
+        // A clean leave: the client ended its data stream first; let what it sent there reach
+        // its peers before they hear that it left.
+        s.drained(shared.cfg.idle_timeout).await;
+    }
     leave(&shared, &seat, &reason);
     if reason != LEFT_CLEANLY {
         send_error(&tx, &reason);
     }
-    drop(tx);
+    // The writer ends (closing the WebSocket) once every sender of its queue is gone.
+    drop((tx, link));
     let _ = writer.await;
 }
 
@@ -282,13 +397,21 @@ fn control(msg: &Control) -> String {
     serde_json::to_string(msg).unwrap_or_default()
 }
 
+/// The relay's handles on one connection, shared with its room entry.
+struct Link {
+    tx: mpsc::UnboundedSender<Out>,
+    budget: Arc<Semaphore>,
+    stream: Arc<OnceLock<Arc<StreamOut>>>,
+    kill: Arc<tokio::sync::watch::Sender<Option<String>>>,
+}
+
 /// Wait for the join message and seat the client, or say why not.
 async fn join(
     shared: &Shared,
     stream: &mut futures::stream::SplitStream<WebSocket>,
-    tx: &mpsc::UnboundedSender<Out>,
-    budget: &Arc<Semaphore>,
+    link: &Link,
 ) -> Result<Seat, String> {
+    let tx = &link.tx;
     let first = tokio::time::timeout(shared.cfg.join_timeout, stream.next())
         .await
         .map_err(|_| format!("no join within {:?}", shared.cfg.join_timeout))?;
@@ -298,13 +421,14 @@ async fn join(
         Some(Err(e)) => return Err(format!("socket error before join: {e}")),
         None => return Err("closed before join".into()),
     };
-    let (room, token, world, rank) = match serde_json::from_str::<Control>(&text) {
+    let (room, token, world, rank, wants_stream) = match serde_json::from_str::<Control>(&text) {
         Ok(Control::Join {
             room,
             token,
             world,
             rank,
-        }) => (room, token, world, rank),
+            stream,
+        }) => (room, token, world, rank, stream),
         Ok(other) => return Err(format!("expected join, got {other:?}")),
         Err(e) => return Err(format!("malformed join: {e}")),
     };
@@ -357,11 +481,16 @@ async fn join(
             .find(|k| !r.members.contains_key(k))
             .ok_or_else(|| format!("room {room:?} is full"))?,
     };
+    let key = (wants_stream && shared.streams).then(random_token);
     r.members.insert(
         rank,
         Member {
             tx: tx.clone(),
-            budget: budget.clone(),
+            budget: link.budget.clone(),
+            stream: link.stream.clone(),
+            settled: key.is_none(),
+            key: key.clone(),
+            kill: link.kill.clone(),
         },
     );
     let mut members: Vec<u32> = r.members.keys().copied().collect();
@@ -371,19 +500,14 @@ async fn join(
         world,
         token: r.token.clone(),
         members: members.clone(),
+        stream_key: key,
     })));
-    let full = members.len() as u32 == world;
-    if full {
-        r.started = true;
-    }
-    let note = if full {
-        Control::Ready { members }
-    } else {
-        Control::Members { members }
-    };
-    let text = control(&note);
-    for m in r.members.values() {
-        let _ = m.tx.send(Out::Text(text.clone()));
+    // A full room whose last data streams are still attaching announces `ready` shortly.
+    if !ready_check(r) && members.len() as u32 != world {
+        let text = control(&Control::Members { members });
+        for m in r.members.values() {
+            let _ = m.tx.send(Out::Text(text.clone()));
+        }
     }
     Ok(Seat { room, rank })
 }
@@ -394,6 +518,7 @@ async fn serve_member(
     seat: &Seat,
     stream: &mut futures::stream::SplitStream<WebSocket>,
     tx: &mpsc::UnboundedSender<Out>,
+    killed: &mut tokio::sync::watch::Receiver<Option<String>>,
 ) -> String {
     let cfg = &shared.cfg;
     let mut ping = tokio::time::interval((cfg.idle_timeout / 3).max(Duration::from_millis(10)));
@@ -404,6 +529,9 @@ async fn serve_member(
         let msg = tokio::select! {
             m = stream.next() => m,
             () = stopped(&mut stopping) => return "the relay is shutting down".into(),
+            Ok(reason) = killed.wait_for(Option::is_some) => {
+                return reason.clone().unwrap_or_default();
+            }
             _ = ping.tick() => {
                 if last_heard.elapsed() >= cfg.idle_timeout {
                     return format!("idle for {:?}", cfg.idle_timeout);
@@ -450,6 +578,15 @@ async fn serve_member(
                         let _ = tx.send(Out::Routed(fwd, permit));
                     }
                 }
+                Ok(Control::NoStream) => {
+                    let mut rooms = shared.rooms();
+                    if let Some(r) = rooms.get_mut(&seat.room) {
+                        if let Some(m) = r.members.get_mut(&seat.rank) {
+                            m.settled = true;
+                        }
+                        ready_check(r);
+                    }
+                }
                 Ok(other) => return format!("unexpected control message {other:?}"),
                 Err(e) => return format!("malformed control message: {e}"),
             },
@@ -476,20 +613,12 @@ async fn route(shared: &Shared, seat: &Seat, frame: Bytes) -> Result<(), String>
         ));
     }
     let h = Header::decode(&frame).map_err(|e| format!("bad data frame: {e}"))?;
-    let (dst_tx, budget) = {
-        let rooms = shared.rooms();
-        let room = rooms.get(&seat.room).ok_or("room vanished")?;
-        if h.dst >= room.world {
-            return Err(format!(
-                "destination rank {} outside world {}",
-                h.dst, room.world
-            ));
-        }
-        match room.members.get(&h.dst) {
-            Some(m) => (m.tx.clone(), m.budget.clone()),
-            // The destination left; its peers were told. Drop the frame.
-            None => return Ok(()),
-        }
+    // A destination that left was announced to its peers: its frames are dropped.
+    let Some(Dest {
+        tx: dst_tx, budget, ..
+    }) = shared.dest(seat, h.dst)?
+    else {
+        return Ok(());
     };
     // Stamp the source in place when we hold the only reference (the usual case), else copy.
     let mut frame = frame
@@ -516,13 +645,16 @@ fn leave(shared: &Shared, seat: &Seat, reason: &str) {
     if let Some(m) = room.members.remove(&seat.rank) {
         // Senders waiting for room in this member's queue give up (their frames are dropped).
         m.budget.close();
+        if let Some(s) = m.stream.get() {
+            s.shutdown();
+        }
     }
     let note = control(&Control::PeerLeft {
         rank: seat.rank,
         reason: reason.to_string(),
     });
     for m in room.members.values() {
-        let _ = m.tx.send(Out::Text(note.clone()));
+        let _ = m.tx.send(Out::Notice(note.clone()));
     }
     if room.members.is_empty() {
         rooms.remove(&seat.room);

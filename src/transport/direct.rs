@@ -185,17 +185,8 @@ fn start(
     mailbox: Arc<Mailbox>,
     max_message: usize,
 ) -> Link {
-    let (mut rd, mut wr) = stream.into_split();
-    let (tx, mut rx) = mpsc::channel::<(Bytes, Bytes)>(64);
-    let writer = tokio::spawn(async move {
-        while let Some((head, payload)) = rx.recv().await {
-            let mut frame = head.chain(payload);
-            if wr.write_all_buf(&mut frame).await.is_err() {
-                break;
-            }
-        }
-        let _ = wr.shutdown().await;
-    });
+    let (mut rd, wr) = stream.into_split();
+    let (tx, writer) = spawn_writer(wr);
     let reader = tokio::spawn(async move {
         let reason = loop {
             let mut len = [0u8; 4];
@@ -236,8 +227,29 @@ fn start(
     (tx, reader, writer)
 }
 
+/// The writer task of a TCP link: writes each queued (head, payload) as one frame; when the
+/// sending side is dropped, ends its side of the connection (after what was queued).
+pub(crate) fn spawn_writer(
+    mut wr: tokio::net::tcp::OwnedWriteHalf,
+) -> (LinkTx, tokio::task::JoinHandle<()>) {
+    let (tx, mut rx) = mpsc::channel::<(Bytes, Bytes)>(64);
+    let writer = tokio::spawn(async move {
+        while let Some((head, payload)) = rx.recv().await {
+            let mut frame = head.chain(payload);
+            if wr.write_all_buf(&mut frame).await.is_err() {
+                break;
+            }
+        }
+        let _ = wr.shutdown().await;
+    });
+    (tx, writer)
+}
+
 /// Read `n` payload bytes: into a recycled f32 buffer when they are whole f32s (aligned, one copy).
-async fn read_payload(rd: &mut tokio::net::tcp::OwnedReadHalf, n: usize) -> std::io::Result<Bytes> {
+pub(crate) async fn read_payload(
+    rd: &mut tokio::net::tcp::OwnedReadHalf,
+    n: usize,
+) -> std::io::Result<Bytes> {
     if n.is_multiple_of(4) {
         let mut v = crate::backend::pool::take(n / 4);
         v.resize(n / 4, 0.0);
@@ -251,13 +263,24 @@ async fn read_payload(rd: &mut tokio::net::tcp::OwnedReadHalf, n: usize) -> std:
 
 /// The frame head (`[u32 length][wire header]`) of a message to send on a link.
 pub(crate) fn frame_head(src: usize, dst: usize, tag: Tag, payload_len: usize) -> Bytes {
+    frame_head_more(src, dst, tag, payload_len, false)
+}
+
+/// [`frame_head`] of a fragment (`more`: further fragments of the message follow).
+pub(crate) fn frame_head_more(
+    src: usize,
+    dst: usize,
+    tag: Tag,
+    payload_len: usize,
+    more: bool,
+) -> Bytes {
     let mut b = BytesMut::with_capacity(4 + HEADER_LEN);
     b.extend_from_slice(&((HEADER_LEN + payload_len) as u32).to_le_bytes());
     Header {
         src: src as u32,
         dst: dst as u32,
         tag,
-        more: false,
+        more,
     }
     .put(&mut b);
     b.freeze()

@@ -4,6 +4,12 @@
 //! Messages larger than the relay's frame limit are split into fragments; the reader task
 //! reassembles them and delivers whole messages into the [`Mailbox`]. The outgoing queue is bounded,
 //! so a sender waits when the relay pushes back.
+//!
+//! By default ([`JoinOptions::stream`]) data goes through a **data stream** instead: a plain TCP
+//! connection to the relay's port ([`crate::wire::StreamHello`]), attached while joining, that
+//! carries whole messages without WebSocket framing, masking or fragmenting; the WebSocket keeps
+//! the control messages. A relay that does not take streams (or a connection that fails) leaves
+//! the data on the WebSocket.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,7 +21,10 @@ use tokio_tungstenite::tungstenite::Message;
 
 use super::{Mailbox, Tag, Transport, direct};
 use crate::error::{Error, Result};
-use crate::wire::{Control, HEADER_LEN, Header, LEFT_CLEANLY, Reassembler, fragments};
+use crate::wire::{
+    Control, HEADER_LEN, Header, LEFT_CLEANLY, MAX_STREAM_PAYLOAD, Reassembler, STREAM_CONTROL,
+    StreamHello, fragments,
+};
 
 /// How to join a room.
 #[derive(Debug, Clone)]
@@ -43,6 +52,9 @@ pub struct JoinOptions {
     /// How long joining waits for the direct links to come up; pairs not linked by then use the
     /// relay.
     pub direct_timeout: Duration,
+    /// Send data through a data stream to the relay (default; see the module docs) rather than
+    /// through the WebSocket.
+    pub stream: bool,
 }
 
 impl JoinOptions {
@@ -59,6 +71,7 @@ impl JoinOptions {
             send_timeout: Duration::from_secs(60),
             direct: None,
             direct_timeout: Duration::from_secs(5),
+            stream: true,
         }
     }
 }
@@ -75,6 +88,8 @@ pub struct WsTransport {
     reader: Option<tokio::task::JoinHandle<()>>,
     writer: Option<tokio::task::JoinHandle<()>>,
     links: std::collections::HashMap<usize, direct::Link>,
+    /// The data stream to the relay, if attached.
+    data: Option<direct::Link>,
 }
 
 fn relay_err(detail: impl Into<String>) -> Error {
@@ -89,12 +104,18 @@ impl WsTransport {
         let (ws, _) = tokio_tungstenite::connect_async_with_config(url, None, true)
             .await
             .map_err(|e| relay_err(format!("cannot connect to {url}: {e}")))?;
+        // A data stream goes to the same address as the WebSocket (not through TLS).
+        let relay_addr = match ws.get_ref() {
+            tokio_tungstenite::MaybeTlsStream::Plain(s) => s.peer_addr().ok(),
+            _ => None,
+        };
         let (mut sink, mut stream) = ws.split();
         let join = Control::Join {
             room: opts.room.clone(),
             token: opts.token.clone(),
             world: opts.world,
             rank: opts.rank,
+            stream: opts.stream && relay_addr.is_some(),
         };
         let text = serde_json::to_string(&join).map_err(|e| relay_err(e.to_string()))?;
         sink.send(Message::text(text))
@@ -102,12 +123,39 @@ impl WsTransport {
             .map_err(|e| relay_err(format!("sending join: {e}")))?;
 
         let mut welcome = None;
+        let mut data_stream = None;
         let wait = async {
             while let Some(msg) = stream.next().await {
                 let msg = msg.map_err(|e| relay_err(format!("while joining: {e}")))?;
                 let Message::Text(t) = msg else { continue };
                 match serde_json::from_str::<Control>(&t) {
-                    Ok(Control::Welcome { rank, token, .. }) => welcome = Some((rank, token)),
+                    Ok(Control::Welcome {
+                        rank,
+                        token,
+                        stream_key,
+                        ..
+                    }) => {
+                        welcome = Some((rank, token));
+                        // The relay announces the room ready only once our stream is attached
+                        // or we said there is none.
+                        if let (Some(key), Some(addr)) = (stream_key, relay_addr) {
+                            let hello = StreamHello {
+                                room: opts.room.clone(),
+                                rank,
+                                key,
+                            };
+                            match attach_stream(addr, &hello).await {
+                                Ok(s) => data_stream = Some(s),
+                                Err(_) => {
+                                    let text = serde_json::to_string(&Control::NoStream)
+                                        .map_err(|e| relay_err(e.to_string()))?;
+                                    sink.send(Message::text(text)).await.map_err(|e| {
+                                        relay_err(format!("sending no-stream: {e}"))
+                                    })?;
+                                }
+                            }
+                        }
+                    }
                     Ok(Control::Ready { .. }) => return Ok(()),
                     Ok(Control::Error { message }) => {
                         return Err(relay_err(format!("relay refused: {message}")));
@@ -139,6 +187,17 @@ impl WsTransport {
         let (rank, token) = welcome.ok_or_else(|| relay_err("ready before welcome"))?;
         let (rank, world) = (rank as usize, opts.world as usize);
         let mailbox = Arc::new(Mailbox::new(rank, world));
+        let data = data_stream.map(|s| {
+            let (rd, wr) = s.into_split();
+            let (tx, writer) = direct::spawn_writer(wr);
+            let mb = mailbox.clone();
+            let max_message = opts.max_message;
+            let reader = tokio::spawn(async move {
+                let reason = read_stream(rd, &mb, rank, max_message).await;
+                mb.abort_local(&reason);
+            });
+            (tx, reader, writer)
+        });
 
         let (tx, mut rx) = mpsc::channel::<Message>(64);
         let writer = tokio::spawn(async move {
@@ -268,7 +327,13 @@ impl WsTransport {
             reader: Some(reader),
             writer: Some(writer),
             links,
+            data,
         })
+    }
+
+    /// Whether data goes through a data stream to the relay (else through the WebSocket).
+    pub fn has_data_stream(&self) -> bool {
+        self.data.is_some()
     }
 
     /// The ranks this one exchanges data with over direct links (ascending); the others go
@@ -289,8 +354,11 @@ impl WsTransport {
     pub async fn close(mut self) {
         self.out.take();
         let limit = Duration::from_secs(10);
-        // Direct links first: each writer flushes what is queued and ends its side of the link.
-        for (_, (tx, _, writer)) in std::mem::take(&mut self.links) {
+        // Direct links and the data stream first: each writer flushes what is queued and ends
+        // its side of the connection (the relay forwards what came on the stream before it
+        // announces our leave).
+        let data = self.data.take();
+        for (tx, _, writer) in std::mem::take(&mut self.links).into_values().chain(data) {
             drop(tx);
             let _ = tokio::time::timeout(limit, writer).await;
         }
@@ -311,7 +379,7 @@ impl Drop for WsTransport {
         if let Some(r) = &self.reader {
             r.abort();
         }
-        for (_, (_, reader, _)) in self.links.drain() {
+        for (_, reader, _) in self.links.drain().map(|(_, l)| l).chain(self.data.take()) {
             reader.abort();
         }
     }
@@ -368,6 +436,31 @@ impl Transport for WsTransport {
                 }),
             };
         }
+        if let Some((stream, _, _)) = &self.data {
+            // Whole messages (fragments only past MAX_STREAM_PAYLOAD), without copying.
+            let n = payload.len().div_ceil(MAX_STREAM_PAYLOAD).max(1);
+            for i in 0..n {
+                let part = payload.slice(
+                    (i * MAX_STREAM_PAYLOAD).min(payload.len())
+                        ..((i + 1) * MAX_STREAM_PAYLOAD).min(payload.len()),
+                );
+                let head = direct::frame_head_more(self.rank, dst, tag, part.len(), i + 1 < n);
+                match tokio::time::timeout(self.send_timeout, stream.send((head, part))).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => return Err(closed()),
+                    Err(_) => {
+                        return Err(Error::Transport {
+                            rank: self.rank,
+                            detail: format!(
+                                "the relay accepted nothing on the data stream for {:?} (receiver stalled?)",
+                                self.send_timeout
+                            ),
+                        });
+                    }
+                }
+            }
+            return Ok(());
+        }
         for frame in fragments(
             self.rank as u32,
             dst as u32,
@@ -399,5 +492,92 @@ impl Transport for WsTransport {
             }
         }
         self.mailbox.abort_local(reason);
+    }
+}
+
+/// Open a data stream to the relay at `addr` and attach it with `hello`.
+async fn attach_stream(
+    addr: std::net::SocketAddr,
+    hello: &StreamHello,
+) -> std::io::Result<tokio::net::TcpStream> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let limit = Duration::from_secs(5);
+    let mut s = tokio::time::timeout(limit, tokio::net::TcpStream::connect(addr))
+        .await
+        .map_err(|_| std::io::Error::other("connect timed out"))??;
+    s.set_nodelay(true)?;
+    s.write_all(&hello.encode()).await?;
+    let mut ok = [0u8; 1];
+    tokio::time::timeout(limit, s.read_exact(&mut ok))
+        .await
+        .map_err(|_| std::io::Error::other("no answer to the stream hello"))??;
+    if ok[0] != 1 {
+        return Err(std::io::Error::other("the relay refused the data stream"));
+    }
+    Ok(s)
+}
+
+/// Read the data stream from the relay into `mb` until it ends; returns why it ended.
+async fn read_stream(
+    mut rd: tokio::net::tcp::OwnedReadHalf,
+    mb: &Mailbox,
+    me: usize,
+    max_message: usize,
+) -> String {
+    use tokio::io::AsyncReadExt;
+    let failed = |e: std::io::Error| format!("the data stream from the relay failed: {e}");
+    let mut parts = Reassembler::new(max_message);
+    loop {
+        let mut len = [0u8; 4];
+        if let Err(e) = rd.read_exact(&mut len).await {
+            return failed(e);
+        }
+        let len = u32::from_le_bytes(len);
+        if len & STREAM_CONTROL != 0 {
+            let n = (len & !STREAM_CONTROL) as usize;
+            if n > crate::wire::MAX_STREAM_HELLO.max(64 << 10) {
+                return format!("the relay sent a control frame of {n} bytes");
+            }
+            let mut text = vec![0u8; n];
+            if let Err(e) = rd.read_exact(&mut text).await {
+                return failed(e);
+            }
+            match serde_json::from_slice::<Control>(&text) {
+                // In order with the data: everything the peer sent before leaving is delivered.
+                Ok(Control::PeerLeft { rank, reason }) if reason == LEFT_CLEANLY => {
+                    mb.peer_gone(rank as usize)
+                }
+                Ok(Control::PeerLeft { rank, reason }) => mb.peer_lost(rank as usize, &reason),
+                Ok(_) => {}
+                Err(e) => return format!("malformed control frame from the relay: {e}"),
+            }
+            continue;
+        }
+        let Some(n) = (len as usize).checked_sub(HEADER_LEN) else {
+            return format!("the relay sent a frame of {len} bytes, shorter than a header");
+        };
+        if n > max_message {
+            return format!("the relay sent a frame of {n} bytes (limit {max_message})");
+        }
+        let mut head = [0u8; HEADER_LEN];
+        if let Err(e) = rd.read_exact(&mut head).await {
+            return failed(e);
+        }
+        let h = match Header::decode(&head) {
+            Ok(h) if h.dst as usize != me => {
+                return format!("the relay sent a frame for rank {}", h.dst);
+            }
+            Ok(h) => h,
+            Err(e) => return format!("the relay sent a bad frame: {e}"),
+        };
+        let payload = match direct::read_payload(&mut rd, n).await {
+            Ok(p) => p,
+            Err(e) => return failed(e),
+        };
+        match parts.push(h.src, &h, payload) {
+            Ok(Some(m)) => mb.deliver(h.src as usize, h.tag, m),
+            Ok(None) => {}
+            Err(e) => return e,
+        }
     }
 }

@@ -344,6 +344,7 @@ impl BrowserTransport {
             token: opts.token.clone(),
             world: opts.world,
             rank: opts.rank,
+            stream: false,
         })
         .map_err(|e| Error::Input(e.to_string()))?;
         let ws2 = ws.clone();

@@ -245,6 +245,7 @@ impl Raw {
             token: token.map(str::to_string),
             world,
             rank: Some(rank),
+            stream: false,
         })
         .await;
         match c.next_control().await {
@@ -253,6 +254,7 @@ impl Raw {
                 world,
                 token,
                 members,
+                ..
             } => (
                 c,
                 Welcome {

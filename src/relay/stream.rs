@@ -1,0 +1,578 @@
+//! Data streams: native members' plain TCP connections to the relay ([`crate::wire::StreamHello`]).
+//!
+//! The relay's listener sorts accepted connections by their first byte: a data stream's hello
+//! starts with a non-ASCII byte, anything else goes to the HTTP server (page, WebSocket). A stream
+//! is attached to the member whose `welcome` carried its key, before the room is announced ready,
+//! so each member's data route (stream or WebSocket) is fixed for the whole session.
+//!
+//! One task per stream reads its frames. A frame for a member with a stream is forwarded while
+//! holding that member's write lock: header first (source stamped), then the payload moved socket
+//! to socket, piece by piece (`splice(2)` through a pipe on Linux, else a 256 KiB buffer), so the
+//! relay never holds a whole frame and a slow receiver slows its senders through TCP itself. A
+//! frame for a member without a stream (a browser) is cut into WebSocket frames of at most
+//! `max_frame` bytes and queued under that member's byte budget, like WebSocket traffic.
+//! A receiver that accepts nothing for `idle_timeout` is disconnected; so is a sender that stops
+//! halfway through a frame.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use tokio::io::Interest;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+use super::{Dest, Out, Seat, Shared, queue_cost};
+use crate::wire::{FLAG_MORE, HEADER_LEN, Header, STREAM_CONTROL, STREAM_MAGIC, StreamHello};
+
+/// Payloads up to this size are read whole before the destination is locked (one write).
+const SMALL: usize = 64 << 10;
+/// Buffer of the portable (non-splice) forwarding loop.
+const CHUNK: usize = 256 << 10;
+
+/// A member's data stream, as its senders see it.
+pub(super) struct StreamOut {
+    sock: TcpStream,
+    /// Held while one frame is written, so frames from different senders never interleave.
+    lock: tokio::sync::Mutex<()>,
+    /// Becomes true when this member's own frames are all forwarded (its stream ended).
+    done: tokio::sync::watch::Sender<bool>,
+}
+
+impl StreamOut {
+    /// Write one encoded frame (header + payload) with its length prefix.
+    pub(super) async fn send_frame(&self, frame: &[u8], timeout: Duration) -> io::Result<()> {
+        let _g = self.lock.lock().await;
+        let len = (frame.len() as u32).to_le_bytes();
+        write_all(&self.sock, &len, timeout).await?;
+        write_all(&self.sock, frame, timeout).await
+    }
+
+    /// Write a control message (JSON) as a control frame.
+    pub(super) async fn send_control(&self, text: &str, timeout: Duration) -> io::Result<()> {
+        let _g = self.lock.lock().await;
+        let mut frame = Vec::with_capacity(4 + text.len());
+        frame.extend_from_slice(&(text.len() as u32 | STREAM_CONTROL).to_le_bytes());
+        frame.extend_from_slice(text.as_bytes());
+        write_all(&self.sock, &frame, timeout).await
+    }
+
+    /// Wait (at most `limit`) until every frame this member sent on its stream was forwarded.
+    pub(super) async fn drained(&self, limit: Duration) {
+        let mut rx = self.done.subscribe();
+        let _ = tokio::time::timeout(limit, rx.wait_for(|d| *d)).await;
+    }
+
+    /// Close both directions now (the member left): its reader and its client see the end.
+    pub(super) fn shutdown(&self) {
+        let _ = socket2::SockRef::from(&self.sock).shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// The relay's listener as axum sees it: only the connections that are not data streams.
+pub(super) struct Incoming {
+    rx: mpsc::Receiver<(TcpStream, SocketAddr)>,
+    local: SocketAddr,
+}
+
+impl Incoming {
+    /// Accept on `listener`, handle data streams here and pass everything else on.
+    pub(super) fn new(listener: TcpListener, shared: Arc<Shared>) -> io::Result<Incoming> {
+        let local = listener.local_addr()?;
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            loop {
+                let (sock, addr) = tokio::select! {
+                    r = listener.accept() => match r {
+                        Ok(c) => c,
+                        // Out of descriptors and the like: wait a little rather than spin.
+                        Err(_) => {
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    },
+                    // The server stopped accepting (shutdown).
+                    () = tx.closed() => break,
+                };
+                // Small control frames and latency-bound collectives must not wait for Nagle.
+                let _ = sock.set_nodelay(true);
+                let (tx, shared) = (tx.clone(), shared.clone());
+                // Sorted in its own task: a silent connection holds up nobody.
+                tokio::spawn(async move {
+                    let mut first = [0u8; 1];
+                    let peek = tokio::time::timeout(shared.cfg.join_timeout, sock.peek(&mut first));
+                    let is_stream = matches!(peek.await, Ok(Ok(1))) && first[0] == STREAM_MAGIC[0];
+                    if is_stream && shared.streams {
+                        attach(shared, sock).await;
+                    } else if !is_stream {
+                        let _ = tx.send((sock, addr)).await;
+                    }
+                    // A stream when streams are off: dropped (its client falls back).
+                });
+            }
+        });
+        Ok(Incoming { rx, local })
+    }
+}
+
+impl axum::serve::Listener for Incoming {
+    type Io = TcpStream;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (TcpStream, SocketAddr) {
+        match self.rx.recv().await {
+            Some(c) => c,
+            // The accepting task ended: nothing more will come.
+            None => std::future::pending().await,
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<SocketAddr> {
+        Ok(self.local)
+    }
+}
+
+/// Read a stream's hello, attach it to its member and forward its frames until it ends.
+async fn attach(shared: Arc<Shared>, sock: TcpStream) {
+    let limit = shared.cfg.join_timeout;
+    let hello = async {
+        let mut head = [0u8; 8];
+        read_exact(&sock, &mut head, limit)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut body = vec![0u8; StreamHello::body_len(&head)?];
+        read_exact(&sock, &mut body, limit)
+            .await
+            .map_err(|e| e.to_string())?;
+        StreamHello::decode(&body)
+    };
+    let Ok(Ok(hello)) = tokio::time::timeout(limit, hello).await else {
+        let _ = write_all(&sock, &[0], limit).await;
+        return;
+    };
+    let out = Arc::new(StreamOut {
+        sock,
+        lock: tokio::sync::Mutex::new(()),
+        done: tokio::sync::watch::Sender::new(false),
+    });
+    // The answer must precede any frame for this member: hold its write lock until it is sent
+    // (once attached, the room may turn ready and peers may send at once).
+    let guard = out.lock.lock().await;
+    let seated = seat(&shared, &hello, &out);
+    let answer = if seated.is_ok() { 1 } else { 0 };
+    let answered = write_all(&out.sock, &[answer], limit).await;
+    drop(guard);
+    let Ok((seat, kill)) = seated else { return };
+    if answered.is_err() {
+        let _ = kill.send(Some("its data stream failed while attaching".into()));
+        return;
+    }
+    let r = pump(&shared, &seat, &out).await;
+    out.done.send_replace(true);
+    if let Err(reason) = r {
+        let _ = kill.send(Some(reason));
+    }
+}
+
+/// Attach `out` to the member `hello` names, if the key is that member's and it has no stream yet.
+#[allow(clippy::type_complexity)]
+fn seat(
+    shared: &Shared,
+    hello: &StreamHello,
+    out: &Arc<StreamOut>,
+) -> Result<(Seat, Arc<tokio::sync::watch::Sender<Option<String>>>), String> {
+    let mut rooms = shared.rooms();
+    let r = rooms.get_mut(&hello.room).ok_or("no such room")?;
+    let m = r.members.get_mut(&hello.rank).ok_or("no such member")?;
+    if m.settled
+        || m.key.as_deref() != Some(hello.key.as_str())
+        || m.stream.set(out.clone()).is_err()
+    {
+        return Err("wrong key, or the member's route is already settled".into());
+    }
+    m.settled = true;
+    let kill = m.kill.clone();
+    super::ready_check(r);
+    Ok((
+        Seat {
+            room: hello.room.clone(),
+            rank: hello.rank,
+        },
+        kill,
+    ))
+}
+
+/// Which end of a forward failed.
+enum Fault {
+    /// The sending member (its stream broke or stalled): it is disconnected.
+    Src(String),
+    /// The receiving member: it is disconnected; `left` payload bytes of the frame remain unread
+    /// on the sender's stream.
+    Dst(String, usize),
+}
+
+/// Forward the frames of `seat`'s stream until it ends: `Ok` on a clean end between frames.
+async fn pump(shared: &Shared, seat: &Seat, src: &StreamOut) -> Result<(), String> {
+    let cfg = &shared.cfg;
+    let limit = cfg.idle_timeout.max(Duration::from_millis(10));
+    let mut mover = Mover::new(cfg.splice);
+    let mut head = [0u8; 4 + HEADER_LEN];
+    let fail = |e: io::Error| format!("data stream failed: {e}");
+    loop {
+        // Between frames the stream may rest indefinitely (the WebSocket keeps the member alive).
+        match read_exact(&src.sock, &mut head[..4], Duration::MAX).await {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(fail(e)),
+        }
+        let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
+        if len & STREAM_CONTROL != 0 {
+            return Err("control messages go on the WebSocket, not the data stream".into());
+        }
+        let len = len as usize;
+        read_exact(&src.sock, &mut head[4..], limit)
+            .await
+            .map_err(fail)?;
+        let n = len
+            .checked_sub(HEADER_LEN)
+            .ok_or_else(|| format!("data stream frame of {len} bytes is shorter than a header"))?;
+        let h = Header::decode(&head[4..]).map_err(|e| format!("bad data frame: {e}"))?;
+        Header::stamp_src(&mut head[4..], seat.rank);
+        let result = match shared.dest(seat, h.dst)? {
+            // The destination left (its peers were told): drop the frame.
+            None => mover.discard(&src.sock, n, limit).await.map_err(fail),
+            Some(Dest {
+                stream: Some(dst),
+                kill,
+                ..
+            }) => match forward(&mut mover, &src.sock, &dst, &head, n, limit).await {
+                Ok(()) => Ok(()),
+                Err(Fault::Src(e)) => Err(e),
+                Err(Fault::Dst(e, left)) => {
+                    let _ = kill.send(Some(format!("its data stream failed: {e}")));
+                    dst.shutdown();
+                    mover.discard(&src.sock, left, limit).await.map_err(fail)
+                }
+            },
+            Some(d) => to_websocket(shared, &src.sock, d, &head[4..], n, limit).await,
+        };
+        result?;
+    }
+}
+
+/// Forward one frame to a member's stream: the head, then `n` payload bytes from `src`.
+async fn forward(
+    mover: &mut Mover,
+    src: &TcpStream,
+    dst: &StreamOut,
+    head: &[u8],
+    n: usize,
+    limit: Duration,
+) -> Result<(), Fault> {
+    if n <= SMALL {
+        // Read it whole first (it is usually there already), then write it with one call.
+        let mut frame = Vec::with_capacity(head.len() + n);
+        frame.extend_from_slice(head);
+        frame.resize(head.len() + n, 0);
+        read_exact(src, &mut frame[head.len()..], limit)
+            .await
+            .map_err(|e| Fault::Src(format!("data stream failed: {e}")))?;
+        let _g = dst.lock.lock().await;
+        return write_all(&dst.sock, &frame, limit)
+            .await
+            .map_err(|e| Fault::Dst(e.to_string(), 0));
+    }
+    let _g = dst.lock.lock().await;
+    write_all(&dst.sock, head, limit)
+        .await
+        .map_err(|e| Fault::Dst(e.to_string(), n))?;
+    mover.forward(src, &dst.sock, n, limit).await
+}
+
+/// Forward one frame to a member without a stream: WebSocket frames of at most `max_frame` payload
+/// bytes (`more` set on all but the message's last), each charged to its queue budget.
+async fn to_websocket(
+    shared: &Shared,
+    src: &TcpStream,
+    d: Dest,
+    header: &[u8],
+    n: usize,
+    limit: Duration,
+) -> Result<(), String> {
+    let max = shared.cfg.max_frame.max(1);
+    let last_of_message = header[2] & FLAG_MORE == 0;
+    let mut left = n;
+    loop {
+        let k = left.min(max);
+        let mut f = BytesMut::with_capacity(HEADER_LEN + k);
+        f.extend_from_slice(header);
+        if left > k || !last_of_message {
+            f[2] |= FLAG_MORE;
+        } else {
+            f[2] &= !FLAG_MORE;
+        }
+        f.resize(HEADER_LEN + k, 0);
+        read_exact(src, &mut f[HEADER_LEN..], limit)
+            .await
+            .map_err(|e| format!("data stream failed: {e}"))?;
+        left -= k;
+        // The destination left while we waited for room: drop the rest of the frame.
+        let Ok(permit) = d
+            .budget
+            .clone()
+            .acquire_many_owned(queue_cost(&shared.cfg, f.len()))
+            .await
+        else {
+            let mut m = Mover::new(false);
+            return m
+                .discard(src, left, limit)
+                .await
+                .map_err(|e| format!("data stream failed: {e}"));
+        };
+        let _ = d.tx.send(Out::Frame(f.freeze(), Some(permit)));
+        if left == 0 {
+            return Ok(());
+        }
+    }
+}
+
+/// Moves payload bytes from one socket to another.
+struct Mover {
+    buf: Vec<u8>,
+    #[cfg(target_os = "linux")]
+    pipe: Option<splice::Pipe>,
+    #[cfg(target_os = "linux")]
+    use_splice: bool,
+}
+
+impl Mover {
+    fn new(use_splice: bool) -> Mover {
+        #[cfg(not(target_os = "linux"))]
+        let _ = use_splice;
+        Mover {
+            buf: Vec::new(),
+            #[cfg(target_os = "linux")]
+            pipe: None,
+            #[cfg(target_os = "linux")]
+            use_splice,
+        }
+    }
+
+    /// Move `n` bytes from `src` to `dst`.
+    async fn forward(
+        &mut self,
+        src: &TcpStream,
+        dst: &TcpStream,
+        n: usize,
+        limit: Duration,
+    ) -> Result<(), Fault> {
+        #[cfg(target_os = "linux")]
+        if self.use_splice {
+            if self.pipe.is_none() {
+                // No pipe (out of descriptors?): the buffer works too.
+                self.pipe = splice::Pipe::new().ok();
+            }
+            if let Some(p) = &self.pipe {
+                let r = p.forward(src, dst, n, limit).await;
+                if r.is_err() {
+                    // Bytes may be left in it: the next frame gets a fresh pipe.
+                    self.pipe = None;
+                }
+                return r;
+            }
+        }
+        self.buf.resize(CHUNK, 0);
+        let mut left = n;
+        while left > 0 {
+            let k = read_some(src, &mut self.buf[..left.min(CHUNK)], limit)
+                .await
+                .map_err(|e| Fault::Src(format!("data stream failed: {e}")))?;
+            left -= k;
+            write_all(dst, &self.buf[..k], limit)
+                .await
+                .map_err(|e| Fault::Dst(e.to_string(), left))?;
+        }
+        Ok(())
+    }
+
+    /// Read and drop `n` bytes from `src`.
+    async fn discard(&mut self, src: &TcpStream, n: usize, limit: Duration) -> io::Result<()> {
+        self.buf.resize(CHUNK, 0);
+        let mut left = n;
+        while left > 0 {
+            left -= read_some(src, &mut self.buf[..left.min(CHUNK)], limit).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Read at least one byte (end of stream is an error), waiting at most `limit` for each.
+async fn read_some(s: &TcpStream, buf: &mut [u8], limit: Duration) -> io::Result<usize> {
+    loop {
+        match s.try_read(buf) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(k) => return Ok(k),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => ready(s.readable(), limit).await?,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Fill `buf` from `s`.
+async fn read_exact(s: &TcpStream, buf: &mut [u8], limit: Duration) -> io::Result<()> {
+    let mut at = 0;
+    while at < buf.len() {
+        at += read_some(s, &mut buf[at..], limit).await?;
+    }
+    Ok(())
+}
+
+/// Write all of `buf` to `s`, waiting at most `limit` for the socket to take each piece.
+async fn write_all(s: &TcpStream, mut buf: &[u8], limit: Duration) -> io::Result<()> {
+    while !buf.is_empty() {
+        match s.try_write(buf) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(k) => buf = &buf[k..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => ready(s.writable(), limit).await?,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Wait for a readiness future, at most `limit` (`Duration::MAX`: forever).
+async fn ready(f: impl Future<Output = io::Result<()>>, limit: Duration) -> io::Result<()> {
+    if limit == Duration::MAX {
+        return f.await;
+    }
+    match tokio::time::timeout(limit, f).await {
+        Ok(r) => r,
+        Err(_) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("no progress for {limit:?}"),
+        )),
+    }
+}
+
+#[cfg(target_os = "linux")]
+mod splice {
+    //! `splice(2)` from a socket into a pipe and from the pipe into another socket: the payload
+    //! pages move inside the kernel, never copied into the relay.
+
+    use std::io;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+    use std::time::Duration;
+
+    use tokio::net::TcpStream;
+
+    use super::{Fault, Interest, ready};
+
+    /// A non-blocking pipe, enlarged to 1 MiB where the system allows.
+    pub(super) struct Pipe {
+        r: OwnedFd,
+        w: OwnedFd,
+        cap: usize,
+    }
+
+    impl Pipe {
+        pub(super) fn new() -> io::Result<Pipe> {
+            let mut fds = [0 as libc::c_int; 2];
+            // SAFETY: `fds` has room for the two descriptors pipe2 writes.
+            if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // SAFETY: pipe2 succeeded, so both descriptors are open and owned by nobody else.
+            let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+            // SAFETY: F_SETPIPE_SZ / F_GETPIPE_SZ on a pipe we own; failure leaves it as it was.
+            let cap = unsafe {
+                let set = libc::fcntl(w.as_raw_fd(), libc::F_SETPIPE_SZ, 1 << 20);
+                if set > 0 {
+                    set
+                } else {
+                    libc::fcntl(w.as_raw_fd(), libc::F_GETPIPE_SZ)
+                }
+            };
+            Ok(Pipe {
+                r,
+                w,
+                cap: if cap > 0 { cap as usize } else { 1 << 16 },
+            })
+        }
+
+        /// Move `n` bytes from `src` to `dst`: fill the pipe from `src` (as much as has arrived),
+        /// drain it into `dst`, repeat. The pipe is empty between calls.
+        pub(super) async fn forward(
+            &self,
+            src: &TcpStream,
+            dst: &TcpStream,
+            n: usize,
+            limit: Duration,
+        ) -> Result<(), Fault> {
+            let mut left = n;
+            while left > 0 {
+                // The pipe is empty here, so "would block" means the socket has nothing yet
+                // (which is what tokio's readiness must hear).
+                let got = loop {
+                    let want = left.min(self.cap);
+                    match src.try_io(Interest::READABLE, || {
+                        move_bytes(src.as_raw_fd(), self.w.as_raw_fd(), want)
+                    }) {
+                        Ok(0) => return Err(src_fault(io::ErrorKind::UnexpectedEof.into())),
+                        Ok(k) => break k,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                            ready(src.readable(), limit).await.map_err(src_fault)?;
+                        }
+                        Err(e) => return Err(src_fault(e)),
+                    }
+                };
+                left -= got;
+                let mut held = got;
+                while held > 0 {
+                    // The pipe holds data here, so "would block" means the socket is full.
+                    match dst.try_io(Interest::WRITABLE, || {
+                        move_bytes(self.r.as_raw_fd(), dst.as_raw_fd(), held)
+                    }) {
+                        Ok(0) => {
+                            return Err(Fault::Dst("the stream took no bytes".into(), left));
+                        }
+                        Ok(k) => held -= k,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                            ready(dst.writable(), limit)
+                                .await
+                                .map_err(|e| Fault::Dst(e.to_string(), left))?;
+                        }
+                        Err(e) => return Err(Fault::Dst(e.to_string(), left)),
+                    }
+                }
+            }
+            Ok(())
+        }
+    }
+
+    fn src_fault(e: io::Error) -> Fault {
+        Fault::Src(format!("data stream failed: {e}"))
+    }
+
+    /// One non-blocking `splice` of up to `n` bytes.
+    fn move_bytes(from: RawFd, to: RawFd, n: usize) -> io::Result<usize> {
+        // SAFETY: both descriptors are open for the duration of the call; null offsets are
+        // required for sockets and pipes.
+        let r = unsafe {
+            libc::splice(
+                from,
+                std::ptr::null_mut(),
+                to,
+                std::ptr::null_mut(),
+                n,
+                libc::SPLICE_F_MOVE | libc::SPLICE_F_NONBLOCK,
+            )
+        };
+        if r < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(r as usize)
+        }
+    }
+}
