@@ -2248,3 +2248,63 @@ fn streams_fall_back_and_both_forwarding_loops_are_exact() {
         relay.shutdown(Duration::from_secs(5));
     }
 }
+
+/// A member that never reads its data stream: the relay's forward to it makes no progress, so
+/// after the idle timeout that member is disconnected with the reason, the rest of the frame is
+/// dropped, the sender learns that its peer is lost, and the relay keeps serving.
+#[test]
+fn a_stream_that_is_never_read_is_cut_off_and_its_sender_told() {
+    use distgrad::wire::StreamHello;
+    let relay = TestRelay::start(RelayConfig {
+        idle_timeout: Duration::from_secs(2),
+        ..RelayConfig::default()
+    });
+    let (url, addr) = (relay.url(), relay.addr);
+    let (stalled_tx, stalled_rx) = mpsc::channel::<String>();
+    let url2 = url.clone();
+    let stalled = std::thread::spawn(move || {
+        rank_runtime().block_on(async move {
+            let (mut ws, key) = raw_join_with_stream(&url2, "stall", 2, 1).await;
+            let hello = StreamHello {
+                room: "stall".into(),
+                rank: 1,
+                key,
+            };
+            // Attached, then never read.
+            let (_stream, answer) = stream_hello(addr, &hello.encode()).await;
+            assert_eq!(answer, Some(1));
+            ws.wait_ready().await;
+            let r = ws.expect_refusal().await;
+            let _ = stalled_tx.send(r.error.unwrap_or_default());
+        })
+    });
+    rank_runtime().block_on(async {
+        let t = WsTransport::connect(&url, join_opts("stall", "t", 2, 0))
+            .await
+            .expect("rank 0 joins");
+        assert!(t.has_data_stream());
+        let t0 = Instant::now();
+        let big = Bytes::from(vec![7u8; 64 << 20]);
+        // The send may complete (the relay drops the rest once rank 1 is gone) or fail; either
+        // way the receive from rank 1 must fail, naming it, well before any collective timeout.
+        let _ = t.send(1, p2p_tag(1), big).await;
+        let got = tokio::time::timeout(WAIT, t.recv(1, p2p_tag(2))).await;
+        match got {
+            Ok(Err(e)) => assert!(names_lost_rank(&e, 1), "{e}"),
+            Ok(Ok(_)) => panic!("a message from the stalled rank"),
+            Err(_) => panic!("rank 0 was not told within {WAIT:?} that rank 1 is gone"),
+        }
+        eprintln!("stalled receiver cut off after {:?}", t0.elapsed());
+        t.close().await;
+    });
+    let why = stalled_rx
+        .recv_timeout(WAIT)
+        .expect("rank 1 was not disconnected");
+    assert!(
+        why.contains("data stream") || why.contains("idle"),
+        "rank 1 was told: {why:?}"
+    );
+    stalled.join().expect("stalled thread");
+    quick_all_reduce(&url, "after-stall", 2);
+    relay.shutdown(Duration::from_secs(5));
+}

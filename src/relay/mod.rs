@@ -299,24 +299,34 @@ async fn connection(socket: WebSocket, shared: Arc<Shared>) {
     let write_timeout = shared.cfg.idle_timeout.max(Duration::from_millis(10));
     let slot: Arc<OnceLock<Arc<StreamOut>>> = Arc::default();
     let data_stream = slot.clone();
+    let (kill, mut killed) = tokio::sync::watch::channel(None);
+    let kill = Arc::new(kill);
+    let stream_failed = kill.clone();
     let writer = tokio::spawn(async move {
+        // A failed data stream ends the member (with the reason) and is shut down; what follows
+        // for it fails at once and is dropped, while the WebSocket still says goodbye.
+        let failed = |s: &StreamOut, e: std::io::Error| {
+            let _ = stream_failed.send(Some(format!("its data stream failed: {e}")));
+            s.shutdown();
+        };
         while let Some(out) = rx.recv().await {
             let (msg, permit, last) = match out {
                 // A member with a data stream gets its frames there.
                 Out::Frame(b, permit) if data_stream.get().is_some() => {
-                    let Some(s) = data_stream.get() else { break };
-                    let ok = s.send_frame(&b, write_timeout).await.is_ok();
-                    drop(permit);
-                    if !ok {
-                        break;
+                    if let Some(s) = data_stream.get()
+                        && let Err(e) = s.send_frame(&b, write_timeout).await
+                    {
+                        failed(s, e);
                     }
+                    drop(permit);
                     continue;
                 }
                 Out::Frame(b, permit) => (Message::Binary(b), permit, false),
                 Out::Notice(t) if data_stream.get().is_some() => {
-                    let Some(s) = data_stream.get() else { break };
-                    if s.send_control(&t, write_timeout).await.is_err() {
-                        break;
+                    if let Some(s) = data_stream.get()
+                        && let Err(e) = s.send_control(&t, write_timeout).await
+                    {
+                        failed(s, e);
                     }
                     continue;
                 }
@@ -341,12 +351,11 @@ async fn connection(socket: WebSocket, shared: Arc<Shared>) {
         let _ = sink.close().await;
     });
     let budget = Arc::new(Semaphore::new(queue_budget(&shared.cfg)));
-    let (kill, mut killed) = tokio::sync::watch::channel(None);
     let link = Link {
         tx: tx.clone(),
         budget,
         stream: slot,
-        kill: Arc::new(kill),
+        kill,
     };
 
     let seat = match join(&shared, &mut stream, &link).await {
