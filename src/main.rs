@@ -875,6 +875,14 @@ mod cli {
                 .local_addr()
                 .map_err(|e| distgrad::Error::Input(e.to_string()))?;
             println!("distgrad relay listening on ws://{local}/ws");
+            println!(
+                "native members' data streams (same port): {}",
+                match (cfg.streams, cfg.splice) {
+                    (false, _) => "off (data on the WebSockets)",
+                    (true, true) => "on (forwarded with splice where the OS has it)",
+                    (true, false) => "on (forwarded through a buffer)",
+                }
+            );
             if let Some(d) = &cfg.static_dir {
                 println!("serving {} at http://{local}/", d.display());
             }
@@ -945,6 +953,15 @@ mod cli {
             if o.token.is_none() {
                 eprintln!("room {:?} token: {}", o.room, t.token());
             }
+            eprintln!(
+                "rank {}: data through the relay on {}",
+                t.rank(),
+                if t.has_data_stream() {
+                    "a data stream"
+                } else {
+                    "the WebSocket"
+                }
+            );
             if o.direct.is_some() {
                 eprintln!(
                     "rank {}: direct links to ranks {:?}, the others through the relay",
