@@ -283,6 +283,9 @@ pub const STREAM_MAGIC: [u8; 4] = [0xD7, b'd', b'g', b's'];
 /// by `length & !STREAM_CONTROL` bytes of JSON.
 pub const STREAM_CONTROL: u32 = 1 << 31;
 
+/// Longest JSON body of a control frame on a data stream.
+pub const MAX_STREAM_CONTROL: usize = 64 << 10;
+
 /// Largest payload of one data-stream frame; longer messages are sent as fragments of this size.
 pub const MAX_STREAM_PAYLOAD: usize = 1 << 30;
 

@@ -91,36 +91,26 @@ enum Out {
     Notice(String),
 }
 
-struct Member {
+/// The relay's handles on one member's connection: what its room entry holds and what a sender
+/// to it looks up.
+#[derive(Clone)]
+struct Link {
+    /// Its outgoing queue (drained by its writer task).
     tx: mpsc::UnboundedSender<Out>,
+    /// Bytes that may wait in that queue.
     budget: Arc<Semaphore>,
     /// Its data stream, once attached (set once, before the room is ready).
     stream: Arc<OnceLock<Arc<StreamOut>>>,
-    /// The key that attaches its stream, if its join announced one.
-    key: Option<String>,
-    /// Its data route is decided (stream attached, or none coming): the room waits for this.
-    settled: bool,
     /// Ends its connection with a reason (a fault seen on its data stream).
     kill: Arc<tokio::sync::watch::Sender<Option<String>>>,
 }
 
-/// Where a frame for one member goes.
-struct Dest {
-    tx: mpsc::UnboundedSender<Out>,
-    budget: Arc<Semaphore>,
-    stream: Option<Arc<StreamOut>>,
-    kill: Arc<tokio::sync::watch::Sender<Option<String>>>,
-}
-
-impl Member {
-    fn dest(&self) -> Dest {
-        Dest {
-            tx: self.tx.clone(),
-            budget: self.budget.clone(),
-            stream: self.stream.get().cloned(),
-            kill: self.kill.clone(),
-        }
-    }
+struct Member {
+    link: Link,
+    /// The key that attaches its stream, if its join announced one.
+    key: Option<String>,
+    /// Its data route is decided (stream attached, or none coming): the room waits for this.
+    settled: bool,
 }
 
 struct Room {
@@ -138,8 +128,6 @@ struct Shared {
     stopping: tokio::sync::watch::Receiver<bool>,
     /// One permit held by each open connection, so shutdown can wait for their goodbyes.
     conns: Arc<Semaphore>,
-    /// Data streams reach this relay (it owns its listener: [`serve`]).
-    streams: bool,
 }
 
 /// Permits of `Shared::conns` (far above any real number of connections).
@@ -152,7 +140,7 @@ impl Shared {
 
     /// Where frames from `seat` to rank `dst` go: `Err` if `dst` is outside the room's world,
     /// `Ok(None)` if it left.
-    fn dest(&self, seat: &Seat, dst: u32) -> Result<Option<Dest>, String> {
+    fn dest(&self, seat: &Seat, dst: u32) -> Result<Option<Link>, String> {
         let rooms = self.rooms();
         let room = rooms.get(&seat.room).ok_or("room vanished")?;
         if dst >= room.world {
@@ -161,7 +149,7 @@ impl Shared {
                 room.world
             ));
         }
-        Ok(room.members.get(&dst).map(Member::dest))
+        Ok(room.members.get(&dst).map(|m| m.link.clone()))
     }
 }
 
@@ -175,7 +163,7 @@ fn ready_check(r: &mut Room) -> bool {
     members.sort_unstable();
     let text = control(&Control::Ready { members });
     for m in r.members.values() {
-        let _ = m.tx.send(Out::Text(text.clone()));
+        let _ = m.link.tx.send(Out::Text(text.clone()));
     }
     true
 }
@@ -212,11 +200,13 @@ pub fn router(cfg: RelayConfig) -> Router {
     // No shutdown signal: the sender is dropped, which `stopped` treats as "never".
     let conns = Arc::new(Semaphore::new(CONN_PERMITS as usize));
     router_with(Arc::new(Shared {
-        cfg,
+        cfg: RelayConfig {
+            streams: false,
+            ..cfg
+        },
         rooms: Mutex::new(HashMap::new()),
         stopping: tokio::sync::watch::channel(false).1,
         conns,
-        streams: false,
     }))
 }
 
@@ -245,7 +235,6 @@ pub async fn serve(
     };
     let conns = Arc::new(Semaphore::new(CONN_PERMITS as usize));
     let shared = Arc::new(Shared {
-        streams: cfg.streams,
         cfg,
         rooms: Mutex::new(HashMap::new()),
         stopping: stop_rx,
@@ -406,14 +395,6 @@ fn control(msg: &Control) -> String {
     serde_json::to_string(msg).unwrap_or_default()
 }
 
-/// The relay's handles on one connection, shared with its room entry.
-struct Link {
-    tx: mpsc::UnboundedSender<Out>,
-    budget: Arc<Semaphore>,
-    stream: Arc<OnceLock<Arc<StreamOut>>>,
-    kill: Arc<tokio::sync::watch::Sender<Option<String>>>,
-}
-
 /// Wait for the join message and seat the client, or say why not.
 async fn join(
     shared: &Shared,
@@ -490,16 +471,13 @@ async fn join(
             .find(|k| !r.members.contains_key(k))
             .ok_or_else(|| format!("room {room:?} is full"))?,
     };
-    let key = (wants_stream && shared.streams).then(random_token);
+    let key = (wants_stream && shared.cfg.streams).then(random_token);
     r.members.insert(
         rank,
         Member {
-            tx: tx.clone(),
-            budget: link.budget.clone(),
-            stream: link.stream.clone(),
+            link: link.clone(),
             settled: key.is_none(),
             key: key.clone(),
-            kill: link.kill.clone(),
         },
     );
     let mut members: Vec<u32> = r.members.keys().copied().collect();
@@ -515,7 +493,7 @@ async fn join(
     if !ready_check(r) && members.len() as u32 != world {
         let text = control(&Control::Members { members });
         for m in r.members.values() {
-            let _ = m.tx.send(Out::Text(text.clone()));
+            let _ = m.link.tx.send(Out::Text(text.clone()));
         }
     }
     Ok(Seat { room, rank })
@@ -575,7 +553,7 @@ async fn serve_member(
                         rooms
                             .get(&seat.room)
                             .and_then(|r| r.members.get(&to))
-                            .map(|m| (m.tx.clone(), m.budget.clone()))
+                            .map(|m| (m.link.tx.clone(), m.link.budget.clone()))
                     };
                     // Signals are charged to the receiver's budget like data: a member cannot
                     // grow the relay's memory by flooding one that does not read.
@@ -623,7 +601,7 @@ async fn route(shared: &Shared, seat: &Seat, frame: Bytes) -> Result<(), String>
     }
     let h = Header::decode(&frame).map_err(|e| format!("bad data frame: {e}"))?;
     // A destination that left was announced to its peers: its frames are dropped.
-    let Some(Dest {
+    let Some(Link {
         tx: dst_tx, budget, ..
     }) = shared.dest(seat, h.dst)?
     else {
@@ -653,8 +631,8 @@ fn leave(shared: &Shared, seat: &Seat, reason: &str) {
     };
     if let Some(m) = room.members.remove(&seat.rank) {
         // Senders waiting for room in this member's queue give up (their frames are dropped).
-        m.budget.close();
-        if let Some(s) = m.stream.get() {
+        m.link.budget.close();
+        if let Some(s) = m.link.stream.get() {
             s.shutdown();
         }
     }
@@ -663,7 +641,7 @@ fn leave(shared: &Shared, seat: &Seat, reason: &str) {
         reason: reason.to_string(),
     });
     for m in room.members.values() {
-        let _ = m.tx.send(Out::Notice(note.clone()));
+        let _ = m.link.tx.send(Out::Notice(note.clone()));
     }
     if room.members.is_empty() {
         rooms.remove(&seat.room);

@@ -24,7 +24,7 @@ use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
-use super::{Dest, Out, Seat, Shared, queue_cost};
+use super::{Link, Out, Seat, Shared, queue_cost};
 use crate::wire::{FLAG_MORE, HEADER_LEN, Header, STREAM_CONTROL, STREAM_MAGIC, StreamHello};
 
 /// Payloads up to this size are read whole before the destination is locked (one write).
@@ -46,8 +46,7 @@ impl StreamOut {
     pub(super) async fn send_frame(&self, frame: &[u8], timeout: Duration) -> io::Result<()> {
         let _g = self.lock.lock().await;
         let len = (frame.len() as u32).to_le_bytes();
-        write_all(&self.sock, &len, timeout).await?;
-        write_all(&self.sock, frame, timeout).await
+        write_all_parts(&self.sock, &[&len, frame], timeout).await
     }
 
     /// Write a control message (JSON) as a control frame.
@@ -104,7 +103,7 @@ impl Incoming {
                     let mut first = [0u8; 1];
                     let peek = tokio::time::timeout(shared.cfg.join_timeout, sock.peek(&mut first));
                     let is_stream = matches!(peek.await, Ok(Ok(1))) && first[0] == STREAM_MAGIC[0];
-                    if is_stream && shared.streams {
+                    if is_stream && shared.cfg.streams {
                         attach(shared, sock).await;
                     } else if !is_stream {
                         let _ = tx.send((sock, addr)).await;
@@ -188,12 +187,12 @@ fn seat(
     let m = r.members.get_mut(&hello.rank).ok_or("no such member")?;
     if m.settled
         || m.key.as_deref() != Some(hello.key.as_str())
-        || m.stream.set(out.clone()).is_err()
+        || m.link.stream.set(out.clone()).is_err()
     {
         return Err("wrong key, or the member's route is already settled".into());
     }
     m.settled = true;
-    let kill = m.kill.clone();
+    let kill = m.link.kill.clone();
     super::ready_check(r);
     Ok((
         Seat {
@@ -240,25 +239,24 @@ async fn pump(shared: &Shared, seat: &Seat, src: &StreamOut) -> Result<(), Strin
             .ok_or_else(|| format!("data stream frame of {len} bytes is shorter than a header"))?;
         let h = Header::decode(&head[4..]).map_err(|e| format!("bad data frame: {e}"))?;
         Header::stamp_src(&mut head[4..], seat.rank);
-        let result = match shared.dest(seat, h.dst)? {
-            // The destination left (its peers were told): drop the frame.
-            None => mover.discard(&src.sock, n, limit).await.map_err(fail),
-            Some(Dest {
-                stream: Some(dst),
-                kill,
-                ..
-            }) => match forward(&mut mover, &src.sock, &dst, &head, n, limit).await {
-                Ok(()) => Ok(()),
-                Err(Fault::Src(e)) => Err(e),
-                Err(Fault::Dst(e, left)) => {
-                    let _ = kill.send(Some(format!("its data stream failed: {e}")));
-                    dst.shutdown();
-                    mover.discard(&src.sock, left, limit).await.map_err(fail)
-                }
-            },
-            Some(d) => to_websocket(shared, &src.sock, d, &head[4..], n, limit).await,
+        // The destination left (its peers were told): drop the frame.
+        let Some(d) = shared.dest(seat, h.dst)? else {
+            mover.discard(&src.sock, n, limit).await.map_err(fail)?;
+            continue;
         };
-        result?;
+        let Some(dst) = d.stream.get() else {
+            to_websocket(shared, &mut mover, &src.sock, &d, &head[4..], n, limit).await?;
+            continue;
+        };
+        match forward(&mut mover, &src.sock, dst, &head, n, limit).await {
+            Ok(()) => {}
+            Err(Fault::Src(e)) => return Err(e),
+            Err(Fault::Dst(e, left)) => {
+                let _ = d.kill.send(Some(format!("its data stream failed: {e}")));
+                dst.shutdown();
+                mover.discard(&src.sock, left, limit).await.map_err(fail)?;
+            }
+        }
     }
 }
 
@@ -273,14 +271,15 @@ async fn forward(
 ) -> Result<(), Fault> {
     if n <= SMALL {
         // Read it whole first (it is usually there already), then write it with one call.
-        let mut frame = Vec::with_capacity(head.len() + n);
+        let frame = &mut mover.small;
+        frame.clear();
         frame.extend_from_slice(head);
         frame.resize(head.len() + n, 0);
         read_exact(src, &mut frame[head.len()..], limit)
             .await
             .map_err(|e| Fault::Src(format!("data stream failed: {e}")))?;
         let _g = dst.lock.lock().await;
-        return write_all(&dst.sock, &frame, limit)
+        return write_all(&dst.sock, frame, limit)
             .await
             .map_err(|e| Fault::Dst(e.to_string(), 0));
     }
@@ -295,8 +294,9 @@ async fn forward(
 /// bytes (`more` set on all but the message's last), each charged to its queue budget.
 async fn to_websocket(
     shared: &Shared,
+    mover: &mut Mover,
     src: &TcpStream,
-    d: Dest,
+    d: &Link,
     header: &[u8],
     n: usize,
     limit: Duration,
@@ -325,8 +325,7 @@ async fn to_websocket(
             .acquire_many_owned(queue_cost(&shared.cfg, f.len()))
             .await
         else {
-            let mut m = Mover::new(false);
-            return m
+            return mover
                 .discard(src, left, limit)
                 .await
                 .map_err(|e| format!("data stream failed: {e}"));
@@ -340,7 +339,10 @@ async fn to_websocket(
 
 /// Moves payload bytes from one socket to another.
 struct Mover {
+    /// The portable loop's buffer (also used to drop bytes).
     buf: Vec<u8>,
+    /// A small frame, read whole before it is written.
+    small: Vec<u8>,
     #[cfg(target_os = "linux")]
     pipe: Option<splice::Pipe>,
     #[cfg(target_os = "linux")]
@@ -353,6 +355,7 @@ impl Mover {
         let _ = use_splice;
         Mover {
             buf: Vec::new(),
+            small: Vec::new(),
             #[cfg(target_os = "linux")]
             pipe: None,
             #[cfg(target_os = "linux")]
@@ -430,11 +433,28 @@ async fn read_exact(s: &TcpStream, buf: &mut [u8], limit: Duration) -> io::Resul
 }
 
 /// Write all of `buf` to `s`, waiting at most `limit` for the socket to take each piece.
-async fn write_all(s: &TcpStream, mut buf: &[u8], limit: Duration) -> io::Result<()> {
-    while !buf.is_empty() {
-        match s.try_write(buf) {
+async fn write_all(s: &TcpStream, buf: &[u8], limit: Duration) -> io::Result<()> {
+    write_all_parts(s, &[buf], limit).await
+}
+
+/// Write `parts` one after the other to `s` (gathered into as few calls as the socket allows).
+async fn write_all_parts(s: &TcpStream, parts: &[&[u8]], limit: Duration) -> io::Result<()> {
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    let mut done = 0;
+    while done < total {
+        let mut skip = done;
+        let mut left = Vec::with_capacity(parts.len());
+        for p in parts {
+            if skip >= p.len() {
+                skip -= p.len();
+            } else {
+                left.push(io::IoSlice::new(&p[skip..]));
+                skip = 0;
+            }
+        }
+        match s.try_write_vectored(&left) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(k) => buf = &buf[k..],
+            Ok(k) => done += k,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => ready(s.writable(), limit).await?,
             Err(e) => return Err(e),
         }

@@ -331,6 +331,27 @@ impl WsTransport {
         })
     }
 
+    /// Wait at most `send_timeout` for a writer's queue to take a message: `gone` is the error
+    /// when that writer has stopped, `route` names where the message was going.
+    async fn queue<T>(
+        &self,
+        send: impl Future<Output = std::result::Result<(), mpsc::error::SendError<T>>>,
+        gone: impl FnOnce() -> Error,
+        route: &str,
+    ) -> Result<()> {
+        match tokio::time::timeout(self.send_timeout, send).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(gone()),
+            Err(_) => Err(Error::Transport {
+                rank: self.rank,
+                detail: format!(
+                    "{route} accepted nothing for {:?} (receiver stalled?)",
+                    self.send_timeout
+                ),
+            }),
+        }
+    }
+
     /// Whether data goes through a data stream to the relay (else through the WebSocket).
     pub fn has_data_stream(&self) -> bool {
         self.data.is_some()
@@ -403,38 +424,17 @@ impl Transport for WsTransport {
             rank: self.rank,
             detail: "connection to the relay is closed".into(),
         };
-        let push = |frame: Bytes| async move {
-            match tokio::time::timeout(self.send_timeout, out.send(Message::binary(frame))).await {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(_)) => Err(closed()),
-                Err(_) => Err(Error::Transport {
-                    rank: self.rank,
-                    detail: format!(
-                        "the relay accepted nothing for {:?} (receiver stalled?)",
-                        self.send_timeout
-                    ),
-                }),
-            }
-        };
         if let Some((link, _, _)) = self.links.get(&dst) {
             let head = direct::frame_head(self.rank, dst, tag, payload.len());
-            return match tokio::time::timeout(self.send_timeout, link.send((head, payload))).await {
-                Ok(Ok(())) => Ok(()),
-                // The link's writer stopped: the peer is gone (its end closed or broke).
-                Ok(Err(_)) => Err(Error::PeerLost {
-                    rank: self.rank,
-                    peer: dst,
-                    call: String::new(),
-                    reason: "its direct link closed".into(),
-                }),
-                Err(_) => Err(Error::Transport {
-                    rank: self.rank,
-                    detail: format!(
-                        "rank {dst} accepted nothing on the direct link for {:?} (receiver stalled?)",
-                        self.send_timeout
-                    ),
-                }),
+            // The link's writer stopped: the peer is gone (its end closed or broke).
+            let gone = || Error::PeerLost {
+                rank: self.rank,
+                peer: dst,
+                call: String::new(),
+                reason: "its direct link closed".into(),
             };
+            let route = format!("rank {dst} on the direct link");
+            return self.queue(link.send((head, payload)), gone, &route).await;
         }
         if let Some((stream, _, _)) = &self.data {
             // Whole messages (fragments only past MAX_STREAM_PAYLOAD), without copying.
@@ -445,19 +445,8 @@ impl Transport for WsTransport {
                         ..((i + 1) * MAX_STREAM_PAYLOAD).min(payload.len()),
                 );
                 let head = direct::frame_head_more(self.rank, dst, tag, part.len(), i + 1 < n);
-                match tokio::time::timeout(self.send_timeout, stream.send((head, part))).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(_)) => return Err(closed()),
-                    Err(_) => {
-                        return Err(Error::Transport {
-                            rank: self.rank,
-                            detail: format!(
-                                "the relay accepted nothing on the data stream for {:?} (receiver stalled?)",
-                                self.send_timeout
-                            ),
-                        });
-                    }
-                }
+                let route = "the relay on the data stream";
+                self.queue(stream.send((head, part)), closed, route).await?;
             }
             return Ok(());
         }
@@ -468,7 +457,8 @@ impl Transport for WsTransport {
             &payload,
             self.max_payload,
         ) {
-            push(frame).await?;
+            self.queue(out.send(Message::binary(frame)), closed, "the relay")
+                .await?;
         }
         Ok(())
     }
@@ -535,7 +525,7 @@ async fn read_stream(
         let len = u32::from_le_bytes(len);
         if len & STREAM_CONTROL != 0 {
             let n = (len & !STREAM_CONTROL) as usize;
-            if n > crate::wire::MAX_STREAM_HELLO.max(64 << 10) {
+            if n > crate::wire::MAX_STREAM_CONTROL {
                 return format!("the relay sent a control frame of {n} bytes");
             }
             let mut text = vec![0u8; n];
