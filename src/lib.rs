@@ -64,8 +64,12 @@ pub mod collective;
 pub mod dist;
 pub mod error;
 pub mod lesson;
-#[cfg(all(feature = "native-nccl", not(target_arch = "wasm32")))]
+#[cfg(all(feature = "native-nccl", target_os = "linux"))]
 pub mod nccl;
+#[cfg(all(feature = "native-nccl", not(target_os = "linux")))]
+compile_error!(
+    "feature `native-nccl` needs Linux (NCCL and the Vulkan-CUDA memory sharing are Linux-only)"
+);
 #[cfg(not(target_arch = "wasm32"))]
 pub mod relay;
 #[cfg(not(target_arch = "wasm32"))]

@@ -105,6 +105,11 @@ mod cli {
             /// Compute backend of the local ranks: cpu, gpu or auto.
             #[arg(long, default_value = "cpu")]
             device: String,
+            /// With `--backend nccl`: how tensors reach NCCL, `staging` (through the host) or
+            /// `shared` (wgpu tensors on each rank's GPU, Vulkan memory imported into CUDA: no host
+            /// copy; implies `--device gpu` on that GPU).
+            #[arg(long, default_value = "staging")]
+            data_path: String,
         },
         /// Run the relay: rooms, rank assignment, routing of data frames, WebRTC signaling, and (with
         /// --static) the web app's files, on one port.
@@ -242,6 +247,10 @@ mod cli {
             /// all_reduce is also measured with each algorithm, for comparison.
             #[arg(long, default_value = "auto")]
             algo: String,
+            /// With `--transport nccl`: `shared` also measures the shared data path (wgpu tensors
+            /// through Vulkan memory imported into CUDA; needs Vulkan on the GPU) beside staging.
+            #[arg(long, default_value = "staging")]
+            data_path: String,
         },
     }
 
@@ -269,7 +278,8 @@ mod cli {
                 steps,
                 lr,
                 device,
-            } => run_train(world, &backend, steps, lr, &device),
+                data_path,
+            } => run_train(world, &backend, steps, lr, &device, &data_path),
             Cmd::Bench { what, .. } if what == "kernels" => run_kernel_bench(),
             Cmd::Bench {
                 what: _,
@@ -279,7 +289,10 @@ mod cli {
                 max_bytes,
                 ops,
                 algo,
-            } => run_bench(&transport, world, min_bytes, max_bytes, &ops, &algo),
+                data_path,
+            } => run_bench(
+                &transport, world, min_bytes, max_bytes, &ops, &algo, &data_path,
+            ),
             Cmd::Relay {
                 addr,
                 static_dir,
@@ -418,6 +431,7 @@ mod cli {
         max: usize,
         ops: &[String],
         algo: &str,
+        data_path: &str,
     ) -> distgrad::Result<()> {
         let algo = AllReduceAlgo::parse(algo)?;
         if world == 0 || world > 64 {
@@ -426,7 +440,7 @@ mod cli {
             )));
         }
         if transport == "nccl" {
-            return run_bench_nccl(world, min, max);
+            return run_bench_nccl(world, min, max, data_path);
         }
         let ops: Vec<BenchOp> = ops
             .iter()
@@ -634,6 +648,7 @@ mod cli {
         steps: usize,
         lr: f32,
         device: &str,
+        data_path: &str,
     ) -> distgrad::Result<()> {
         use distgrad::train::{TrainConfig, train};
         let cfg = TrainConfig {
@@ -671,7 +686,7 @@ mod cli {
                 });
                 report(results, t0.elapsed())
             }
-            "nccl" => run_train_nccl(world, &cfg, every),
+            "nccl" => run_train_nccl(world, &cfg, every, device, data_path),
             other => Err(distgrad::Error::Input(format!(
                 "unknown backend {other:?} (local or nccl)"
             ))),
@@ -720,6 +735,8 @@ mod cli {
         _: usize,
         _: &distgrad::train::TrainConfig,
         _: usize,
+        _: &str,
+        _: &str,
     ) -> distgrad::Result<()> {
         Err(distgrad::Error::Input(
             "this build has no NCCL backend: build with `cargo run --features native-nccl -- train --backend nccl`"
@@ -728,7 +745,7 @@ mod cli {
     }
 
     #[cfg(not(feature = "native-nccl"))]
-    fn run_bench_nccl(_world: usize, _min: usize, _max: usize) -> distgrad::Result<()> {
+    fn run_bench_nccl(_: usize, _: usize, _: usize, _: &str) -> distgrad::Result<()> {
         Err(distgrad::Error::Input(
             "this build has no NCCL backend: build with `cargo run --release --features native-nccl -- bench --transport nccl`"
                 .into(),
@@ -736,45 +753,74 @@ mod cli {
     }
 
     /// NCCL all_reduce on every GPU (one process each): per size, GPU-resident buffers (NCCL
-    /// alone) beside the host-staged Communicator path, and the device's copy bandwidth.
+    /// alone) beside the host-staged Communicator path and (with `--data-path shared`) the shared
+    /// one, and the device's copy bandwidth.
     #[cfg(feature = "native-nccl")]
-    fn run_bench_nccl(world: usize, min: usize, max: usize) -> distgrad::Result<()> {
-        use distgrad::nccl::{NcclComm, NcclOptions};
+    fn run_bench_nccl(
+        world: usize,
+        min: usize,
+        max: usize,
+        data_path: &str,
+    ) -> distgrad::Result<()> {
+        use distgrad::nccl::{DataPath, NcclComm, NcclOptions};
         use distgrad::rendezvous::LaunchEnv;
+        let data_path: DataPath = data_path.parse()?;
         let Some(env) = LaunchEnv::from_env()? else {
             return launch_per_gpu(world, "bench");
         };
-        let comm = NcclComm::from_launch(&env, NcclOptions::default())?;
+        let opts = NcclOptions {
+            data_path,
+            ..NcclOptions::default()
+        };
+        let comm = NcclComm::from_launch(&env, opts)?;
         let n = env.world as f64;
         let factor = 2.0 * (n - 1.0) / n;
         let copy = comm.copy_gbps(max.clamp(1 << 20, 1 << 30))?;
         if env.rank == 0 {
             println!("# distgrad bench: transport=nccl, world={}", env.world);
+            if data_path == DataPath::Shared {
+                println!("# shared data path on {}", comm.device().describe());
+            }
             println!("# device copy (device to device, same run): {copy:.1} GB/s");
             println!("# busbw = algbw * 2(n-1)/n (nccl-tests); with one rank it is 0: read algbw");
             println!(
-                "{:>10} {:>12} {:>10} {:>10} {:>8} {:>12} {:>10} {:>10}",
-                "size", "device(us)", "algbw", "busbw", "/copy", "staged(us)", "algbw", "busbw"
+                "# device: NCCL alone on CUDA buffers; staged: a host tensor through the API; \
+                 shared: a wgpu tensor through the API (no host copy)"
+            );
+            println!(
+                "{:>10} {:>12} {:>10} {:>10} {:>8} {:>12} {:>10} {:>12} {:>10}",
+                "size",
+                "device(us)",
+                "algbw",
+                "busbw",
+                "/copy",
+                "staged(us)",
+                "algbw",
+                "shared(us)",
+                "algbw"
             );
         }
         for bytes in bench::sizes(min, max) {
             let iters = ((1usize << 30) / bytes.max(1)).clamp(5, 200);
             let r = comm.bench_all_reduce(bytes, iters)?;
             if env.rank == 0 {
-                let (ad, as_) = (
-                    r.bytes as f64 / r.device_s / 1e9,
-                    r.bytes as f64 / r.staged_s / 1e9,
-                );
+                let gbps = |s: f64| r.bytes as f64 / s / 1e9;
+                let ad = gbps(r.device_s);
+                let (sh_us, sh_bw) = match r.shared_s {
+                    Some(s) => (format!("{:.1}", s * 1e6), format!("{:.2}", gbps(s))),
+                    None => ("-".into(), "-".into()),
+                };
                 println!(
-                    "{:>10} {:>12.1} {:>10.2} {:>10.2} {:>8.2} {:>12.1} {:>10.2} {:>10.2}",
+                    "{:>10} {:>12.1} {:>10.2} {:>10.2} {:>8.2} {:>12.1} {:>10.2} {:>12} {:>10}",
                     bench::fmt_bytes(r.bytes),
                     r.device_s * 1e6,
                     ad,
                     ad * factor,
                     ad * factor / copy,
                     r.staged_s * 1e6,
-                    as_,
-                    as_ * factor
+                    gbps(r.staged_s),
+                    sh_us,
+                    sh_bw
                 );
             }
         }
@@ -788,16 +834,36 @@ mod cli {
         world: usize,
         cfg: &distgrad::train::TrainConfig,
         every: usize,
+        device: &str,
+        data_path: &str,
     ) -> distgrad::Result<()> {
-        use distgrad::nccl::{NcclComm, NcclOptions};
+        use distgrad::nccl::{DataPath, NcclComm, NcclOptions};
         use distgrad::rendezvous::LaunchEnv;
+        let data_path: DataPath = data_path.parse()?;
+        let choice = parse_choice(device)?;
         if let Some(env) = LaunchEnv::from_env()? {
-            let comm = NcclComm::from_launch(&env, NcclOptions::default())?;
+            // The shared path opens the wgpu device of this rank's GPU itself.
+            let device = match data_path {
+                DataPath::Shared => distgrad::backend::Device::Cpu,
+                DataPath::Staging => {
+                    futures::executor::block_on(distgrad::backend::select(choice))?
+                }
+            };
+            let opts = NcclOptions {
+                device,
+                data_path,
+                ..NcclOptions::default()
+            };
+            let comm = NcclComm::from_launch(&env, opts)?;
+            let device = comm.device().clone();
+            if env.rank == 0 {
+                println!("compute: {}, data path: {data_path:?}", device.describe());
+            }
             let t0 = std::time::Instant::now();
             let rep = futures::executor::block_on(distgrad::train::train(
                 &comm,
                 cfg,
-                &distgrad::backend::Device::Cpu,
+                &device,
                 |step, loss| {
                     if env.rank == 0 && (step % every == 0 || step + 1 == cfg.steps) {
                         println!("step {step:>5}  group loss {loss:.6}");

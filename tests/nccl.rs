@@ -1,14 +1,15 @@
 //! The NCCL communicator (feature `native-nccl`). Without CUDA (CI, this VM) the checks that need
 //! a GPU report "skipped: no CUDA device" and the rest checks that a missing driver or NCCL is an
 //! error that says what to install, never a panic. On a GPU machine (`scripts/gpu-check.sh`): every
-//! collective forward and backward on NCCL equals the in-process group, and with two or more GPUs a
-//! mismatched call fails on both ranks instead of hanging.
+//! collective forward and backward on NCCL equals the in-process group, on host tensors (staging)
+//! and on wgpu tensors through shared Vulkan/CUDA memory (no host copy inside the collectives), and
+//! with two or more GPUs a mismatched call fails on both ranks instead of hanging.
 #![cfg(feature = "native-nccl")]
 
 use std::time::Duration;
 
 use distgrad::backend::Device;
-use distgrad::nccl::{NcclComm, NcclOptions, check_libraries, device_count};
+use distgrad::nccl::{DataPath, NcclComm, NcclOptions, check_libraries, device_count};
 use distgrad::rendezvous::LaunchEnv;
 use distgrad::{CommOptions, Communicator, ReduceOp, Tape, Tensor, dist};
 
@@ -18,6 +19,13 @@ fn gpus() -> Result<usize, String> {
         Ok(n) => Ok(n),
         Err(e) => Err(format!("no CUDA device ({e})")),
     }
+}
+
+/// Whether wgpu finds a Vulkan adapter (the shared data path needs the loader and the GPU's driver).
+fn vulkan() -> Result<(), String> {
+    futures::executor::block_on(distgrad::backend::gpu::Gpu::new())
+        .map(|_| ())
+        .map_err(|e| format!("the shared data path needs Vulkan: {e}"))
 }
 
 fn free_port() -> u16 {
@@ -59,12 +67,13 @@ fn a_missing_driver_or_nccl_is_an_error_not_a_panic() {
 }
 
 /// Every collective forward + backward with fixed inputs; returns each output and gradient.
-async fn program<C: Communicator>(comm: &C) -> distgrad::Result<Vec<Vec<f32>>> {
+/// The inputs live on `dev`.
+async fn program<C: Communicator>(comm: &C, dev: &Device) -> distgrad::Result<Vec<Vec<f32>>> {
     let g = comm.world();
     let n = comm.world_size();
     let r = comm.rank() as f32;
     let mut out = Vec::new();
-    let x0 = Tensor::from_vec(vec![r + 1.0, -2.0 * r - 0.5, 3.0], &[3])?;
+    let x0 = Tensor::from_vec(vec![r + 1.0, -2.0 * r - 0.5, 3.0], &[3])?.to_device(dev)?;
     for op in ReduceOp::ALL {
         let tape = Tape::new();
         let x = tape.var(x0.clone());
@@ -95,24 +104,35 @@ async fn program<C: Communicator>(comm: &C) -> distgrad::Result<Vec<Vec<f32>>> {
     Ok(out)
 }
 
-#[test]
-fn gradients_on_nccl_equal_the_in_process_group() {
+/// Every collective forward + backward on NCCL with `path` (inputs on the communicator's device
+/// for the shared path) against the in-process group.
+fn compare_with_in_process(path: DataPath) {
     let n = match gpus() {
         Ok(n) => n,
         Err(why) => return eprintln!("skipped: {why}"),
     };
+    if path == DataPath::Shared
+        && let Err(why) = vulkan()
+    {
+        return eprintln!("skipped: {why}");
+    }
     // One process drives one GPU; ranks as threads here, one GPU each (world 1 on a single GPU).
     let world = n.min(4);
     let want = distgrad::run_local(world, CommOptions::default(), |c| async move {
-        program(&c).await
+        program(&c, &Device::Cpu).await
     });
     let port = free_port();
     let got: Vec<distgrad::Result<Vec<Vec<f32>>>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
             .map(|r| {
                 s.spawn(move || {
-                    let comm = NcclComm::from_launch(&env(r, world, port), NcclOptions::default())?;
-                    futures::executor::block_on(program(&comm))
+                    let opts = NcclOptions {
+                        data_path: path,
+                        ..NcclOptions::default()
+                    };
+                    let comm = NcclComm::from_launch(&env(r, world, port), opts)?;
+                    let dev = comm.device().clone();
+                    futures::executor::block_on(program(&comm, &dev))
                 })
             })
             .collect();
@@ -131,7 +151,59 @@ fn gradients_on_nccl_equal_the_in_process_group() {
             }
         }
     }
-    eprintln!("NCCL == in-process on {world} GPU rank(s)");
+    eprintln!("NCCL ({path:?}) == in-process on {world} GPU rank(s)");
+}
+
+#[test]
+fn gradients_on_nccl_equal_the_in_process_group() {
+    compare_with_in_process(DataPath::Staging);
+}
+
+#[test]
+fn gradients_on_the_shared_data_path_equal_the_in_process_group() {
+    compare_with_in_process(DataPath::Shared);
+}
+
+#[test]
+fn shared_collectives_keep_gpu_tensors_on_the_gpu() {
+    if let Err(why) = gpus().and_then(|_| vulkan()) {
+        return eprintln!("skipped: {why}");
+    }
+    let port = free_port();
+    let opts = NcclOptions {
+        data_path: DataPath::Shared,
+        ..NcclOptions::default()
+    };
+    let comm = NcclComm::from_launch(&env(0, 1, port), opts).unwrap();
+    let Device::Gpu(gpu) = comm.device().clone() else {
+        panic!("the shared data path gave {:?}", comm.device());
+    };
+    let g = comm.world();
+    for n in [1usize, 1000, (1 << 22) + 3] {
+        let x: Vec<f32> = (0..n).map(|i| (i % 97) as f32 - 48.0).collect();
+        let t = Tensor::from_vec(x.clone(), &[n])
+            .unwrap()
+            .to_device(comm.device())
+            .unwrap();
+        let before = gpu.bytes_read_back();
+        let y = futures::executor::block_on(comm.all_reduce(&t, ReduceOp::Max, &g)).unwrap();
+        let parts = futures::executor::block_on(comm.all_gather(&t, &g)).unwrap();
+        let b = futures::executor::block_on(comm.broadcast(&t, 0, &g)).unwrap();
+        assert_eq!(
+            gpu.bytes_read_back(),
+            before,
+            "{n}: a collective read the tensor back to the host"
+        );
+        for (what, v) in [
+            ("all_reduce", &y),
+            ("all_gather", &parts[0]),
+            ("broadcast", &b),
+        ] {
+            assert_eq!(v.device(), *comm.device(), "{what} left the GPU");
+            assert_eq!(v.to_vec(), x, "{what} of {n} on one rank is the identity");
+        }
+    }
+    eprintln!("shared path: results stay on {}", gpu.describe());
 }
 
 #[test]
@@ -178,7 +250,7 @@ fn the_program_compared_on_nccl_runs_in_process_on_1_to_4_ranks() {
     // The reference side of the GPU comparison, checked everywhere so that a GPU failure is NCCL's.
     for world in 1..=4 {
         for r in distgrad::run_local(world, CommOptions::default(), |c| async move {
-            program(&c).await
+            program(&c, &Device::Cpu).await
         }) {
             let v = r.unwrap();
             assert_eq!(v.len(), 2 * ReduceOp::ALL.len() + 3);

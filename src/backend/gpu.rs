@@ -28,10 +28,21 @@ use wgpu::util::DeviceExt;
 use super::{BinaryOp, UnaryOp};
 use crate::error::{Error, Result};
 
+#[cfg(target_os = "linux")]
+mod export;
+#[cfg(target_os = "linux")]
+pub use export::Exported;
+#[cfg(all(target_os = "linux", feature = "native-nccl"))]
+pub(crate) use export::hex;
+
 /// Workgroup size of the 1-D kernels (must match the WGSL).
 const WG: u32 = 256;
 /// Most workgroups along one dispatch dimension.
 const MAX_GROUPS: u32 = 65535;
+/// Usage of every storage buffer.
+const STORAGE_USAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
+    .union(wgpu::BufferUsages::COPY_SRC)
+    .union(wgpu::BufferUsages::COPY_DST);
 
 struct Ctx {
     device: wgpu::Device,
@@ -186,10 +197,17 @@ impl Gpu {
             })
             .await
             .map_err(|e| gpu_err("adapter", format!("no GPU adapter: {e}")))?;
+        Self::open(adapter).await
+    }
+
+    /// Open a device on `adapter` with the adapter's own limits.
+    async fn open(adapter: wgpu::Adapter) -> Result<Gpu> {
         let limits = adapter.limits();
         let (device, queue) = adapter
             .request_device(&wgpu::DeviceDescriptor {
                 label: Some("distgrad"),
+                // Memory shared with CUDA (the NCCL target), where the driver offers it.
+                required_features: adapter.features() & wgpu::Features::VULKAN_EXTERNAL_MEMORY_FD,
                 required_limits: limits.clone(),
                 ..Default::default()
             })
@@ -340,14 +358,22 @@ impl Gpu {
 
     fn storage(&self, op: &'static str, n: usize) -> Result<GpuBuf> {
         let size = self.check_size(op, n)?;
-        let buf = self.0.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some(op),
+        let buf = self.0.device.create_buffer(&Self::storage_desc(op, size));
+        self.buf_of(op, buf, n)
+    }
+
+    /// How every storage buffer of distgrad is made (kernels bind it, copies go both ways).
+    fn storage_desc(label: &str, size: u64) -> wgpu::BufferDescriptor<'_> {
+        wgpu::BufferDescriptor {
+            label: Some(label),
             size,
-            usage: wgpu::BufferUsages::STORAGE
-                | wgpu::BufferUsages::COPY_SRC
-                | wgpu::BufferUsages::COPY_DST,
+            usage: STORAGE_USAGE,
             mapped_at_creation: false,
-        });
+        }
+    }
+
+    /// A [`GpuBuf`] of `n` f32 in `buf`, once the device reported no error making it.
+    fn buf_of(&self, op: &'static str, buf: wgpu::Buffer, n: usize) -> Result<GpuBuf> {
         self.check(op)?;
         Ok(GpuBuf {
             buf: Arc::new(buf),
@@ -389,16 +415,33 @@ impl Gpu {
             .create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some("upload"),
                 contents,
-                usage: wgpu::BufferUsages::STORAGE
-                    | wgpu::BufferUsages::COPY_SRC
-                    | wgpu::BufferUsages::COPY_DST,
+                usage: STORAGE_USAGE,
             });
-        self.check("upload")?;
-        Ok(GpuBuf {
-            buf: Arc::new(buf),
-            len: n,
-            gpu: self.clone(),
-        })
+        self.buf_of("upload", buf, n)
+    }
+
+    /// Copy `n` elements of `src` starting at `src_start` into `dst` at `dst_start`, on the device
+    /// (a transfer, no kernel; queued like the kernels, so ordered with them).
+    pub fn copy_range(
+        &self,
+        src: &GpuBuf,
+        src_start: usize,
+        dst: &GpuBuf,
+        dst_start: usize,
+        n: usize,
+    ) -> Result<()> {
+        let fits = |start: usize, len: usize| start.checked_add(n).is_some_and(|end| end <= len);
+        if !fits(src_start, src.len) || !fits(dst_start, dst.len) {
+            return Err(gpu_err(
+                "copy_range",
+                format!(
+                    "{n} elements from {src_start} of {} into {dst_start} of {}",
+                    src.len, dst.len
+                ),
+            ));
+        }
+        self.copy_contiguous(src, src_start, dst, dst_start, n);
+        self.check("copy_range")
     }
 
     /// Bytes read back from this device to the host so far (every readback counts): how tests

@@ -14,10 +14,13 @@
 //!   record: kind, op, root, shape, arguments) and fail with [`Error::Mismatch`] naming both ranks
 //!   when they differ, instead of NCCL hanging or mixing buffers. [`NcclOptions::check_calls`] turns
 //!   it off. A rank that never calls still hangs NCCL: NCCL has no receive timeout.
-//! - **Data path**: host staging (tensor → host → device buffer → NCCL → host → the input's device).
-//!   The zero-copy path (Vulkan memory exported to CUDA) is not written yet;
-//!   [`NcclComm::bench_all_reduce`] measures the staging beside NCCL on GPU-resident buffers (what
-//!   zero-copy can reach) and [`NcclComm::copy_gbps`] the device's copy bandwidth.
+//! - **Data path** ([`DataPath`]): host staging (tensor → host → CUDA buffer → NCCL → host → the
+//!   input's device), or shared memory: wgpu tensors on the communicator's own GPU are copied on the
+//!   GPU into Vulkan memory that CUDA imported ([`shared`]), NCCL works there, and the results are
+//!   copied on the GPU into new tensors; nothing crosses to the host (every collective; only
+//!   scatter's 9-number shape head and the call checks' records are host values).
+//!   [`NcclComm::bench_all_reduce`] measures NCCL alone on CUDA buffers, the staged path and (when
+//!   shared) the shared path, beside the device's copy bandwidth ([`NcclComm::copy_gbps`]).
 //!
 //! The calls block the calling thread until the GPU is done (the `async` methods complete when first
 //! polled); one process drives one GPU.
@@ -31,7 +34,10 @@ use std::time::Duration;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use cudarc::nccl::{self as nc, Comm, Id};
 
-use crate::backend::Device;
+mod shared;
+use shared::{DevBuf, Part, Shared};
+
+use crate::backend::{Device, Storage};
 use crate::collective::{CallSig, Communicator, Group, Kind, ReduceOp, check_pairs, list_shape};
 use crate::error::{Error, Result};
 use crate::rendezvous::{LaunchEnv, Store, StoreServer};
@@ -39,6 +45,9 @@ use crate::tensor::Tensor;
 
 /// Bytes of one call-signature record in the call check.
 const SIG_BYTES: usize = 256;
+
+/// Elements of scatter's shape head: the number of dimensions, then up to 8 sizes.
+const HEAD: usize = 9;
 
 /// Whether libcuda and libnccl can be loaded; an error saying what is missing and how to fix it.
 pub fn check_libraries() -> Result<()> {
@@ -89,8 +98,37 @@ pub struct NcclOptions {
     pub check_calls: bool,
     /// How long to wait for the store (rank 0 starting, the others joining).
     pub rendezvous_timeout: Duration,
-    /// Where results go (the inputs' device wins where there is an input).
+    /// Where results go (the inputs' device wins where there is an input). With
+    /// [`DataPath::Shared`] and a CPU here, results without an input land on the shared GPU
+    /// ([`NcclComm::device`]).
     pub device: Device,
+    /// How tensors reach NCCL.
+    pub data_path: DataPath,
+}
+
+/// How a tensor's numbers reach NCCL (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DataPath {
+    /// Through the host: read back, uploaded to a CUDA buffer, downloaded, put on the input's device.
+    #[default]
+    Staging,
+    /// wgpu tensors on the communicator's GPU go through Vulkan memory imported into CUDA (no host
+    /// copy); the communicator opens the wgpu device of its CUDA device (same UUID) or checks that
+    /// [`NcclOptions::device`] is that one. Other tensors are staged. Linux with Vulkan only.
+    Shared,
+}
+
+impl std::str::FromStr for DataPath {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<DataPath> {
+        match s {
+            "staging" => Ok(DataPath::Staging),
+            "shared" | "zero-copy" => Ok(DataPath::Shared),
+            _ => Err(Error::Input(format!(
+                "unknown data path {s:?}: use `staging` or `shared`"
+            ))),
+        }
+    }
 }
 
 impl Default for NcclOptions {
@@ -99,6 +137,7 @@ impl Default for NcclOptions {
             check_calls: true,
             rendezvous_timeout: Duration::from_secs(120),
             device: Device::Cpu,
+            data_path: DataPath::Staging,
         }
     }
 }
@@ -113,6 +152,7 @@ pub struct NcclComm {
     next_group: Cell<u32>,
     store: RefCell<Store>,
     opts: NcclOptions,
+    shared: Option<Shared>,
     _server: Option<StoreServer>,
 }
 
@@ -131,6 +171,42 @@ fn to_nccl(op: ReduceOp) -> nc::ReduceOp {
         ReduceOp::Prod => nc::ReduceOp::Prod,
         ReduceOp::Min => nc::ReduceOp::Min,
         ReduceOp::Max => nc::ReduceOp::Max,
+    }
+}
+
+/// The wgpu device on the same GPU as `ctx`: `device` when it is that one, else opened by UUID.
+fn shared_gpu(
+    ctx: &Arc<CudaContext>,
+    device: &Device,
+    rank: usize,
+) -> Result<crate::backend::gpu::Gpu> {
+    let uuid = ctx.uuid().map_err(|e| nccl_err("init", rank, e))?;
+    let uuid: [u8; 16] = uuid.bytes.map(|b| b as u8);
+    let hex = crate::backend::gpu::hex(&uuid);
+    match device {
+        Device::Gpu(g) if g.device_uuid() == Some(uuid) => Ok(g.clone()),
+        Device::Gpu(g) => Err(Error::Nccl {
+            op: "init",
+            rank: Some(rank),
+            detail: format!(
+                "the shared data path needs the wgpu device on this rank's CUDA device (UUID {hex}); \
+                 {} is {}",
+                g.describe(),
+                if g.device_uuid().is_some() {
+                    "another one"
+                } else {
+                    "not a Vulkan device"
+                }
+            ),
+        }),
+        Device::Cpu => futures::executor::block_on(crate::backend::gpu::Gpu::with_device_uuid(
+            uuid,
+        ))
+        .map_err(|e| Error::Nccl {
+            op: "init",
+            rank: Some(rank),
+            detail: format!("the shared data path needs wgpu on this rank's GPU: {e}"),
+        }),
     }
 }
 
@@ -188,6 +264,19 @@ impl NcclComm {
         let mut store = Store::connect(&env.master, opts.rendezvous_timeout)?;
         let ctx = CudaContext::new(env.local_rank).map_err(|e| nccl_err("init", env.rank, e))?;
         let stream = ctx.default_stream();
+        // Before the NCCL id is shared: a rank failing here leaves the others waiting only for the
+        // store (up to the rendezvous timeout), not inside NCCL, which never times out.
+        let mut opts = opts;
+        let shared = match opts.data_path {
+            DataPath::Staging => None,
+            DataPath::Shared => {
+                let gpu = shared_gpu(&ctx, &opts.device, env.rank)?;
+                if opts.device == Device::Cpu {
+                    opts.device = Device::Gpu(gpu.clone());
+                }
+                Some(Shared::new(gpu, stream.clone(), env.rank))
+            }
+        };
         let id = if env.rank == 0 {
             let id = Id::new().map_err(|e| nccl_err("init", env.rank, e))?;
             store.set("nccl/group/0", &id_bytes(&id))?;
@@ -208,6 +297,7 @@ impl NcclComm {
             next_group: Cell::new(1),
             store: RefCell::new(store),
             opts,
+            shared,
             _server: server,
         })
     }
@@ -252,6 +342,111 @@ impl NcclComm {
         let mut v = self.stream.clone_dtoh(b).map_err(|e| self.err(op, e))?;
         v.truncate(n);
         Ok(v)
+    }
+
+    /// The shared pool, when tensors on `dev` can reach NCCL without the host.
+    fn shared_on(&self, dev: &Device) -> Option<&Shared> {
+        match (dev, &self.shared) {
+            (Device::Gpu(g), Some(s)) if *g == s.gpu => Some(s),
+            _ => None,
+        }
+    }
+
+    /// A device buffer holding `xs` one after another (at least one element).
+    fn input(&self, op: &'static str, xs: &[&Tensor]) -> Result<DevBuf> {
+        let n: usize = xs.iter().map(|x| x.numel()).sum();
+        let shared = self
+            .shared
+            .as_ref()
+            .filter(|_| xs.iter().all(|x| self.shared_on(&x.device()).is_some()));
+        let Some(s) = shared else {
+            let mut host = Vec::with_capacity(n);
+            for x in xs {
+                host.extend(Self::host(x)?);
+            }
+            return Ok(DevBuf::Cuda(self.upload(op, &host)?));
+        };
+        let lease = s.lease(op, n)?;
+        let mut at = 0;
+        for x in xs {
+            if let Storage::Gpu(b) = x.storage() {
+                s.gpu.copy_range(b, 0, lease.gpu_buf(), at, x.numel())?;
+                at += x.numel();
+            }
+        }
+        // NCCL reads only after wgpu has written.
+        s.gpu.sync()?;
+        Ok(DevBuf::Shared(lease))
+    }
+
+    /// A device buffer for `n` results that go to `dev` (at least one element).
+    fn output(&self, op: &'static str, n: usize, dev: &Device) -> Result<DevBuf> {
+        match self.shared_on(dev) {
+            Some(s) => Ok(DevBuf::Shared(s.lease(op, n)?)),
+            None => Ok(DevBuf::Cuda(self.zeros(op, n)?)),
+        }
+    }
+
+    /// Tensors on `dev` from NCCL's results in `b`: `count` consecutive runs of `shape`'s elements,
+    /// each `stride` elements after the previous.
+    fn finish(
+        &self,
+        op: &'static str,
+        b: DevBuf,
+        shape: &[usize],
+        count: usize,
+        stride: usize,
+        dev: &Device,
+    ) -> Result<Vec<Tensor>> {
+        let n: usize = shape.iter().product();
+        match b {
+            DevBuf::Cuda(c) => {
+                let all = self.download(op, &c, stride * count.saturating_sub(1) + n)?;
+                (0..count)
+                    .map(|i| self.out(all[i * stride..i * stride + n].to_vec(), shape, dev))
+                    .collect()
+            }
+            DevBuf::Shared(lease) => {
+                let s = self.shared_on(dev).ok_or_else(|| Error::Nccl {
+                    op,
+                    rank: Some(self.rank),
+                    detail: "shared results for a device that is not the shared GPU".into(),
+                })?;
+                // wgpu reads only after NCCL has written.
+                self.stream.synchronize().map_err(|e| self.err(op, e))?;
+                let mut out = Vec::with_capacity(count);
+                for i in 0..count {
+                    let t = s.gpu.alloc(n)?;
+                    s.gpu.copy_range(lease.gpu_buf(), i * stride, &t, 0, n)?;
+                    out.push(Tensor::from_gpu(shape.to_vec(), t));
+                }
+                // The lease goes back to the pool only after wgpu's copies are done.
+                s.gpu.sync()?;
+                Ok(out)
+            }
+        }
+    }
+
+    /// The one tensor of [`NcclComm::finish`] with `count` 1.
+    fn finish_one(
+        &self,
+        op: &'static str,
+        b: DevBuf,
+        shape: &[usize],
+        dev: &Device,
+    ) -> Result<Tensor> {
+        let mut v = self.finish(op, b, shape, 1, 0, dev)?;
+        v.pop().ok_or_else(|| Error::Nccl {
+            op,
+            rank: Some(self.rank),
+            detail: "no result".into(),
+        })
+    }
+
+    /// The device results without an input go to ([`NcclOptions::device`]; the shared GPU when the
+    /// data path is shared and no device was given).
+    pub fn device(&self) -> &Device {
+        &self.opts.device
     }
 
     /// Compare every rank's call with this one (see the module docs).
@@ -314,31 +509,39 @@ impl NcclComm {
         Tensor::from_vec(data, shape)?.to_device(dev)
     }
 
-    /// Grouped NCCL send/recv: `sends` (peer group rank, data) and `recvs` (peer, element count).
+    /// Receive buffers for `(peer, element count)` pairs, for results on `dev`.
+    fn recv_bufs(
+        &self,
+        op: &'static str,
+        recvs: &[(usize, usize)],
+        dev: &Device,
+    ) -> Result<Vec<(usize, usize, DevBuf)>> {
+        recvs
+            .iter()
+            .map(|&(p, n)| Ok((p, n, self.output(op, n, dev)?)))
+            .collect()
+    }
+
+    /// Grouped NCCL send/recv: `sends` (peer group rank, region) and `recvs` (peer, element
+    /// count, buffer of exactly that many elements, or one for zero). Empty transfers are skipped.
     fn exchange(
         &self,
         op: &'static str,
         comm: &Comm,
-        sends: &[(usize, &[f32])],
-        recvs: &[(usize, usize)],
-    ) -> Result<Vec<Vec<f32>>> {
-        let send_bufs: Vec<(usize, CudaSlice<f32>)> = sends
-            .iter()
-            .filter(|(_, d)| !d.is_empty())
-            .map(|&(p, d)| Ok((p, self.upload(op, d)?)))
-            .collect::<Result<_>>()?;
-        let mut recv_bufs: Vec<(usize, usize, CudaSlice<f32>)> = recvs
-            .iter()
-            .map(|&(p, n)| Ok((p, n, self.zeros(op, n)?)))
-            .collect::<Result<_>>()?;
+        sends: &[(usize, Part<'_>)],
+        recvs: &mut [(usize, usize, DevBuf)],
+    ) -> Result<()> {
         nc::group_start().map_err(|e| self.err(op, e))?;
         let mut res = Ok(());
-        for (p, b) in &send_bufs {
-            if let Err(e) = comm.send(b, *p as i32) {
+        for (p, part) in sends {
+            if part.len == 0 {
+                continue;
+            }
+            if let Err(e) = comm.send(part, *p as i32) {
                 res = Err(self.err(op, e));
             }
         }
-        for (p, n, b) in &mut recv_bufs {
+        for (p, n, b) in recvs.iter_mut() {
             if *n == 0 {
                 continue;
             }
@@ -348,17 +551,47 @@ impl NcclComm {
         }
         let end = nc::group_end().map_err(|e| self.err(op, e));
         res?;
-        end?;
-        recv_bufs
-            .iter()
-            .map(|(_, n, b)| {
-                if *n == 0 {
-                    Ok(Vec::new())
-                } else {
-                    self.download(op, b, *n)
+        end.map(|_| ())
+    }
+
+    /// One tensor of `shape` on `dev` from consecutive regions of device buffers (all staged or
+    /// all shared).
+    fn finish_concat(
+        &self,
+        op: &'static str,
+        parts: &[Part<'_>],
+        shape: &[usize],
+        dev: &Device,
+    ) -> Result<Tensor> {
+        let total: usize = parts.iter().map(|p| p.len).sum();
+        let all_shared = parts.iter().all(|p| matches!(p.buf, DevBuf::Shared(_)));
+        match self.shared_on(dev) {
+            Some(s) if all_shared => {
+                self.stream.synchronize().map_err(|e| self.err(op, e))?;
+                let out = s.gpu.alloc(total)?;
+                let mut at = 0;
+                for p in parts {
+                    if let DevBuf::Shared(l) = p.buf {
+                        s.gpu.copy_range(l.gpu_buf(), p.start, &out, at, p.len)?;
+                    }
+                    at += p.len;
                 }
-            })
-            .collect()
+                s.gpu.sync()?;
+                Ok(Tensor::from_gpu(shape.to_vec(), out))
+            }
+            _ if parts.iter().all(|p| matches!(p.buf, DevBuf::Cuda(_))) => {
+                let mut host = Vec::with_capacity(total);
+                for p in parts.iter().filter(|p| p.len > 0) {
+                    host.extend(self.stream.clone_dtoh(p).map_err(|e| self.err(op, e))?);
+                }
+                self.out(host, shape, dev)
+            }
+            _ => Err(Error::Nccl {
+                op,
+                rank: Some(self.rank),
+                detail: "staged and shared buffers mixed in one result".into(),
+            }),
+        }
     }
 }
 
@@ -373,6 +606,10 @@ pub struct NcclBenchRow {
     /// Seconds per call through the [`Communicator`] API with a host tensor: host staging
     /// (upload, NCCL, download) plus the call check.
     pub staged_s: f64,
+    /// Seconds per call through the [`Communicator`] API with a tensor on the shared GPU
+    /// ([`DataPath::Shared`]: device copies in and out, NCCL, the call check); `None` when the
+    /// communicator stages.
+    pub shared_s: Option<f64>,
 }
 
 impl NcclComm {
@@ -427,10 +664,33 @@ impl NcclComm {
             futures::executor::block_on(self.all_reduce(&x, ReduceOp::Sum, &g))?;
         }
         let staged_s = t0.elapsed().as_secs_f64() / iters as f64;
+        let shared_s = match &self.shared {
+            None => None,
+            Some(s) => {
+                let x = x.to_device(&Device::Gpu(s.gpu.clone()))?;
+                let y = futures::executor::block_on(self.all_reduce(&x, ReduceOp::Sum, &g))?;
+                // Check the result once: every rank gave ones, so each element is the world size.
+                let got = y.try_to_vec()?;
+                let want = self.world as f32;
+                if let Some((i, v)) = got.iter().enumerate().find(|(_, v)| **v != want) {
+                    return Err(Error::Nccl {
+                        op: "bench",
+                        rank: Some(self.rank),
+                        detail: format!("shared all_reduce gave {v} at {i}, expected {want}"),
+                    });
+                }
+                let t0 = std::time::Instant::now();
+                for _ in 0..iters {
+                    futures::executor::block_on(self.all_reduce(&x, ReduceOp::Sum, &g))?;
+                }
+                Some(t0.elapsed().as_secs_f64() / iters as f64)
+            }
+        };
         Ok(NcclBenchRow {
             bytes: n * 4,
             device_s,
             staged_s,
+            shared_s,
         })
     }
 }
@@ -478,20 +738,16 @@ impl Communicator for NcclComm {
             group,
             &CallSig::new(Kind::Broadcast).root(root).shape(x.shape()),
         )?;
-        let n = x.numel();
-        let mut recv = self.zeros("broadcast", n)?;
+        let dev = x.device();
+        let mut recv = self.output("broadcast", x.numel(), &dev)?;
         if me == root {
-            let send = self.upload("broadcast", &Self::host(x)?)?;
+            let send = self.input("broadcast", &[x])?;
             c.broadcast(Some(&send), &mut recv, root as i32)
         } else {
-            c.broadcast(None::<&CudaSlice<f32>>, &mut recv, root as i32)
+            c.broadcast(None::<&DevBuf>, &mut recv, root as i32)
         }
         .map_err(|e| self.err("broadcast", e))?;
-        self.out(
-            self.download("broadcast", &recv, n)?,
-            x.shape(),
-            &x.device(),
-        )
+        self.finish_one("broadcast", recv, x.shape(), &dev)
     }
 
     async fn reduce(
@@ -511,32 +767,25 @@ impl Communicator for NcclComm {
                 .root(root)
                 .shape(x.shape()),
         )?;
-        let n = x.numel();
-        let send = self.upload("reduce", &Self::host(x)?)?;
-        let mut recv = self.zeros("reduce", n)?;
-        if me == root {
-            c.reduce(&send, Some(&mut recv), &to_nccl(op), root as i32)
+        let dev = x.device();
+        let send = self.input("reduce", &[x])?;
+        let mut recv = if me == root {
+            Some(self.output("reduce", x.numel(), &dev)?)
         } else {
-            c.reduce(
-                &send,
-                None::<&mut CudaSlice<f32>>,
-                &to_nccl(op),
-                root as i32,
-            )
+            None
+        };
+        c.reduce(&send, recv.as_mut(), &to_nccl(op), root as i32)
+            .map_err(|e| self.err("reduce", e))?;
+        match recv {
+            Some(recv) => Ok(Some(self.finish_one("reduce", recv, x.shape(), &dev)?)),
+            None => {
+                // Keep the stream ordered before `send` is freed.
+                self.stream
+                    .synchronize()
+                    .map_err(|e| self.err("reduce", e))?;
+                Ok(None)
+            }
         }
-        .map_err(|e| self.err("reduce", e))?;
-        if me != root {
-            // Keep the stream ordered before `send` is freed.
-            self.stream
-                .synchronize()
-                .map_err(|e| self.err("reduce", e))?;
-            return Ok(None);
-        }
-        Ok(Some(self.out(
-            self.download("reduce", &recv, n)?,
-            x.shape(),
-            &x.device(),
-        )?))
     }
 
     async fn all_reduce(&self, x: &Tensor, op: ReduceOp, group: &Group) -> Result<Tensor> {
@@ -546,16 +795,12 @@ impl Communicator for NcclComm {
             group,
             &CallSig::new(Kind::AllReduce).op(op).shape(x.shape()),
         )?;
-        let n = x.numel();
-        let send = self.upload("all_reduce", &Self::host(x)?)?;
-        let mut recv = self.zeros("all_reduce", n)?;
+        let dev = x.device();
+        let send = self.input("all_reduce", &[x])?;
+        let mut recv = self.output("all_reduce", x.numel(), &dev)?;
         c.all_reduce(&send, &mut recv, &to_nccl(op))
             .map_err(|e| self.err("all_reduce", e))?;
-        self.out(
-            self.download("all_reduce", &recv, n)?,
-            x.shape(),
-            &x.device(),
-        )
+        self.finish_one("all_reduce", recv, x.shape(), &dev)
     }
 
     async fn gather(&self, x: &Tensor, root: usize, group: &Group) -> Result<Option<Vec<Tensor>>> {
@@ -566,25 +811,27 @@ impl Communicator for NcclComm {
             group,
             &CallSig::new(Kind::Gather).root(root).shape(x.shape()),
         )?;
-        let mine = Self::host(x)?;
         let n = x.numel();
         if me != root {
-            self.exchange("gather", &c, &[(root, &mine)], &[])?;
+            let send = self.input("gather", &[x])?;
+            self.exchange("gather", &c, &[(root, Part::new(&send, 0, n)?)], &mut [])?;
             return Ok(None);
         }
-        let recvs: Vec<(usize, usize)> = (0..group.size())
+        let dev = x.device();
+        let peers: Vec<(usize, usize)> = (0..group.size())
             .filter(|&r| r != me)
             .map(|r| (r, n))
             .collect();
-        let mut got = self.exchange("gather", &c, &[], &recvs)?.into_iter();
+        let mut recvs = self.recv_bufs("gather", &peers, &dev)?;
+        self.exchange("gather", &c, &[], &mut recvs)?;
+        let mut got = recvs.into_iter();
         let mut out = Vec::with_capacity(group.size());
         for r in 0..group.size() {
-            let data = if r == me {
-                mine.clone()
-            } else {
-                got.next().unwrap_or_default()
-            };
-            out.push(self.out(data, x.shape(), &x.device())?);
+            if r == me {
+                out.push(x.clone());
+            } else if let Some((_, _, b)) = got.next() {
+                out.push(self.finish_one("gather", b, x.shape(), &dev)?);
+            }
         }
         Ok(Some(out))
     }
@@ -603,45 +850,67 @@ impl Communicator for NcclComm {
             let shape = list_shape("scatter", xs, group.size())?;
             sig = sig.shape(&shape);
             self.check(&c, group, &sig)?;
-            // Tell the others the shape, then send each its tensor.
-            let dims: Vec<f32> = shape.iter().map(|&d| d as f32).collect();
-            let mut head = vec![dims.len() as f32];
-            head.extend(dims);
+            // Tell the others the shape (a fixed-size head: NCCL needs equal counts on both
+            // sides), then send each its tensor.
+            let mut head = vec![0.0f32; HEAD];
+            head[0] = shape.len() as f32;
+            for (h, &d) in head[1..].iter_mut().zip(&shape) {
+                *h = d as f32;
+            }
+            let head = DevBuf::Cuda(self.upload("scatter", &head)?);
             let peers: Vec<usize> = (0..group.size()).filter(|&r| r != me).collect();
-            let heads: Vec<(usize, &[f32])> = peers.iter().map(|&p| (p, head.as_slice())).collect();
-            self.exchange("scatter", &c, &heads, &[])?;
-            let hosts: Vec<Vec<f32>> = xs.iter().map(Self::host).collect::<Result<_>>()?;
-            let sends: Vec<(usize, &[f32])> =
-                peers.iter().map(|&p| (p, hosts[p].as_slice())).collect();
-            self.exchange("scatter", &c, &sends, &[])?;
-            return self.out(hosts[me].clone(), &shape, &xs[me].device());
+            let heads: Vec<(usize, Part<'_>)> = peers
+                .iter()
+                .map(|&p| Ok((p, Part::new(&head, 0, HEAD)?)))
+                .collect::<Result<_>>()?;
+            self.exchange("scatter", &c, &heads, &mut [])?;
+            let n = xs[me].numel();
+            let bufs: Vec<(usize, DevBuf)> = peers
+                .iter()
+                .map(|&p| Ok((p, self.input("scatter", &[&xs[p]])?)))
+                .collect::<Result<_>>()?;
+            let sends: Vec<(usize, Part<'_>)> = bufs
+                .iter()
+                .map(|(p, b)| Ok((*p, Part::new(b, 0, n)?)))
+                .collect::<Result<_>>()?;
+            self.exchange("scatter", &c, &sends, &mut [])?;
+            return Ok(xs[me].clone());
         }
         self.check(&c, group, &sig)?;
-        let head = self.exchange("scatter", &c, &[], &[(root, 9)])?.remove(0);
+        let mut head = [(root, HEAD, DevBuf::Cuda(self.zeros("scatter", HEAD)?))];
+        self.exchange("scatter", &c, &[], &mut head)?;
+        let head = match &head[0].2 {
+            DevBuf::Cuda(b) => self.download("scatter", b, HEAD)?,
+            DevBuf::Shared(_) => Vec::new(),
+        };
         let ndim = head.first().copied().unwrap_or(0.0) as usize;
         let shape: Vec<usize> = head
-            .get(1..1 + ndim.min(8))
+            .get(1..1 + ndim.min(HEAD - 1))
             .unwrap_or(&[])
             .iter()
             .map(|&d| d as usize)
             .collect();
         let n: usize = shape.iter().product();
-        let data = self.exchange("scatter", &c, &[], &[(root, n)])?.remove(0);
-        self.out(data, &shape, &self.opts.device)
+        let dev = self.opts.device.clone();
+        let mut recv = self.recv_bufs("scatter", &[(root, n)], &dev)?;
+        self.exchange("scatter", &c, &[], &mut recv)?;
+        let (_, _, b) = recv
+            .pop()
+            .ok_or_else(|| self.err("scatter", "no receive buffer"))?;
+        self.finish_one("scatter", b, &shape, &dev)
     }
 
     async fn all_gather(&self, x: &Tensor, group: &Group) -> Result<Vec<Tensor>> {
         let (c, _) = self.comm(group, "all_gather")?;
         self.check(&c, group, &CallSig::new(Kind::AllGather).shape(x.shape()))?;
-        let n = x.numel();
-        let send = self.upload("all_gather", &Self::host(x)?)?;
-        let mut recv = self.zeros("all_gather", n.max(1) * group.size())?;
+        // Each rank's part takes at least one slot (NCCL refuses empty buffers).
+        let slot = x.numel().max(1);
+        let dev = x.device();
+        let send = self.input("all_gather", &[x])?;
+        let mut recv = self.output("all_gather", slot * group.size(), &dev)?;
         c.all_gather(&send, &mut recv)
             .map_err(|e| self.err("all_gather", e))?;
-        let all = self.download("all_gather", &recv, n.max(1) * group.size())?;
-        all.chunks(n.max(1))
-            .map(|ch| self.out(ch[..n].to_vec(), x.shape(), &x.device()))
-            .collect()
+        self.finish("all_gather", recv, x.shape(), group.size(), slot, &dev)
     }
 
     async fn reduce_scatter(&self, xs: &[Tensor], op: ReduceOp, group: &Group) -> Result<Tensor> {
@@ -653,43 +922,45 @@ impl Communicator for NcclComm {
             &CallSig::new(Kind::ReduceScatter).op(op).shape(&shape),
         )?;
         let n = xs[0].numel();
-        let mut packed = Vec::with_capacity(n * xs.len());
-        for x in xs {
-            packed.extend(Self::host(x)?);
-        }
-        let send = self.upload("reduce_scatter", &packed)?;
-        let mut recv = self.zeros("reduce_scatter", n)?;
+        let dev = xs[0].device();
+        let refs: Vec<&Tensor> = xs.iter().collect();
+        let send = self.input("reduce_scatter", &refs)?;
+        let mut recv = self.output("reduce_scatter", n, &dev)?;
         if n > 0 {
             c.reduce_scatter(&send, &mut recv, &to_nccl(op))
                 .map_err(|e| self.err("reduce_scatter", e))?;
         }
-        self.out(
-            self.download("reduce_scatter", &recv, n)?,
-            &shape,
-            &xs[0].device(),
-        )
+        self.finish_one("reduce_scatter", recv, &shape, &dev)
     }
 
     async fn all_to_all(&self, xs: &[Tensor], group: &Group) -> Result<Vec<Tensor>> {
         let (c, me) = self.comm(group, "all_to_all")?;
         let shape = list_shape("all_to_all", xs, group.size())?;
         self.check(&c, group, &CallSig::new(Kind::AllToAll).shape(&shape))?;
-        let hosts: Vec<Vec<f32>> = xs.iter().map(Self::host).collect::<Result<_>>()?;
         let n = xs[0].numel();
+        let dev = xs[0].device();
         let peers: Vec<usize> = (0..group.size()).filter(|&r| r != me).collect();
-        let sends: Vec<(usize, &[f32])> = peers.iter().map(|&p| (p, hosts[p].as_slice())).collect();
-        let recvs: Vec<(usize, usize)> = peers.iter().map(|&p| (p, n)).collect();
-        let mut got = self.exchange("all_to_all", &c, &sends, &recvs)?.into_iter();
-        (0..group.size())
-            .map(|r| {
-                let d = if r == me {
-                    hosts[me].clone()
-                } else {
-                    got.next().unwrap_or_default()
-                };
-                self.out(d, &shape, &xs[0].device())
-            })
-            .collect()
+        let bufs: Vec<(usize, DevBuf)> = peers
+            .iter()
+            .map(|&p| Ok((p, self.input("all_to_all", &[&xs[p]])?)))
+            .collect::<Result<_>>()?;
+        let sends: Vec<(usize, Part<'_>)> = bufs
+            .iter()
+            .map(|(p, b)| Ok((*p, Part::new(b, 0, n)?)))
+            .collect::<Result<_>>()?;
+        let want: Vec<(usize, usize)> = peers.iter().map(|&p| (p, n)).collect();
+        let mut recvs = self.recv_bufs("all_to_all", &want, &dev)?;
+        self.exchange("all_to_all", &c, &sends, &mut recvs)?;
+        let mut got = recvs.into_iter();
+        let mut out = Vec::with_capacity(group.size());
+        for r in 0..group.size() {
+            if r == me {
+                out.push(xs[me].clone());
+            } else if let Some((_, _, b)) = got.next() {
+                out.push(self.finish_one("all_to_all", b, &shape, &dev)?);
+            }
+        }
+        Ok(out)
     }
 
     async fn all_to_all_single(
@@ -720,7 +991,8 @@ impl Communicator for NcclComm {
             group,
             &CallSig::new(Kind::AllToAllSingle).extra(vec![row as u64]),
         )?;
-        let host = Self::host(x)?;
+        let dev = x.device();
+        let send = self.input("all_to_all_single", &[x])?;
         let mut starts = Vec::with_capacity(g);
         let mut s = 0;
         for &k in in_splits {
@@ -728,29 +1000,30 @@ impl Communicator for NcclComm {
             s += k * row;
         }
         let peers: Vec<usize> = (0..g).filter(|&r| r != me).collect();
-        let sends: Vec<(usize, &[f32])> = peers
+        let sends: Vec<(usize, Part<'_>)> = peers
             .iter()
-            .map(|&p| (p, &host[starts[p]..starts[p] + in_splits[p] * row]))
-            .collect();
-        let recvs: Vec<(usize, usize)> = peers.iter().map(|&p| (p, out_splits[p] * row)).collect();
-        let mut got = self
-            .exchange("all_to_all_single", &c, &sends, &recvs)?
-            .into_iter();
-        let mut out = Vec::with_capacity(out_splits.iter().sum::<usize>() * row);
+            .map(|&p| Ok((p, Part::new(&send, starts[p], in_splits[p] * row)?)))
+            .collect::<Result<_>>()?;
+        let want: Vec<(usize, usize)> = peers.iter().map(|&p| (p, out_splits[p] * row)).collect();
+        let mut recvs = self.recv_bufs("all_to_all_single", &want, &dev)?;
+        self.exchange("all_to_all_single", &c, &sends, &mut recvs)?;
+        // Checked after the exchange, so that the peers' calls complete (NCCL cannot time out).
+        if in_splits[me] != out_splits[me] {
+            return Err(Error::invalid(
+                "all_to_all_single",
+                format!(
+                    "rank sends itself {} rows but expects {}",
+                    in_splits[me], out_splits[me]
+                ),
+            ));
+        }
+        let mut parts = Vec::with_capacity(g);
+        let mut got = recvs.iter();
         for r in 0..g {
             if r == me {
-                if in_splits[me] != out_splits[me] {
-                    return Err(Error::invalid(
-                        "all_to_all_single",
-                        format!(
-                            "rank sends itself {} rows but expects {}",
-                            in_splits[me], out_splits[me]
-                        ),
-                    ));
-                }
-                out.extend_from_slice(&host[starts[me]..starts[me] + in_splits[me] * row]);
-            } else {
-                out.extend(got.next().unwrap_or_default());
+                parts.push(Part::new(&send, starts[me], in_splits[me] * row)?);
+            } else if let Some((_, n, b)) = got.next() {
+                parts.push(Part::new(b, 0, *n)?);
             }
         }
         let mut shape = x.shape().to_vec();
@@ -758,22 +1031,27 @@ impl Communicator for NcclComm {
             shape.push(0);
         }
         shape[0] = out_splits.iter().sum();
-        self.out(out, &shape, &x.device())
+        self.finish_concat("all_to_all_single", &parts, &shape, &dev)
     }
 
     async fn send(&self, x: &Tensor, dst: usize, group: &Group) -> Result<()> {
         group.check_rank("send", "dst", dst)?;
         let (c, _) = self.comm(group, "send")?;
-        self.exchange("send", &c, &[(dst, &Self::host(x)?)], &[])?;
-        Ok(())
+        let b = self.input("send", &[x])?;
+        self.exchange("send", &c, &[(dst, Part::new(&b, 0, x.numel())?)], &mut [])
     }
 
     async fn recv(&self, shape: &[usize], src: usize, group: &Group) -> Result<Tensor> {
         group.check_rank("recv", "src", src)?;
         let (c, _) = self.comm(group, "recv")?;
         let n: usize = shape.iter().product();
-        let d = self.exchange("recv", &c, &[], &[(src, n)])?.remove(0);
-        self.out(d, shape, &self.opts.device)
+        let dev = self.opts.device.clone();
+        let mut recv = self.recv_bufs("recv", &[(src, n)], &dev)?;
+        self.exchange("recv", &c, &[], &mut recv)?;
+        let (_, _, b) = recv
+            .pop()
+            .ok_or_else(|| self.err("recv", "no receive buffer"))?;
+        self.finish_one("recv", b, shape, &dev)
     }
 
     async fn permute(&self, x: &Tensor, pairs: &[(usize, usize)], group: &Group) -> Result<Tensor> {
@@ -788,31 +1066,35 @@ impl Communicator for NcclComm {
             group,
             &CallSig::new(Kind::Permute).shape(x.shape()).extra(extra),
         )?;
-        let host = Self::host(x)?;
+        let n = x.numel();
+        let dev = x.device();
         let to: Vec<usize> = pairs.iter().filter(|p| p.0 == me).map(|p| p.1).collect();
         let from: Vec<usize> = pairs.iter().filter(|p| p.1 == me).map(|p| p.0).collect();
-        let mut out = vec![0.0; x.numel()];
+        let send = if to.iter().any(|&d| d != me) {
+            Some(self.input("permute", &[x])?)
+        } else {
+            None
+        };
+        let sends: Vec<(usize, Part<'_>)> = match &send {
+            Some(b) => to
+                .iter()
+                .filter(|&&d| d != me)
+                .map(|&d| Ok((d, Part::new(b, 0, n)?)))
+                .collect::<Result<_>>()?,
+            None => Vec::new(),
+        };
+        let want: Vec<(usize, usize)> =
+            from.iter().filter(|&&s| s != me).map(|&s| (s, n)).collect();
+        let mut recvs = self.recv_bufs("permute", &want, &dev)?;
+        self.exchange("permute", &c, &sends, &mut recvs)?;
+        if let Some((_, _, b)) = recvs.into_iter().next() {
+            return self.finish_one("permute", b, x.shape(), &dev);
+        }
         if to == [me] {
-            out.clone_from(&host);
+            return Ok(x.clone());
         }
-        let sends: Vec<(usize, &[f32])> = to
-            .iter()
-            .filter(|&&d| d != me)
-            .map(|&d| (d, host.as_slice()))
-            .collect();
-        let recvs: Vec<(usize, usize)> = from
-            .iter()
-            .filter(|&&s| s != me)
-            .map(|&s| (s, x.numel()))
-            .collect();
-        if let Some(d) = self
-            .exchange("permute", &c, &sends, &recvs)?
-            .into_iter()
-            .next()
-        {
-            out = d;
-        }
-        self.out(out, x.shape(), &x.device())
+        // Nobody sends to this rank: zeros (what the in-process group gives).
+        Tensor::zeros(x.shape()).to_device(&dev)
     }
 
     async fn barrier(&self, group: &Group) -> Result<()> {

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Build, on this machine, everything scripts/gpu-check.sh runs on a GPU machine that has no Rust
+# toolchain and no network (the lent device machine): the release `distgrad` binary and the test
+# programs of tests/nccl.rs, tests/gpu_kernels.rs and tests/gpu_export.rs, built with
+# --features native-nccl and stripped, plus the Vulkan loader package (libvulkan1), into
+# .gpu-bundle/ (git-ignored). gpu-check.sh uses the bundle when `cargo` is missing or
+# GPU_CHECK_PREBUILT=1. The bundle must stay under the device tool's 64 MiB working-tree limit:
+# the sizes are printed.
+#
+#   scripts/gpu-bundle.sh           # from the repository root; then carry .gpu-bundle
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/distgrad-target}"
+out=.gpu-bundle
+rm -rf "$out"
+mkdir -p "$out/bin" "$out/deb"
+
+echo "gpu-bundle: building (release, --features native-nccl)"
+cargo build --release --locked --features native-nccl
+cp "$CARGO_TARGET_DIR/release/distgrad" "$out/bin/distgrad"
+# The test programs: cargo names them <test>-<hash>; ask it which files it built.
+cargo test --release --locked --features native-nccl --no-run \
+  --test nccl --test gpu_kernels --test gpu_export --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])
+' | while read -r name exe; do
+  cp "$exe" "$out/bin/test-$name"
+done
+for t in nccl gpu_kernels gpu_export; do
+  [ -x "$out/bin/test-$t" ] || { echo "gpu-bundle: test program $t was not built" >&2; exit 1; }
+done
+strip "$out"/bin/*
+
+echo "gpu-bundle: the Vulkan loader (the device machine may lack it)"
+(cd "$out/deb" && apt-get download -qq libvulkan1 2>/dev/null) \
+  || echo "gpu-bundle: could not download libvulkan1 (apt); the bundle has no loader"
+
+git rev-parse HEAD > "$out/commit"
+du -ah "$out" | sort -h | tail -8
+total=$(du -sm "$out" | cut -f1)
+if [ "$total" -ge 60 ]; then
+  echo "gpu-bundle: ${total} MiB: too close to the device tool's 64 MiB limit" >&2
+  exit 1
+fi
+echo "gpu-bundle: ${total} MiB in $out (commit $(cat "$out/commit"))"
