@@ -144,6 +144,9 @@ mod cli {
             /// Forward data-stream payloads through a buffer instead of splice(2) (Linux).
             #[arg(long)]
             no_splice: bool,
+            /// No Unix-domain socket for data streams: members on this host attach over TCP too.
+            #[arg(long)]
+            no_local_streams: bool,
         },
         /// Join a relay room as one rank and run a case (built-in example or file) forward and backward.
         Worker {
@@ -220,8 +223,9 @@ mod cli {
             #[arg(default_value = "collectives")]
             what: String,
             /// Transport: `local` (ranks as threads of this process), `relay` (each rank a
-            /// WebSocket plus a data stream to a relay), `relay-ws` (data on the WebSocket too, as
-            /// browsers send it), `relay-buffered` (streams, forwarded without splice(2)), `direct`
+            /// WebSocket plus a data stream to a relay, on its Unix-domain socket), `relay-tcp`
+            /// (data streams over TCP, as from other hosts), `relay-ws` (data on the WebSocket too,
+            /// as browsers send it), `relay-buffered` (streams, forwarded without splice(2)), `direct`
             /// (introduced by the relay, data over TCP links between the ranks) or `nccl` (one process per GPU, all_reduce only; needs
             /// `--features native-nccl`).
             #[arg(long, default_value = "local")]
@@ -304,6 +308,7 @@ mod cli {
                 allowed_origin,
                 no_streams,
                 no_splice,
+                no_local_streams,
             } => {
                 let cfg = distgrad::relay::RelayConfig {
                     max_frame,
@@ -315,6 +320,7 @@ mod cli {
                     static_dir,
                     streams: !no_streams,
                     splice: !no_splice,
+                    local_streams: !no_local_streams,
                     ..Default::default()
                 };
                 run_relay(&addr, cfg)
@@ -451,7 +457,10 @@ mod cli {
         let what = match transport {
             "local" => "in-process threads",
             "relay" => {
-                "threads, each with a WebSocket and a data stream to a relay on 127.0.0.1 in this process"
+                "threads, each with a WebSocket and a data stream (Unix-domain socket) to a relay on 127.0.0.1 in this process"
+            }
+            "relay-tcp" => {
+                "threads, each with a WebSocket and a TCP data stream to a relay on 127.0.0.1 in this process"
             }
             "relay-ws" => {
                 "threads, each with its own WebSocket (data included) to a relay on 127.0.0.1 in this process"
@@ -464,7 +473,7 @@ mod cli {
             }
             other => {
                 return Err(distgrad::Error::Input(format!(
-                    "unknown transport {other:?} (local, relay, relay-ws, relay-buffered or direct)"
+                    "unknown transport {other:?} (local, relay, relay-tcp, relay-ws, relay-buffered or direct)"
                 )));
             }
         };
@@ -508,6 +517,7 @@ mod cli {
             let route = match transport {
                 "direct" => distgrad::run::RelayRoute::Direct,
                 "relay-ws" => distgrad::run::RelayRoute::WebSocket,
+                "relay-tcp" => distgrad::run::RelayRoute::StreamTcp,
                 _ => distgrad::run::RelayRoute::Stream,
             };
             distgrad::run::run_over_relay_via(
@@ -949,6 +959,16 @@ mod cli {
                     (true, false) => "on (forwarded through a buffer)",
                 }
             );
+            if cfg.streams {
+                println!(
+                    "members on this host: {}",
+                    if cfg.local_streams && cfg!(unix) {
+                        "data streams on a Unix-domain socket (its path is in their welcome)"
+                    } else {
+                        "data streams over TCP"
+                    }
+                );
+            }
             if let Some(d) = &cfg.static_dir {
                 println!("serving {} at http://{local}/", d.display());
             }
@@ -1022,10 +1042,12 @@ mod cli {
             eprintln!(
                 "rank {}: data through the relay on {}",
                 t.rank(),
-                if t.has_data_stream() {
-                    "a data stream"
-                } else {
-                    "the WebSocket"
+                match t.data_stream_route() {
+                    Some(distgrad::transport::ws::StreamRoute::Unix) => {
+                        "a data stream (the relay's Unix-domain socket)"
+                    }
+                    Some(distgrad::transport::ws::StreamRoute::Tcp) => "a data stream (TCP)",
+                    None => "the WebSocket",
                 }
             );
             if o.direct.is_some() {

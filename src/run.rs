@@ -83,8 +83,11 @@ where
 pub enum RelayRoute {
     /// Through the relay, on each rank's WebSocket (as browsers do).
     WebSocket,
-    /// Through the relay, on each rank's data stream (the native default).
+    /// Through the relay, on each rank's data stream (the native default: on the relay's
+    /// Unix-domain socket, as members on the relay's host attach).
     Stream,
+    /// Through the relay, on data streams over TCP (as members on other hosts attach).
+    StreamTcp,
     /// Over direct TCP links between the ranks, the relay only introducing them
     /// ([`crate::transport::direct`]).
     Direct,
@@ -158,6 +161,7 @@ where
                             join.rank = Some(rank as u32);
                             join.max_payload = max_payload;
                             join.stream = route != RelayRoute::WebSocket;
+                            join.local_stream = route != RelayRoute::StreamTcp;
                             if route == RelayRoute::Direct {
                                 join.direct = Some(([127, 0, 0, 1], 0).into());
                             }

@@ -235,6 +235,10 @@ pub enum Control {
         /// stream and the relay accepts them).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         stream_key: Option<String>,
+        /// The relay's Unix-domain socket for data streams (with `stream_key`, when the relay has
+        /// one): a member on the relay's host may attach its stream there instead of over TCP.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        stream_path: Option<String>,
     },
     /// Client → relay: the data stream the join announced could not be attached; data goes
     /// through the WebSocket.

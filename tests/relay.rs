@@ -20,7 +20,7 @@ use common_relay::{
     run_ranks,
 };
 use distgrad::relay::RelayConfig;
-use distgrad::transport::ws::{JoinOptions, WsTransport};
+use distgrad::transport::ws::{JoinOptions, StreamRoute, WsTransport};
 use distgrad::transport::{Channel, Tag, Transport};
 use distgrad::vjp::{self, CaseOutput, Which};
 use distgrad::wire::{Control, HEADER_LEN, Header};
@@ -298,19 +298,27 @@ fn collectives_through_in_process_relay_equal_local_bitwise() {
         let local = vjp::run_case(&case).unwrap_or_else(|e| panic!("{ctx}: local run: {e}"));
         let prepared = vjp::Prepared::new(&case).expect("prepare");
         let room = format!("coll-{k}");
-        // Even ranks send on data streams, odd ones on their WebSockets (as browsers do): every
-        // pairing of the two routes, both ways.
+        // Rank 0 sends on a data stream on the relay's Unix-domain socket, rank 1 on its
+        // WebSocket (as browsers do), ranks 2 and 3 on TCP data streams: every pairing of
+        // different routes, and TCP to TCP (Unix to Unix: the fallback test below).
+        let route_of = |r: u32| match r {
+            0 => Some(StreamRoute::Unix),
+            1 => None,
+            _ => Some(StreamRoute::Tcp),
+        };
         let joins = (0..4)
             .map(|r| {
                 let mut j = join_opts(&room, "tok", 4, r);
-                j.stream = r % 2 == 0;
+                j.stream = route_of(r).is_some();
+                j.local_stream = route_of(r) == Some(StreamRoute::Unix);
                 j
             })
             .collect();
         let results = run_ranks(&url, joins, vjp::case_options(), |r, comm| {
             let p = &prepared;
             async move {
-                assert_eq!(comm.transport().has_data_stream(), r % 2 == 0, "rank {r}");
+                let want = route_of(r as u32);
+                assert_eq!(comm.transport().data_stream_route(), want, "rank {r}");
                 vjp::run_rank(&comm, p).await
             }
         });
@@ -2212,28 +2220,38 @@ fn streams_fall_back_and_both_forwarding_loops_are_exact() {
                 .map(|t| t.to_vec())
         }),
     );
-    for (cfg, streams) in [
+    for (cfg, route) in [
         (
             RelayConfig {
                 streams: false,
                 ..RelayConfig::default()
             },
-            false,
+            None,
         ),
         (
             RelayConfig {
                 splice: false,
                 ..RelayConfig::default()
             },
-            true,
+            Some(StreamRoute::Unix),
         ),
-        (RelayConfig::default(), true),
+        (
+            RelayConfig {
+                local_streams: false,
+                ..RelayConfig::default()
+            },
+            Some(StreamRoute::Tcp),
+        ),
+        (RelayConfig::default(), Some(StreamRoute::Unix)),
     ] {
-        let ctx = format!("streams={} splice={}", cfg.streams, cfg.splice);
+        let ctx = format!(
+            "streams={} splice={} local_streams={}",
+            cfg.streams, cfg.splice, cfg.local_streams
+        );
         let relay = TestRelay::start(cfg);
         let joins = (0..4).map(|r| join_opts("fb", "t", 4, r)).collect();
         let res = run_ranks(&relay.url(), joins, opts.clone(), |r, comm| async move {
-            assert_eq!(comm.transport().has_data_stream(), streams, "{r}");
+            assert_eq!(comm.transport().data_stream_route(), route, "{r}");
             let x = Tensor::vector(&x_of(comm.rank()));
             comm.all_reduce(&x, ReduceOp::Sum, &comm.world())
                 .await
@@ -2247,6 +2265,141 @@ fn streams_fall_back_and_both_forwarding_loops_are_exact() {
         }
         relay.shutdown(Duration::from_secs(5));
     }
+}
+
+/// The relay's Unix-domain socket for local data streams: its path comes only with a welcome that
+/// carries a stream key, the file is private to the relay's user, a hello there is checked like
+/// one over TCP, a member whose Unix socket is unreachable attaches over TCP instead, and the file
+/// is gone after shutdown.
+#[test]
+fn local_stream_socket_is_private_checked_falls_back_and_is_removed() {
+    use distgrad::wire::StreamHello;
+    use std::os::unix::fs::PermissionsExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let relay = TestRelay::default_config();
+    let url = relay.url();
+    let path = rank_runtime().block_on(async {
+        // No stream asked for: no path told.
+        let mut c = Raw::connect(&url).await;
+        c.send_control(&Control::Join {
+            room: "nopath".into(),
+            token: Some("t".into()),
+            world: 2,
+            rank: Some(0),
+            stream: false,
+        })
+        .await;
+        match c.next_control().await {
+            Control::Welcome {
+                stream_path: None,
+                stream_key: None,
+                ..
+            } => {}
+            other => panic!("a join without a stream got {other:?}"),
+        }
+        let mut c = Raw::connect(&url).await;
+        c.send_control(&Control::Join {
+            room: "uds".into(),
+            token: Some("t".into()),
+            world: 2,
+            rank: Some(0),
+            stream: true,
+        })
+        .await;
+        let (key, path) = match c.next_control().await {
+            Control::Welcome {
+                stream_key: Some(k),
+                stream_path: Some(p),
+                ..
+            } => (k, p),
+            other => panic!("expected a welcome with a key and a socket path, got {other:?}"),
+        };
+        let mode = std::fs::metadata(&path)
+            .unwrap_or_else(|e| panic!("the socket {path}: {e}"))
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "socket file mode {mode:o}");
+        // A wrong key is refused there too; the right one attaches.
+        let hello = |key: &str| {
+            StreamHello {
+                room: "uds".into(),
+                rank: 0,
+                key: key.into(),
+            }
+            .encode()
+        };
+        let answer = |mut s: tokio::net::UnixStream, bytes: Vec<u8>| async move {
+            s.write_all(&bytes).await.expect("send hello");
+            let mut b = [0u8; 1];
+            let got = tokio::time::timeout(WAIT, s.read(&mut b))
+                .await
+                .expect("the relay neither answered nor closed");
+            (s, matches!(got, Ok(1)).then_some(b[0]))
+        };
+        let s = tokio::net::UnixStream::connect(&path)
+            .await
+            .expect("connect");
+        let (_, a) = answer(s, hello("nope")).await;
+        assert_ne!(a, Some(1), "a wrong key was accepted on the Unix socket");
+        let s = tokio::net::UnixStream::connect(&path)
+            .await
+            .expect("connect");
+        let (_s, a) = answer(s, hello(&key)).await;
+        assert_eq!(a, Some(1), "the right key attaches on the Unix socket");
+        path
+    });
+    // The socket file removed behind the relay's back: members attach over TCP and still work.
+    std::fs::remove_file(&path).expect("remove the socket file");
+    let joins = (0..3).map(|r| join_opts("fallback", "t", 3, r)).collect();
+    let res = run_ranks(
+        &url,
+        joins,
+        CommOptions::for_network(),
+        |r, comm| async move {
+            assert_eq!(
+                comm.transport().data_stream_route(),
+                Some(StreamRoute::Tcp),
+                "rank {r}"
+            );
+            let x = Tensor::vector(&[r as f32 + 1.0; 5]);
+            comm.all_reduce(&x, ReduceOp::Sum, &comm.world())
+                .await
+                .map(|t| t.to_vec())
+        },
+    );
+    for y in all_ok("fallback to TCP", res) {
+        assert_eq!(y, vec![6.0; 5]);
+    }
+    relay.shutdown(Duration::from_secs(5));
+
+    // A fresh relay's socket file exists while it runs and is gone once it stopped.
+    let relay = TestRelay::default_config();
+    let url = relay.url();
+    let path = rank_runtime().block_on(async {
+        let (_c, _key) = raw_join_with_stream(&url, "gone", 2, 0).await;
+        let mut c = Raw::connect(&url).await;
+        c.send_control(&Control::Join {
+            room: "gone".into(),
+            token: Some("t".into()),
+            world: 2,
+            rank: Some(1),
+            stream: true,
+        })
+        .await;
+        match c.next_control().await {
+            Control::Welcome {
+                stream_path: Some(p),
+                ..
+            } => p,
+            other => panic!("expected a welcome with a socket path, got {other:?}"),
+        }
+    });
+    assert!(std::path::Path::new(&path).exists(), "{path} while serving");
+    relay.shutdown(Duration::from_secs(5));
+    assert!(
+        !std::path::Path::new(&path).exists(),
+        "{path} after shutdown"
+    );
 }
 
 /// A member that never reads its data stream: the relay's forward to it makes no progress, so

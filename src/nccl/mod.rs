@@ -9,7 +9,7 @@
 //!   by its members in `new_group`). The GPU is `LOCAL_RANK` (NCCL refuses two ranks on one GPU).
 //! - **Mapping**: all_reduce / reduce / reduce_scatter with every [`ReduceOp`] (AVG is NCCL's own),
 //!   broadcast, all_gather natively; gather, scatter, all_to_all, permute and send/recv as grouped
-//!   NCCL send/recv. Lists are packed into one buffer.
+//!   NCCL send/recv (a list is one buffer per peer part, or one packed buffer where NCCL takes one).
 //! - **Call checks**: before each collective the ranks all_gather their call signatures (a 256-byte
 //!   record: kind, op, root, shape, arguments) and fail with [`Error::Mismatch`] naming both ranks
 //!   when they differ, instead of NCCL hanging or mixing buffers. [`NcclOptions::check_calls`] turns
@@ -48,6 +48,9 @@ const SIG_BYTES: usize = 256;
 
 /// Elements of scatter's shape head: the number of dimensions, then up to 8 sizes.
 const HEAD: usize = 9;
+
+/// Scatter's head marker for "the root's shape does not fit the head": every rank fails.
+const HEAD_REFUSED: u32 = u32::MAX;
 
 /// Whether libcuda and libnccl can be loaded; an error saying what is missing and how to fix it.
 pub fn check_libraries() -> Result<()> {
@@ -545,6 +548,10 @@ impl NcclComm {
             if *n == 0 {
                 continue;
             }
+            debug_assert!(
+                cudarc::driver::DeviceSlice::len(b) >= *n,
+                "{op}: receive buffer shorter than the message"
+            );
             if let Err(e) = comm.recv(b, *p as i32) {
                 res = Err(self.err(op, e));
             }
@@ -851,11 +858,20 @@ impl Communicator for NcclComm {
             sig = sig.shape(&shape);
             self.check(&c, group, &sig)?;
             // Tell the others the shape (a fixed-size head: NCCL needs equal counts on both
-            // sides), then send each its tensor.
-            let mut head = vec![0.0f32; HEAD];
-            head[0] = shape.len() as f32;
-            for (h, &d) in head[1..].iter_mut().zip(&shape) {
-                *h = d as f32;
+            // sides), then send each its tensor. The numbers travel as the bits of u32s in f32
+            // slots (exact at any size); a shape the head cannot hold is sent as the marker
+            // `HEAD_REFUSED`, so every rank fails here instead of waiting for data.
+            let fits = shape.len() < HEAD && shape.iter().all(|&d| u32::try_from(d).is_ok());
+            let mut head = vec![f32::from_bits(0); HEAD];
+            head[0] = f32::from_bits(if fits {
+                shape.len() as u32
+            } else {
+                HEAD_REFUSED
+            });
+            if fits {
+                for (h, &d) in head[1..].iter_mut().zip(&shape) {
+                    *h = f32::from_bits(d as u32);
+                }
             }
             let head = DevBuf::Cuda(self.upload("scatter", &head)?);
             let peers: Vec<usize> = (0..group.size()).filter(|&r| r != me).collect();
@@ -864,6 +880,16 @@ impl Communicator for NcclComm {
                 .map(|&p| Ok((p, Part::new(&head, 0, HEAD)?)))
                 .collect::<Result<_>>()?;
             self.exchange("scatter", &c, &heads, &mut [])?;
+            if !fits {
+                return Err(Error::invalid(
+                    "scatter",
+                    format!(
+                        "shape {shape:?} cannot be sent to the other ranks: at most {} dimensions of at most {} elements",
+                        HEAD - 1,
+                        u32::MAX
+                    ),
+                ));
+            }
             let n = xs[me].numel();
             let bufs: Vec<(usize, DevBuf)> = peers
                 .iter()
@@ -881,15 +907,26 @@ impl Communicator for NcclComm {
         self.exchange("scatter", &c, &[], &mut head)?;
         let head = match &head[0].2 {
             DevBuf::Cuda(b) => self.download("scatter", b, HEAD)?,
-            DevBuf::Shared(_) => Vec::new(),
+            DevBuf::Shared(_) => {
+                return Err(self.err("scatter", "the shape head was not a CUDA buffer"));
+            }
         };
-        let ndim = head.first().copied().unwrap_or(0.0) as usize;
-        let shape: Vec<usize> = head
-            .get(1..1 + ndim.min(HEAD - 1))
-            .unwrap_or(&[])
-            .iter()
-            .map(|&d| d as usize)
-            .collect();
+        let ndim = head.first().map_or(HEAD_REFUSED, |h| h.to_bits());
+        let shape: Vec<usize> = match head.get(1..1 + ndim as usize) {
+            Some(dims) if ndim != HEAD_REFUSED => {
+                dims.iter().map(|d| d.to_bits() as usize).collect()
+            }
+            _ => {
+                return Err(Error::invalid(
+                    "scatter",
+                    format!(
+                        "the root (group rank {root}) passed a shape that cannot be sent: more than {} dimensions, or one over {} elements",
+                        HEAD - 1,
+                        u32::MAX
+                    ),
+                ));
+            }
+        };
         let n: usize = shape.iter().product();
         let dev = self.opts.device.clone();
         let mut recv = self.recv_bufs("scatter", &[(root, n)], &dev)?;
@@ -955,7 +992,8 @@ impl Communicator for NcclComm {
         let mut out = Vec::with_capacity(group.size());
         for r in 0..group.size() {
             if r == me {
-                out.push(xs[me].clone());
+                // Like every other part of the result, the own part lives on the input's device.
+                out.push(xs[me].to_device(&dev)?);
             } else if let Some((_, _, b)) = got.next() {
                 out.push(self.finish_one("all_to_all", b, &shape, &dev)?);
             }

@@ -6,7 +6,8 @@
 //! connection to the same port, told apart from HTTP by its first byte, that carries their data
 //! frames without WebSocket framing or masking. Between two members with streams the relay moves
 //! payloads socket to socket (with `splice(2)` on Linux: the bytes never enter the relay's memory);
-//! see `src/relay/stream.rs`.
+//! members on the relay's host attach theirs to a Unix-domain socket instead
+//! ([`RelayConfig::local_streams`]); see `src/relay/stream.rs`.
 //!
 //! One connection = one task reading the socket plus one writer task draining a queue. The queue of
 //! each member is bounded in BYTES (`max_pending_bytes`): a sender whose destination is slow waits
@@ -59,6 +60,10 @@ pub struct RelayConfig {
     /// Move data-stream payloads with `splice(2)` (Linux; elsewhere, or when off, through a
     /// 256 KiB buffer).
     pub splice: bool,
+    /// Also take data streams on a Unix-domain socket (Unix only; with `streams`): members that
+    /// reached the relay on a loopback address attach there, skipping the TCP/IP stack. Its path
+    /// is a new file in the temporary directory, told to members in their `welcome`.
+    pub local_streams: bool,
 }
 
 impl Default for RelayConfig {
@@ -74,6 +79,7 @@ impl Default for RelayConfig {
             static_dir: None,
             streams: true,
             splice: true,
+            local_streams: true,
         }
     }
 }
@@ -128,6 +134,8 @@ struct Shared {
     stopping: tokio::sync::watch::Receiver<bool>,
     /// One permit held by each open connection, so shutdown can wait for their goodbyes.
     conns: Arc<Semaphore>,
+    /// The path of the Unix-domain socket for local data streams, once it listens.
+    local_path: OnceLock<String>,
 }
 
 /// Permits of `Shared::conns` (far above any real number of connections).
@@ -207,6 +215,7 @@ pub fn router(cfg: RelayConfig) -> Router {
         rooms: Mutex::new(HashMap::new()),
         stopping: tokio::sync::watch::channel(false).1,
         conns,
+        local_path: OnceLock::new(),
     }))
 }
 
@@ -239,7 +248,28 @@ pub async fn serve(
         rooms: Mutex::new(HashMap::new()),
         stopping: stop_rx,
         conns: conns.clone(),
+        local_path: OnceLock::new(),
     });
+    // Same-host members' data streams: a Unix-domain socket (removed when `_local` drops).
+    #[cfg(unix)]
+    let _local = if shared.cfg.streams && shared.cfg.local_streams {
+        match stream::LocalListener::start(shared.clone()) {
+            Ok(l) => {
+                let _ = shared
+                    .local_path
+                    .set(l.path().to_string_lossy().into_owned());
+                Some(l)
+            }
+            Err(e) => {
+                eprintln!(
+                    "distgrad relay: no Unix-domain data streams ({e}); members on this host use TCP"
+                );
+                None
+            }
+        }
+    } else {
+        None
+    };
     // Accepted connections are sorted: data streams here, HTTP (page, WebSocket) to axum.
     let incoming = stream::Incoming::new(listener, shared.clone())?;
     axum::serve(incoming, router_with(shared))
@@ -487,6 +517,7 @@ async fn join(
         world,
         token: r.token.clone(),
         members: members.clone(),
+        stream_path: key.as_ref().and_then(|_| shared.local_path.get().cloned()),
         stream_key: key,
     })));
     // A full room whose last data streams are still attaching announces `ready` shortly.

@@ -1,7 +1,11 @@
-//! Data streams: native members' plain TCP connections to the relay ([`crate::wire::StreamHello`]).
+//! Data streams: native members' plain TCP connections to the relay ([`crate::wire::StreamHello`]),
+//! or Unix-domain connections for members on the relay's own host.
 //!
 //! The relay's listener sorts accepted connections by their first byte: a data stream's hello
-//! starts with a non-ASCII byte, anything else goes to the HTTP server (page, WebSocket). A stream
+//! starts with a non-ASCII byte, anything else goes to the HTTP server (page, WebSocket). On Unix
+//! the relay also listens on a Unix-domain socket whose path it tells members in their `welcome`
+//! ([`LocalListener`]); every connection there is a data stream. Members that reached the relay on
+//! a loopback address attach there first: the same frames, without the TCP/IP stack's work. A stream
 //! is attached to the member whose `welcome` carried its key, before the room is announced ready,
 //! so each member's data route (stream or WebSocket) is fixed for the whole session.
 //!
@@ -20,7 +24,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::BytesMut;
+#[cfg(target_os = "linux")]
 use tokio::io::Interest;
+#[cfg(unix)]
+use tokio::net::UnixStream;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
@@ -32,9 +39,78 @@ const SMALL: usize = 64 << 10;
 /// Buffer of the portable (non-splice) forwarding loop.
 const CHUNK: usize = 256 << 10;
 
+/// A data stream's socket: TCP, or Unix-domain for members on the relay's host.
+pub(super) enum Sock {
+    /// A TCP connection to the relay's port.
+    Tcp(TcpStream),
+    /// A connection to the relay's Unix-domain socket.
+    #[cfg(unix)]
+    Unix(UnixStream),
+}
+
+impl Sock {
+    fn try_read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Sock::Tcp(s) => s.try_read(buf),
+            #[cfg(unix)]
+            Sock::Unix(s) => s.try_read(buf),
+        }
+    }
+
+    fn try_write_vectored(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Sock::Tcp(s) => s.try_write_vectored(bufs),
+            #[cfg(unix)]
+            Sock::Unix(s) => s.try_write_vectored(bufs),
+        }
+    }
+
+    async fn readable(&self) -> io::Result<()> {
+        match self {
+            Sock::Tcp(s) => s.readable().await,
+            #[cfg(unix)]
+            Sock::Unix(s) => s.readable().await,
+        }
+    }
+
+    async fn writable(&self) -> io::Result<()> {
+        match self {
+            Sock::Tcp(s) => s.writable().await,
+            #[cfg(unix)]
+            Sock::Unix(s) => s.writable().await,
+        }
+    }
+
+    /// Run a non-blocking operation on the raw socket, clearing tokio's readiness on "would block".
+    #[cfg(target_os = "linux")]
+    fn try_io<R>(&self, interest: Interest, f: impl FnOnce() -> io::Result<R>) -> io::Result<R> {
+        match self {
+            Sock::Tcp(s) => s.try_io(interest, f),
+            Sock::Unix(s) => s.try_io(interest, f),
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    fn raw_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        match self {
+            Sock::Tcp(s) => s.as_raw_fd(),
+            Sock::Unix(s) => s.as_raw_fd(),
+        }
+    }
+
+    fn shutdown(&self) {
+        let _ = match self {
+            Sock::Tcp(s) => socket2::SockRef::from(s).shutdown(std::net::Shutdown::Both),
+            #[cfg(unix)]
+            Sock::Unix(s) => socket2::SockRef::from(s).shutdown(std::net::Shutdown::Both),
+        };
+    }
+}
+
 /// A member's data stream, as its senders see it.
 pub(super) struct StreamOut {
-    sock: TcpStream,
+    sock: Sock,
     /// Held while one frame is written, so frames from different senders never interleave.
     lock: tokio::sync::Mutex<()>,
     /// Becomes true when this member's own frames are all forwarded (its stream ended).
@@ -66,7 +142,7 @@ impl StreamOut {
 
     /// Close both directions now (the member left): its reader and its client see the end.
     pub(super) fn shutdown(&self) {
-        let _ = socket2::SockRef::from(&self.sock).shutdown(std::net::Shutdown::Both);
+        self.sock.shutdown();
     }
 }
 
@@ -104,7 +180,7 @@ impl Incoming {
                     let peek = tokio::time::timeout(shared.cfg.join_timeout, sock.peek(&mut first));
                     let is_stream = matches!(peek.await, Ok(Ok(1))) && first[0] == STREAM_MAGIC[0];
                     if is_stream && shared.cfg.streams {
-                        attach(shared, sock).await;
+                        attach(shared, Sock::Tcp(sock)).await;
                     } else if !is_stream {
                         let _ = tx.send((sock, addr)).await;
                     }
@@ -133,8 +209,61 @@ impl axum::serve::Listener for Incoming {
     }
 }
 
+/// The relay's Unix-domain socket for data streams of members on its host: a file in the
+/// temporary directory, readable and writable by the relay's user only, removed when dropped.
+#[cfg(unix)]
+pub(super) struct LocalListener {
+    path: std::path::PathBuf,
+}
+
+#[cfg(unix)]
+impl LocalListener {
+    /// Listen on a new socket file and attach the data streams that arrive until the relay stops.
+    pub(super) fn start(shared: Arc<Shared>) -> io::Result<LocalListener> {
+        use std::os::unix::fs::PermissionsExt;
+        let name = format!(
+            "distgrad-relay-{}-{}.sock",
+            std::process::id(),
+            &super::random_token()[..12]
+        );
+        let path = std::env::temp_dir().join(name);
+        let listener = tokio::net::UnixListener::bind(&path)?;
+        let me = LocalListener { path };
+        std::fs::set_permissions(&me.path, std::fs::Permissions::from_mode(0o600))?;
+        let mut stopping = shared.stopping.clone();
+        tokio::spawn(async move {
+            loop {
+                let sock = tokio::select! {
+                    r = listener.accept() => match r {
+                        Ok((s, _)) => s,
+                        Err(_) => {
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    },
+                    () = super::stopped(&mut stopping) => break,
+                };
+                tokio::spawn(attach(shared.clone(), Sock::Unix(sock)));
+            }
+        });
+        Ok(me)
+    }
+
+    /// The socket's path, as members are told it.
+    pub(super) fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+#[cfg(unix)]
+impl Drop for LocalListener {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
 /// Read a stream's hello, attach it to its member and forward its frames until it ends.
-async fn attach(shared: Arc<Shared>, sock: TcpStream) {
+async fn attach(shared: Arc<Shared>, sock: Sock) {
     let limit = shared.cfg.join_timeout;
     let hello = async {
         let mut head = [0u8; 8];
@@ -263,7 +392,7 @@ async fn pump(shared: &Shared, seat: &Seat, src: &StreamOut) -> Result<(), Strin
 /// Forward one frame to a member's stream: the head, then `n` payload bytes from `src`.
 async fn forward(
     mover: &mut Mover,
-    src: &TcpStream,
+    src: &Sock,
     dst: &StreamOut,
     head: &[u8],
     n: usize,
@@ -295,7 +424,7 @@ async fn forward(
 async fn to_websocket(
     shared: &Shared,
     mover: &mut Mover,
-    src: &TcpStream,
+    src: &Sock,
     d: &Link,
     header: &[u8],
     n: usize,
@@ -366,8 +495,8 @@ impl Mover {
     /// Move `n` bytes from `src` to `dst`.
     async fn forward(
         &mut self,
-        src: &TcpStream,
-        dst: &TcpStream,
+        src: &Sock,
+        dst: &Sock,
         n: usize,
         limit: Duration,
     ) -> Result<(), Fault> {
@@ -401,7 +530,7 @@ impl Mover {
     }
 
     /// Read and drop `n` bytes from `src`.
-    async fn discard(&mut self, src: &TcpStream, n: usize, limit: Duration) -> io::Result<()> {
+    async fn discard(&mut self, src: &Sock, n: usize, limit: Duration) -> io::Result<()> {
         self.buf.resize(CHUNK, 0);
         let mut left = n;
         while left > 0 {
@@ -412,7 +541,7 @@ impl Mover {
 }
 
 /// Read at least one byte (end of stream is an error), waiting at most `limit` for each.
-async fn read_some(s: &TcpStream, buf: &mut [u8], limit: Duration) -> io::Result<usize> {
+async fn read_some(s: &Sock, buf: &mut [u8], limit: Duration) -> io::Result<usize> {
     loop {
         match s.try_read(buf) {
             Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
@@ -424,7 +553,7 @@ async fn read_some(s: &TcpStream, buf: &mut [u8], limit: Duration) -> io::Result
 }
 
 /// Fill `buf` from `s`.
-async fn read_exact(s: &TcpStream, buf: &mut [u8], limit: Duration) -> io::Result<()> {
+async fn read_exact(s: &Sock, buf: &mut [u8], limit: Duration) -> io::Result<()> {
     let mut at = 0;
     while at < buf.len() {
         at += read_some(s, &mut buf[at..], limit).await?;
@@ -433,12 +562,12 @@ async fn read_exact(s: &TcpStream, buf: &mut [u8], limit: Duration) -> io::Resul
 }
 
 /// Write all of `buf` to `s`, waiting at most `limit` for the socket to take each piece.
-async fn write_all(s: &TcpStream, buf: &[u8], limit: Duration) -> io::Result<()> {
+async fn write_all(s: &Sock, buf: &[u8], limit: Duration) -> io::Result<()> {
     write_all_parts(s, &[buf], limit).await
 }
 
 /// Write `parts` one after the other to `s` (gathered into as few calls as the socket allows).
-async fn write_all_parts(s: &TcpStream, parts: &[&[u8]], limit: Duration) -> io::Result<()> {
+async fn write_all_parts(s: &Sock, parts: &[&[u8]], limit: Duration) -> io::Result<()> {
     let total: usize = parts.iter().map(|p| p.len()).sum();
     let mut done = 0;
     while done < total {
@@ -485,9 +614,7 @@ mod splice {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
     use std::time::Duration;
 
-    use tokio::net::TcpStream;
-
-    use super::{Fault, Interest, ready};
+    use super::{Fault, Interest, Sock, ready};
 
     /// A non-blocking pipe, enlarged to 1 MiB where the system allows.
     pub(super) struct Pipe {
@@ -525,8 +652,8 @@ mod splice {
         /// drain it into `dst`, repeat. The pipe is empty between calls.
         pub(super) async fn forward(
             &self,
-            src: &TcpStream,
-            dst: &TcpStream,
+            src: &Sock,
+            dst: &Sock,
             n: usize,
             limit: Duration,
         ) -> Result<(), Fault> {
@@ -537,7 +664,7 @@ mod splice {
                 let got = loop {
                     let want = left.min(self.cap);
                     match src.try_io(Interest::READABLE, || {
-                        move_bytes(src.as_raw_fd(), self.w.as_raw_fd(), want)
+                        move_bytes(src.raw_fd(), self.w.as_raw_fd(), want)
                     }) {
                         Ok(0) => return Err(src_fault(io::ErrorKind::UnexpectedEof.into())),
                         Ok(k) => break k,
@@ -552,7 +679,7 @@ mod splice {
                 while held > 0 {
                     // The pipe holds data here, so "would block" means the socket is full.
                     match dst.try_io(Interest::WRITABLE, || {
-                        move_bytes(self.r.as_raw_fd(), dst.as_raw_fd(), held)
+                        move_bytes(self.r.as_raw_fd(), dst.raw_fd(), held)
                     }) {
                         Ok(0) => {
                             return Err(Fault::Dst("the stream took no bytes".into(), left));

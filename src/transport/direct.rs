@@ -230,7 +230,7 @@ fn start(
 /// The writer task of a TCP link: writes each queued (head, payload) as one frame; when the
 /// sending side is dropped, ends its side of the connection (after what was queued).
 pub(crate) fn spawn_writer(
-    mut wr: tokio::net::tcp::OwnedWriteHalf,
+    mut wr: impl tokio::io::AsyncWrite + Unpin + Send + 'static,
 ) -> (LinkTx, tokio::task::JoinHandle<()>) {
     let (tx, mut rx) = mpsc::channel::<(Bytes, Bytes)>(64);
     let writer = tokio::spawn(async move {
@@ -247,7 +247,7 @@ pub(crate) fn spawn_writer(
 
 /// Read `n` payload bytes: into a recycled f32 buffer when they are whole f32s (aligned, one copy).
 pub(crate) async fn read_payload(
-    rd: &mut tokio::net::tcp::OwnedReadHalf,
+    rd: &mut (impl tokio::io::AsyncRead + Unpin),
     n: usize,
 ) -> std::io::Result<Bytes> {
     if n.is_multiple_of(4) {

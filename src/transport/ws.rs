@@ -8,8 +8,10 @@
 //! By default ([`JoinOptions::stream`]) data goes through a **data stream** instead: a plain TCP
 //! connection to the relay's port ([`crate::wire::StreamHello`]), attached while joining, that
 //! carries whole messages without WebSocket framing, masking or fragmenting; the WebSocket keeps
-//! the control messages. A relay that does not take streams (or a connection that fails) leaves
-//! the data on the WebSocket.
+//! the control messages. A relay reached on a loopback address that offers its Unix-domain socket
+//! (the path comes in the `welcome`) gets the stream there instead ([`JoinOptions::local_stream`],
+//! [`StreamRoute`]): the same frames without the TCP/IP stack. A relay that does not take streams
+//! (or a connection that fails) leaves the data on the WebSocket.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -55,6 +57,9 @@ pub struct JoinOptions {
     /// Send data through a data stream to the relay (default; see the module docs) rather than
     /// through the WebSocket.
     pub stream: bool,
+    /// With `stream`, attach it to the relay's Unix-domain socket when the relay offers one and
+    /// was reached on a loopback address (default; falls back to TCP if that fails).
+    pub local_stream: bool,
 }
 
 impl JoinOptions {
@@ -72,6 +77,7 @@ impl JoinOptions {
             direct: None,
             direct_timeout: Duration::from_secs(5),
             stream: true,
+            local_stream: true,
         }
     }
 }
@@ -90,7 +96,25 @@ pub struct WsTransport {
     links: std::collections::HashMap<usize, direct::Link>,
     /// The data stream to the relay, if attached.
     data: Option<direct::Link>,
+    /// Which socket carries the data stream.
+    data_route: Option<StreamRoute>,
 }
+
+/// The socket a data stream to the relay runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamRoute {
+    /// A TCP connection to the relay's port.
+    Tcp,
+    /// The relay's Unix-domain socket (the member is on the relay's host).
+    Unix,
+}
+
+/// The two halves of an attached data stream.
+type StreamHalves = (
+    Box<dyn tokio::io::AsyncRead + Send + Unpin>,
+    Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+    StreamRoute,
+);
 
 fn relay_err(detail: impl Into<String>) -> Error {
     Error::Relay {
@@ -133,6 +157,7 @@ impl WsTransport {
                         rank,
                         token,
                         stream_key,
+                        stream_path,
                         ..
                     }) => {
                         welcome = Some((rank, token));
@@ -144,7 +169,11 @@ impl WsTransport {
                                 rank,
                                 key,
                             };
-                            match attach_stream(addr, &hello).await {
+                            // A relay on this host (reached on loopback) is nearer through its
+                            // Unix-domain socket.
+                            let local = stream_path
+                                .filter(|_| opts.local_stream && addr.ip().is_loopback());
+                            match attach_stream(addr, local.as_deref(), &hello).await {
                                 Ok(s) => data_stream = Some(s),
                                 Err(_) => {
                                     let text = serde_json::to_string(&Control::NoStream)
@@ -187,8 +216,8 @@ impl WsTransport {
         let (rank, token) = welcome.ok_or_else(|| relay_err("ready before welcome"))?;
         let (rank, world) = (rank as usize, opts.world as usize);
         let mailbox = Arc::new(Mailbox::new(rank, world));
-        let data = data_stream.map(|s| {
-            let (rd, wr) = s.into_split();
+        let data_route = data_stream.as_ref().map(|(_, _, route)| *route);
+        let data = data_stream.map(|(rd, wr, _)| {
             let (tx, writer) = direct::spawn_writer(wr);
             let mb = mailbox.clone();
             let max_message = opts.max_message;
@@ -328,6 +357,7 @@ impl WsTransport {
             writer: Some(writer),
             links,
             data,
+            data_route,
         })
     }
 
@@ -350,6 +380,12 @@ impl WsTransport {
                 ),
             }),
         }
+    }
+
+    /// The socket of the data stream to the relay, if data goes through one (else through the
+    /// WebSocket).
+    pub fn data_stream_route(&self) -> Option<StreamRoute> {
+        self.data_route
     }
 
     /// Whether data goes through a data stream to the relay (else through the WebSocket).
@@ -485,17 +521,42 @@ impl Transport for WsTransport {
     }
 }
 
-/// Open a data stream to the relay at `addr` and attach it with `hello`.
+/// Open a data stream to the relay and attach it with `hello`: on the Unix-domain socket at
+/// `local` if given and it works, else over TCP to `addr`.
 async fn attach_stream(
     addr: std::net::SocketAddr,
+    local: Option<&str>,
     hello: &StreamHello,
-) -> std::io::Result<tokio::net::TcpStream> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+) -> std::io::Result<StreamHalves> {
     let limit = Duration::from_secs(5);
+    #[cfg(unix)]
+    if let Some(path) = local {
+        // Not reachable (another filesystem view, say): TCP is tried next. A connection the
+        // relay answered but refused means the key is spent, and TCP would be refused too.
+        let s = tokio::time::timeout(limit, tokio::net::UnixStream::connect(path)).await;
+        if let Ok(Ok(mut s)) = s {
+            say_hello(&mut s, hello, limit).await?;
+            let (rd, wr) = s.into_split();
+            return Ok((Box::new(rd), Box::new(wr), StreamRoute::Unix));
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = local;
     let mut s = tokio::time::timeout(limit, tokio::net::TcpStream::connect(addr))
         .await
         .map_err(|_| std::io::Error::other("connect timed out"))??;
     s.set_nodelay(true)?;
+    say_hello(&mut s, hello, limit).await?;
+    let (rd, wr) = s.into_split();
+    Ok((Box::new(rd), Box::new(wr), StreamRoute::Tcp))
+}
+
+/// Send the stream hello on `s` and wait for the relay's yes.
+async fn say_hello<S>(s: &mut S, hello: &StreamHello, limit: Duration) -> std::io::Result<()>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     s.write_all(&hello.encode()).await?;
     let mut ok = [0u8; 1];
     tokio::time::timeout(limit, s.read_exact(&mut ok))
@@ -504,12 +565,12 @@ async fn attach_stream(
     if ok[0] != 1 {
         return Err(std::io::Error::other("the relay refused the data stream"));
     }
-    Ok(s)
+    Ok(())
 }
 
 /// Read the data stream from the relay into `mb` until it ends; returns why it ended.
 async fn read_stream(
-    mut rd: tokio::net::tcp::OwnedReadHalf,
+    mut rd: impl tokio::io::AsyncRead + Unpin,
     mb: &Mailbox,
     me: usize,
     max_message: usize,
