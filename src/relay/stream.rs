@@ -243,6 +243,7 @@ impl LocalListener {
                     },
                     () = super::stopped(&mut stopping) => break,
                 };
+                crate::transport::direct::enlarge_unix_buffer(&sock);
                 tokio::spawn(attach(shared.clone(), Sock::Unix(sock)));
             }
         });

@@ -535,6 +535,7 @@ async fn attach_stream(
         // relay answered but refused means the key is spent, and TCP would be refused too.
         let s = tokio::time::timeout(limit, tokio::net::UnixStream::connect(path)).await;
         if let Ok(Ok(mut s)) = s {
+            direct::enlarge_unix_buffer(&s);
             say_hello(&mut s, hello, limit).await?;
             let (rd, wr) = s.into_split();
             return Ok((Box::new(rd), Box::new(wr), StreamRoute::Unix));
