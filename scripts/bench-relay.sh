@@ -2,7 +2,8 @@
 # Side-by-side relay figures: PyTorch's gloo, `distgrad bench --transport relay` (data streams on
 # the relay's Unix-domain socket) and `--transport relay-tcp` (streams over TCP), back to back in
 # each of ROUNDS rounds, at 2 and 4 ranks: the all_reduce at SIZE bytes per rank and the 16-byte
-# latency. Alternating keeps the three under the same machine load; compare within a round.
+# latency. Alternating keeps the three under the same machine load; compare within a round. The
+# ranks are processes on every side (distgrad's `bench --processes`), as gloo's are.
 #
 #   PYTHON=/opt/gloo-venv/bin/python scripts/bench-relay.sh        # needs torch in that python
 #
@@ -35,7 +36,7 @@ for r in $(seq "$ROUNDS"); do
         timeout 300 "$PYTHON" scripts/gloo-baseline.py --world "$w" --min-bytes "$SIZE" \
             --max-bytes "$SIZE" 2>&1 | summary gloo "$w"
         for t in relay relay-tcp; do
-            timeout 300 "$DISTGRAD" bench --transport "$t" --world "$w" --min-bytes "$SIZE" \
+            timeout 300 "$DISTGRAD" bench --processes --transport "$t" --world "$w" --min-bytes "$SIZE" \
                 --max-bytes "$SIZE" --ops all_reduce 2>&1 | summary "$t" "$w"
         done
     done

@@ -255,6 +255,15 @@ mod cli {
             /// through Vulkan memory imported into CUDA; needs Vulkan on the GPU) beside staging.
             #[arg(long, default_value = "staging")]
             data_path: String,
+            /// Run the ranks as processes (this program started once per rank, as gloo's ranks
+            /// are) instead of threads of this one; transports through a relay only (the relay
+            /// stays in this process).
+            #[arg(long)]
+            processes: bool,
+            /// Internal: run as one rank of a `--processes` bench (relay URL, room token, rank,
+            /// the parent's memcpy GB/s).
+            #[arg(long, hide = true, num_args = 4, value_names = ["URL", "TOKEN", "RANK", "MEMCPY"])]
+            bench_rank: Option<Vec<String>>,
         },
     }
 
@@ -294,9 +303,25 @@ mod cli {
                 ops,
                 algo,
                 data_path,
-            } => run_bench(
-                &transport, world, min_bytes, max_bytes, &ops, &algo, &data_path,
-            ),
+                processes,
+                bench_rank,
+            } => bench_rank
+                .as_deref()
+                .map(BenchChild::parse)
+                .transpose()
+                .and_then(|child| {
+                    run_bench(BenchArgs {
+                        transport,
+                        world,
+                        min: min_bytes,
+                        max: max_bytes,
+                        ops,
+                        algo,
+                        data_path,
+                        processes,
+                        child,
+                    })
+                }),
             Cmd::Relay {
                 addr,
                 static_dir,
@@ -430,62 +455,98 @@ mod cli {
         print_answer(&case, &out, json)
     }
 
-    fn run_bench(
-        transport: &str,
+    /// `bench` (collectives) as given on the command line.
+    struct BenchArgs {
+        transport: String,
         world: usize,
         min: usize,
         max: usize,
-        ops: &[String],
-        algo: &str,
-        data_path: &str,
-    ) -> distgrad::Result<()> {
-        let algo = AllReduceAlgo::parse(algo)?;
+        ops: Vec<String>,
+        algo: String,
+        data_path: String,
+        processes: bool,
+        /// Set when this process is one rank of a `--processes` run.
+        child: Option<BenchChild>,
+    }
+
+    /// One rank of a `bench --processes` run: what the parent passes (hidden `--bench-rank`).
+    struct BenchChild {
+        relay: String,
+        token: String,
+        rank: u32,
+        memcpy: f64,
+    }
+
+    impl BenchChild {
+        fn parse(v: &[String]) -> distgrad::Result<BenchChild> {
+            let bad = || {
+                distgrad::Error::Input(format!(
+                    "--bench-rank takes URL TOKEN RANK MEMCPY_GBPS, got {v:?}"
+                ))
+            };
+            match v {
+                [relay, token, rank, memcpy] => Ok(BenchChild {
+                    relay: relay.clone(),
+                    token: token.clone(),
+                    rank: rank.parse().map_err(|_| bad())?,
+                    memcpy: memcpy.parse().map_err(|_| bad())?,
+                }),
+                _ => Err(bad()),
+            }
+        }
+    }
+
+    fn run_bench(a: BenchArgs) -> distgrad::Result<()> {
+        let (transport, world, min, max) = (a.transport.as_str(), a.world, a.min, a.max);
+        let algo = AllReduceAlgo::parse(&a.algo)?;
         if world == 0 || world > 64 {
             return Err(distgrad::Error::Input(format!(
                 "world must be 1..=64, got {world}"
             )));
         }
         if transport == "nccl" {
-            return run_bench_nccl(world, min, max, data_path);
+            return run_bench_nccl(world, min, max, &a.data_path);
         }
-        let ops: Vec<BenchOp> = ops
+        let ops: Vec<BenchOp> = a
+            .ops
             .iter()
             .map(|s| BenchOp::parse(s))
             .collect::<distgrad::Result<_>>()?;
         let sizes = bench::sizes(min, max);
-        let memcpy = bench::memcpy_gbps(max.max(1 << 20));
-        let what = match transport {
-            "local" => "in-process threads",
-            "relay" => {
-                "threads, each with a WebSocket and a data stream (Unix-domain socket) to a relay on 127.0.0.1 in this process"
-            }
-            "relay-tcp" => {
-                "threads, each with a WebSocket and a TCP data stream to a relay on 127.0.0.1 in this process"
-            }
-            "relay-ws" => {
-                "threads, each with its own WebSocket (data included) to a relay on 127.0.0.1 in this process"
-            }
-            "relay-buffered" => {
-                "as relay, the relay forwarding stream payloads through a buffer instead of splice(2)"
-            }
-            "direct" => {
-                "threads introduced by a relay on 127.0.0.1, data over direct TCP links between them"
-            }
+        let (route, what) = match transport {
+            "local" => (None, "in-process threads"),
+            "relay" => (
+                Some(distgrad::run::RelayRoute::Stream),
+                "each with a WebSocket and a data stream (Unix-domain socket) to a relay on 127.0.0.1",
+            ),
+            "relay-tcp" => (
+                Some(distgrad::run::RelayRoute::StreamTcp),
+                "each with a WebSocket and a TCP data stream to a relay on 127.0.0.1",
+            ),
+            "relay-ws" => (
+                Some(distgrad::run::RelayRoute::WebSocket),
+                "each with its own WebSocket (data included) to a relay on 127.0.0.1",
+            ),
+            "relay-buffered" => (
+                Some(distgrad::run::RelayRoute::Stream),
+                "as relay, the relay forwarding stream payloads through a buffer instead of splice(2)",
+            ),
+            "direct" => (
+                Some(distgrad::run::RelayRoute::Direct),
+                "introduced by a relay on 127.0.0.1, data over direct TCP links between them",
+            ),
             other => {
                 return Err(distgrad::Error::Input(format!(
                     "unknown transport {other:?} (local, relay, relay-tcp, relay-ws, relay-buffered or direct)"
                 )));
             }
         };
-        println!("# distgrad bench: transport={transport} ({what}), world={world}");
-        println!(
-            "# memcpy {}: {memcpy:.2} GB/s (single thread, same run)",
-            bench::fmt_bytes(max.max(1 << 20))
-        );
-        println!(
-            "# busbw factors (nccl-tests): all_reduce 2(n-1)/n, all_gather (n-1)/n, broadcast 1"
-        );
-        let local = transport == "local";
+        let local = route.is_none();
+        if local && a.processes {
+            return Err(distgrad::Error::Input(
+                "--processes needs a transport through a relay (relay, relay-tcp, relay-ws, relay-buffered or direct)".into(),
+            ));
+        }
         let base = if local {
             CommOptions::default()
         } else {
@@ -498,6 +559,32 @@ mod cli {
                 ..base
             },
         };
+        let relay_cfg = distgrad::relay::RelayConfig {
+            splice: transport != "relay-buffered",
+            ..Default::default()
+        };
+        if let (Some(child), Some(route)) = (&a.child, route) {
+            return bench_rank_process(child, route, &relay_cfg, opts, world, &ops, &sizes);
+        }
+        let memcpy = bench::memcpy_gbps(max.max(1 << 20));
+        let who = match (local, a.processes) {
+            (true, _) => String::new(),
+            (false, true) => "processes, ".into(),
+            (false, false) => "threads, ".into(),
+        };
+        let in_this = if local || a.processes {
+            ""
+        } else {
+            " in this process"
+        };
+        println!("# distgrad bench: transport={transport} ({who}{what}{in_this}), world={world}");
+        println!(
+            "# memcpy {}: {memcpy:.2} GB/s (single thread, same run)",
+            bench::fmt_bytes(max.max(1 << 20))
+        );
+        println!(
+            "# busbw factors (nccl-tests): all_reduce 2(n-1)/n, all_gather (n-1)/n, broadcast 1"
+        );
         let resolved = match (opts.all_reduce, local) {
             (AllReduceAlgo::Auto, true) => "shared (auto: in-process ranks share memory)",
             (AllReduceAlgo::Auto, false) => "ring (auto)",
@@ -508,56 +595,38 @@ mod cli {
             bench::fmt_bytes(opts.ring_threshold)
         );
         println!("{}", bench::table_header());
-        let results = if local {
-            distgrad::run_local(world, opts, |comm| {
-                let (ops, sizes) = (&ops, &sizes);
-                async move { rank_bench(&comm, ops, sizes, memcpy).await }
-            })
+        if a.processes {
+            bench_processes(&a, relay_cfg, memcpy)?;
         } else {
-            let route = match transport {
-                "direct" => distgrad::run::RelayRoute::Direct,
-                "relay-ws" => distgrad::run::RelayRoute::WebSocket,
-                "relay-tcp" => distgrad::run::RelayRoute::StreamTcp,
-                _ => distgrad::run::RelayRoute::Stream,
+            let results = match route {
+                None => distgrad::run_local(world, opts, |comm| {
+                    let (ops, sizes) = (&ops, &sizes);
+                    async move { rank_bench(&comm, ops, sizes, memcpy).await }
+                }),
+                Some(route) => distgrad::run::run_over_relay_via(
+                    world,
+                    relay_cfg,
+                    opts,
+                    route,
+                    async |comm| rank_bench(comm, &ops, &sizes, memcpy).await,
+                )?,
             };
-            distgrad::run::run_over_relay_via(
-                world,
-                distgrad::relay::RelayConfig {
-                    splice: transport != "relay-buffered",
-                    ..Default::default()
-                },
-                opts,
-                route,
-                async |comm| rank_bench(comm, &ops, &sizes, memcpy).await,
-            )?
-        };
-        let mut rank0 = None;
-        for (r, res) in results.into_iter().enumerate() {
-            match res {
-                Ok(v) if r == 0 => rank0 = Some(v),
-                Ok(_) => {}
-                Err(e) => {
-                    return Err(distgrad::Error::Input(format!(
-                        "bench failed on rank {r}: {e}"
-                    )));
+            let mut rank0 = None;
+            for (r, res) in results.into_iter().enumerate() {
+                match res {
+                    Ok(v) if r == 0 => rank0 = Some(v),
+                    Ok(_) => {}
+                    Err(e) => {
+                        return Err(distgrad::Error::Input(format!(
+                            "bench failed on rank {r}: {e}"
+                        )));
+                    }
                 }
             }
+            let rank0 =
+                rank0.ok_or_else(|| distgrad::Error::Input("no result from rank 0".into()))?;
+            print_bench_summary(&rank0, memcpy);
         }
-        let (rows, (p50, p99)) =
-            rank0.ok_or_else(|| distgrad::Error::Input("no result from rank 0".into()))?;
-        if let Some(r) = rows.iter().rev().find(|r| r.op == BenchOp::AllReduce) {
-            println!(
-                "# all_reduce at {}: busbw {:.3} GB/s = {:.2}x memcpy",
-                bench::fmt_bytes(r.bytes),
-                r.busbw,
-                r.busbw / memcpy
-            );
-        }
-        println!(
-            "# 16-byte all_reduce latency on rank 0: p50 {:.1} us, p99 {:.1} us",
-            p50.as_secs_f64() * 1e6,
-            p99.as_secs_f64() * 1e6
-        );
         let largest = sizes.last().copied().filter(|&b| b >= (1 << 20));
         if let (true, AllReduceAlgo::Auto, true, Some(bytes)) =
             (local, algo, ops.contains(&BenchOp::AllReduce), largest)
@@ -598,6 +667,103 @@ mod cli {
             "# tape overhead: {taped:.3} us per recorded op on 1-element tensors vs {raw:.3} us untaped ({:.3} us/op added)",
             taped - raw
         );
+        Ok(())
+    }
+
+    /// The closing lines of a collectives bench, from rank 0's result.
+    fn print_bench_summary((rows, (p50, p99)): &RankBench, memcpy: f64) {
+        if let Some(r) = rows.iter().rev().find(|r| r.op == BenchOp::AllReduce) {
+            println!(
+                "# all_reduce at {}: busbw {:.3} GB/s = {:.2}x memcpy",
+                bench::fmt_bytes(r.bytes),
+                r.busbw,
+                r.busbw / memcpy
+            );
+        }
+        println!(
+            "# 16-byte all_reduce latency on rank 0: p50 {:.1} us, p99 {:.1} us",
+            p50.as_secs_f64() * 1e6,
+            p99.as_secs_f64() * 1e6
+        );
+    }
+
+    /// `bench --processes`: a relay in this process and one `distgrad` process per rank; rank 0's
+    /// output (the table as it goes, then the summary) is this command's output.
+    fn bench_processes(
+        a: &BenchArgs,
+        relay_cfg: distgrad::relay::RelayConfig,
+        memcpy: f64,
+    ) -> distgrad::Result<()> {
+        let relay = LocalRelay::start(relay_cfg)?;
+        let token = distgrad::relay::random_token();
+        let exe = std::env::current_exe().map_err(|e| distgrad::Error::Input(e.to_string()))?;
+        let children: Vec<_> = (0..a.world)
+            .map(|r| {
+                std::process::Command::new(&exe)
+                    .args(["bench", "--transport", &a.transport])
+                    .args(["--world", &a.world.to_string()])
+                    .args(["--min-bytes", &a.min.to_string()])
+                    .args(["--max-bytes", &a.max.to_string()])
+                    .args(["--ops", &a.ops.join(","), "--algo", &a.algo])
+                    .args(["--bench-rank", &relay.url, &token, &r.to_string()])
+                    .arg(memcpy.to_string())
+                    .stdout(if r == 0 {
+                        std::process::Stdio::inherit()
+                    } else {
+                        std::process::Stdio::null()
+                    })
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+            })
+            .collect();
+        let mut failed = Vec::new();
+        for (r, c) in children.into_iter().enumerate() {
+            match c.map(|c| c.wait_with_output()) {
+                Ok(Ok(out)) if out.status.success() => {}
+                Ok(Ok(out)) => failed.push(format!(
+                    "rank {r}: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                )),
+                Ok(Err(e)) | Err(e) => failed.push(format!("rank {r}: {e}")),
+            }
+        }
+        relay.stop();
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(distgrad::Error::Input(format!(
+                "bench failed: {}",
+                failed.join("; ")
+            )))
+        }
+    }
+
+    /// One rank of `bench --processes`: join the parent's relay, run the bench; rank 0 prints.
+    fn bench_rank_process(
+        child: &BenchChild,
+        route: distgrad::run::RelayRoute,
+        relay_cfg: &distgrad::relay::RelayConfig,
+        opts: CommOptions,
+        world: usize,
+        ops: &[BenchOp],
+        sizes: &[usize],
+    ) -> distgrad::Result<()> {
+        let world_u32 = u32::try_from(world)
+            .map_err(|_| distgrad::Error::Input(format!("world {world} too large")))?;
+        let rt = runtime(false)?;
+        let rank0 = rt.block_on(async {
+            let mut join = route.join_options("bench", world_u32, child.rank);
+            join.token = Some(child.token.clone());
+            join.max_payload = relay_cfg.max_frame;
+            let t = distgrad::transport::ws::WsTransport::connect(&child.relay, join).await?;
+            let comm = distgrad::P2p::new(t, opts);
+            let r = rank_bench(&comm, ops, sizes, child.memcpy).await;
+            comm.into_transport().close().await;
+            r
+        })?;
+        if child.rank == 0 {
+            print_bench_summary(&rank0, child.memcpy);
+        }
         Ok(())
     }
 
@@ -1110,6 +1276,53 @@ mod cli {
         print_answer(&case, &out, json)
     }
 
+    /// A relay on an ephemeral loopback port of 127.0.0.1, in its own thread and runtime, for
+    /// the worker processes of `demo` and `bench --processes`.
+    struct LocalRelay {
+        url: String,
+        stop: tokio::sync::oneshot::Sender<()>,
+        thread: std::thread::JoinHandle<()>,
+    }
+
+    impl LocalRelay {
+        fn start(cfg: distgrad::relay::RelayConfig) -> distgrad::Result<LocalRelay> {
+            let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+            let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+            let rt = runtime(true)?;
+            let thread = std::thread::spawn(move || {
+                rt.block_on(async move {
+                    let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
+                        Ok(l) => l,
+                        Err(e) => {
+                            let _ = addr_tx.send(Err(e.to_string()));
+                            return;
+                        }
+                    };
+                    let _ = addr_tx.send(listener.local_addr().map_err(|e| e.to_string()));
+                    let _ = distgrad::relay::serve(listener, cfg, async {
+                        let _ = stop_rx.await;
+                    })
+                    .await;
+                })
+            });
+            let addr = addr_rx
+                .recv()
+                .map_err(|_| distgrad::Error::Input("relay thread died".into()))?
+                .map_err(|e| distgrad::Error::Input(format!("relay: {e}")))?;
+            Ok(LocalRelay {
+                url: format!("ws://{addr}/ws"),
+                stop,
+                thread,
+            })
+        }
+
+        /// Stop serving and wait for the relay's thread.
+        fn stop(self) {
+            let _ = self.stop.send(());
+            let _ = self.thread.join();
+        }
+    }
+
     /// A relay on an ephemeral loopback port (its own thread and runtime) plus `world` worker processes.
     fn demo_over_relay(
         case: &vjp::Case,
@@ -1120,31 +1333,8 @@ mod cli {
     ) -> distgrad::Result<vjp::CaseOutput> {
         let world = case.world;
         let prepared = vjp::Prepared::new(case)?;
-        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let rt = runtime(true)?;
-        let relay = std::thread::spawn(move || {
-            rt.block_on(async move {
-                let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
-                    Ok(l) => l,
-                    Err(e) => {
-                        let _ = addr_tx.send(Err(e.to_string()));
-                        return;
-                    }
-                };
-                let _ = addr_tx.send(listener.local_addr().map_err(|e| e.to_string()));
-                let cfg = distgrad::relay::RelayConfig::default();
-                let _ = distgrad::relay::serve(listener, cfg, async {
-                    let _ = stop_rx.await;
-                })
-                .await;
-            })
-        });
-        let addr = addr_rx
-            .recv()
-            .map_err(|_| distgrad::Error::Input("relay thread died".into()))?
-            .map_err(|e| distgrad::Error::Input(format!("relay: {e}")))?;
-        let url = format!("ws://{addr}/ws");
+        let relay = LocalRelay::start(distgrad::relay::RelayConfig::default())?;
+        let url = relay.url.clone();
         let token = distgrad::relay::random_token();
         eprintln!("demo: relay at {url}, room \"demo\", {world} worker processes");
         let exe = std::env::current_exe().map_err(|e| distgrad::Error::Input(e.to_string()))?;
@@ -1199,8 +1389,7 @@ mod cli {
                 });
             results.push(res);
         }
-        let _ = stop_tx.send(());
-        let _ = relay.join();
+        relay.stop();
         vjp::assemble(&prepared, results)
     }
 

@@ -93,6 +93,27 @@ pub enum RelayRoute {
     Direct,
 }
 
+#[cfg(not(target_arch = "wasm32"))]
+impl RelayRoute {
+    /// How a rank joins room `room` of `world` as `rank` to send its data by this route (direct
+    /// links listen on an ephemeral loopback port); token and limits are the defaults.
+    pub fn join_options(
+        self,
+        room: &str,
+        world: u32,
+        rank: u32,
+    ) -> crate::transport::ws::JoinOptions {
+        let mut join = crate::transport::ws::JoinOptions::new(room, world);
+        join.rank = Some(rank);
+        join.stream = self != RelayRoute::WebSocket;
+        join.local_stream = self != RelayRoute::StreamTcp;
+        if self == RelayRoute::Direct {
+            join.direct = Some(([127, 0, 0, 1], 0).into());
+        }
+        join
+    }
+}
+
 /// Run `f(comm)` on `world` ranks (threads, each with its own tokio runtime and its own connection)
 /// through a relay started for the occasion on an ephemeral loopback port, stopped afterwards;
 /// data through the relay on data streams (native clients' default).
@@ -123,7 +144,7 @@ where
     F: AsyncFn(&P2p<crate::transport::ws::WsTransport>) -> Result<R> + Sync,
     R: Send,
 {
-    use crate::transport::ws::{JoinOptions, WsTransport};
+    use crate::transport::ws::WsTransport;
     let io = |e: std::io::Error| Error::Relay {
         detail: e.to_string(),
     };
@@ -156,15 +177,9 @@ where
                             .build()
                             .map_err(io)?;
                         rt.block_on(async move {
-                            let mut join = JoinOptions::new("run", world_u32);
+                            let mut join = route.join_options("run", world_u32, rank as u32);
                             join.token = Some(token.clone());
-                            join.rank = Some(rank as u32);
                             join.max_payload = max_payload;
-                            join.stream = route != RelayRoute::WebSocket;
-                            join.local_stream = route != RelayRoute::StreamTcp;
-                            if route == RelayRoute::Direct {
-                                join.direct = Some(([127, 0, 0, 1], 0).into());
-                            }
                             let t = WsTransport::connect(url, join).await?;
                             let comm = P2p::new(t, opts);
                             let r = f(&comm).await;

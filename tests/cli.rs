@@ -1,5 +1,5 @@
-//! The `distgrad vjp` command: JSON round trip, hand-checked numbers, every built-in example, and
-//! clear errors (exit code 2, no panic) on bad input.
+//! The CLI: `distgrad vjp` (JSON round trip, hand-checked numbers, every built-in example, clear
+//! errors with exit code 2 and no panic on bad input) and `distgrad bench --processes`.
 
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
@@ -242,4 +242,81 @@ fn the_gpu_backend_gives_the_same_answers() {
             );
         }
     }
+}
+
+/// Rows of a `bench` table: (op, size text, busbw).
+fn bench_rows(stdout: &str) -> Vec<(String, String, f64)> {
+    stdout
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let busbw = f.get(5)?.parse().ok()?;
+            Some((f[0].to_string(), format!("{} {}", f[1], f[2]), busbw))
+        })
+        .collect()
+}
+
+#[test]
+fn bench_runs_its_ranks_as_processes_through_a_relay() {
+    // 3 ranks (odd), every op, sizes 4 B .. 4 KiB, each rank its own process.
+    let out = distgrad(
+        &[
+            "bench",
+            "--processes",
+            "--transport",
+            "relay",
+            "--world",
+            "3",
+            "--min-bytes",
+            "4",
+            "--max-bytes",
+            "4096",
+        ],
+        None,
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("transport=relay (processes,"),
+        "the header says how the ranks ran: {stdout}"
+    );
+    let rows = bench_rows(&stdout);
+    // all_gather's size is what each rank ends with (3 ranks' parts).
+    let per_rank = ["4 B", "16 B", "64 B", "256 B", "1 KiB", "4 KiB"];
+    let gathered = ["12 B", "48 B", "192 B", "768 B", "3 KiB", "12 KiB"];
+    for (op, want) in [
+        ("all_reduce", per_rank),
+        ("all_gather", gathered),
+        ("broadcast", per_rank),
+    ] {
+        let sizes: Vec<&str> = rows
+            .iter()
+            .filter(|r| r.0 == op)
+            .map(|r| r.1.as_str())
+            .collect();
+        assert_eq!(
+            sizes, want,
+            "{op}: one row per size, from rank 0's process: {stdout}"
+        );
+    }
+    assert!(
+        rows.iter().all(|r| r.2 >= 0.0 && r.2.is_finite()),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("# 16-byte all_reduce latency on rank 0: p50"),
+        "{stdout}"
+    );
+    // Ranks as processes need a relay between them.
+    let out = distgrad(&["bench", "--processes", "--transport", "local"], None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("--processes needs a transport through a relay")
+    );
 }
