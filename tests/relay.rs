@@ -2268,9 +2268,9 @@ fn streams_fall_back_and_both_forwarding_loops_are_exact() {
 }
 
 /// The relay's Unix-domain socket for local data streams: its path comes only with a welcome that
-/// carries a stream key, the file is private to the relay's user, a hello there is checked like
-/// one over TCP, a member whose Unix socket is unreachable attaches over TCP instead, and the file
-/// is gone after shutdown.
+/// carries a stream key, the file and its directory are private to the relay's user, a hello there is checked like
+/// one over TCP, a member whose Unix socket is unreachable attaches over TCP instead, and both
+/// are gone after shutdown.
 #[test]
 fn local_stream_socket_is_private_checked_falls_back_and_is_removed() {
     use distgrad::wire::StreamHello;
@@ -2319,6 +2319,15 @@ fn local_stream_socket_is_private_checked_falls_back_and_is_removed() {
             .permissions()
             .mode();
         assert_eq!(mode & 0o777, 0o600, "socket file mode {mode:o}");
+        let dir = std::path::Path::new(&path)
+            .parent()
+            .expect("the socket's directory");
+        let dir_mode = std::fs::metadata(dir).unwrap().permissions().mode();
+        assert_eq!(
+            dir_mode & 0o777,
+            0o700,
+            "the socket's own directory is private: {dir_mode:o}"
+        );
         // A wrong key is refused there too; the right one attaches.
         let hello = |key: &str| {
             StreamHello {
@@ -2400,6 +2409,10 @@ fn local_stream_socket_is_private_checked_falls_back_and_is_removed() {
         !std::path::Path::new(&path).exists(),
         "{path} after shutdown"
     );
+    let dir = std::path::Path::new(&path)
+        .parent()
+        .expect("the socket's directory");
+    assert!(!dir.exists(), "{} after shutdown", dir.display());
 }
 
 /// A member that never reads its data stream: the relay's forward to it makes no progress, so

@@ -209,10 +209,13 @@ impl axum::serve::Listener for Incoming {
     }
 }
 
-/// The relay's Unix-domain socket for data streams of members on its host: a file in the
-/// temporary directory, readable and writable by the relay's user only, removed when dropped.
+/// The relay's Unix-domain socket for data streams of members on its host: `relay.sock` in a
+/// directory of its own under the temporary directory, both reachable by the relay's user only
+/// (the directory is private before the socket exists, so there is no moment when others could
+/// connect), both removed when dropped.
 #[cfg(unix)]
 pub(super) struct LocalListener {
+    dir: std::path::PathBuf,
     path: std::path::PathBuf,
 }
 
@@ -220,15 +223,19 @@ pub(super) struct LocalListener {
 impl LocalListener {
     /// Listen on a new socket file and attach the data streams that arrive until the relay stops.
     pub(super) fn start(shared: Arc<Shared>) -> io::Result<LocalListener> {
-        use std::os::unix::fs::PermissionsExt;
-        let name = format!(
-            "distgrad-relay-{}-{}.sock",
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        let dir = std::env::temp_dir().join(format!(
+            "distgrad-relay-{}-{}",
             std::process::id(),
             &super::random_token()[..12]
-        );
-        let path = std::env::temp_dir().join(name);
-        let listener = tokio::net::UnixListener::bind(&path)?;
-        let me = LocalListener { path };
+        ));
+        // Fails if the name exists: never a directory someone else prepared.
+        std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
+        let me = LocalListener {
+            path: dir.join("relay.sock"),
+            dir,
+        };
+        let listener = tokio::net::UnixListener::bind(&me.path)?;
         std::fs::set_permissions(&me.path, std::fs::Permissions::from_mode(0o600))?;
         let mut stopping = shared.stopping.clone();
         tokio::spawn(async move {
@@ -260,6 +267,7 @@ impl LocalListener {
 impl Drop for LocalListener {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+        let _ = std::fs::remove_dir(&self.dir);
     }
 }
 
