@@ -712,18 +712,17 @@ mod cli {
                     } else {
                         std::process::Stdio::null()
                     })
-                    .stderr(std::process::Stdio::piped())
+                    // Straight to ours: a rank's errors show as they happen, and no pipe
+                    // left unread while we wait on another rank can block it.
+                    .stderr(std::process::Stdio::inherit())
                     .spawn()
             })
             .collect();
         let mut failed = Vec::new();
         for (r, c) in children.into_iter().enumerate() {
-            match c.map(|c| c.wait_with_output()) {
-                Ok(Ok(out)) if out.status.success() => {}
-                Ok(Ok(out)) => failed.push(format!(
-                    "rank {r}: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                )),
+            match c.map(|mut c| c.wait()) {
+                Ok(Ok(status)) if status.success() => {}
+                Ok(Ok(status)) => failed.push(format!("rank {r} {status} (its errors above)")),
                 Ok(Err(e)) | Err(e) => failed.push(format!("rank {r}: {e}")),
             }
         }
