@@ -7,7 +7,7 @@
 #
 #   PYTHON=/opt/gloo-venv/bin/python scripts/bench-relay.sh        # needs torch in that python
 #
-# Env: PYTHON (default python3), DISTGRAD (default: the release binary, built if missing),
+# Env: PYTHON (default python3), DISTGRAD (default: the release binary, `cargo build`-ed first),
 # ROUNDS (3), SIZE (16777216), WORLDS ("2 4").
 set -euo pipefail
 cd "$(dirname "$0")/.."

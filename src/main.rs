@@ -505,6 +505,12 @@ mod cli {
             )));
         }
         if transport == "nccl" {
+            if a.processes || a.child.is_some() {
+                return Err(distgrad::Error::Input(
+                    "--transport nccl starts its own processes (one per GPU): drop --processes"
+                        .into(),
+                ));
+            }
             return run_bench_nccl(world, min, max, &a.data_path);
         }
         let ops: Vec<BenchOp> = a
@@ -542,7 +548,7 @@ mod cli {
             }
         };
         let local = route.is_none();
-        if local && a.processes {
+        if local && (a.processes || a.child.is_some()) {
             return Err(distgrad::Error::Input(
                 "--processes needs a transport through a relay (relay, relay-tcp, relay-ws, relay-buffered or direct)".into(),
             ));

@@ -62,7 +62,8 @@ pub struct RelayConfig {
     pub splice: bool,
     /// Also take data streams on a Unix-domain socket (Unix only; with `streams`): members that
     /// reached the relay on a loopback address attach there, skipping the TCP/IP stack. Its path
-    /// is a new file in the temporary directory, told to members in their `welcome`.
+    /// is `relay.sock` in a new private (0700) directory under the temporary directory, told to
+    /// members in their `welcome`.
     pub local_streams: bool,
 }
 

@@ -268,6 +268,8 @@ pub(crate) async fn read_payload(
 ) -> std::io::Result<Bytes> {
     if n.is_multiple_of(4) {
         let mut v = crate::backend::pool::take(n / 4);
+        // set_len below counts from 0: the spare room must start at the vector's beginning.
+        debug_assert!(v.is_empty());
         let spare = &mut v.spare_capacity_mut()[..n / 4];
         // SAFETY: the same memory seen as n possibly-uninitialized bytes (f32 has no invalid
         // bit patterns, MaybeUninit<u8> has alignment 1, and `spare` is exactly n bytes long).
@@ -275,14 +277,20 @@ pub(crate) async fn read_payload(
             std::slice::from_raw_parts_mut(spare.as_mut_ptr().cast::<MaybeUninit<u8>>(), n)
         };
         let mut buf = ReadBuf::uninit(raw);
+        let start = buf.filled().as_ptr() as usize;
         while buf.remaining() > 0 {
             let before = buf.filled().len();
             std::future::poll_fn(|cx| std::pin::Pin::new(&mut *rd).poll_read(cx, &mut buf)).await?;
+            // A reader may swap in a buffer of its own; then "filled" says nothing about ours.
+            if buf.filled().as_ptr() as usize != start {
+                return Err(std::io::Error::other("the reader replaced the read buffer"));
+            }
             if buf.filled().len() == before {
                 return Err(std::io::ErrorKind::UnexpectedEof.into());
             }
         }
-        // SAFETY: ReadBuf reports all n bytes filled, so the first n/4 elements are initialized.
+        // SAFETY: ReadBuf reports all n bytes of our memory (checked above) filled, so the
+        // first n/4 elements are initialized.
         unsafe { v.set_len(n / 4) };
         return Ok(crate::tensor::f32_bytes(v));
     }
@@ -340,11 +348,18 @@ mod tests {
                 .ok()
                 .and_then(|s| s.trim().parse::<usize>().ok())
                 .unwrap_or(UNIX_STREAM_BUFFER);
-            let want = UNIX_STREAM_BUFFER.min(cap);
-            assert!(
-                after >= want,
-                "send buffer {after} after asking for {UNIX_STREAM_BUFFER} (cap {cap}, was {before})"
-            );
+            assert!(after >= before, "never smaller: {after} (was {before})");
+            if cap * 2 > before {
+                // Room to grow: Linux grants min(request, cap) and reports twice that.
+                assert!(
+                    after >= 2 * UNIX_STREAM_BUFFER.min(cap),
+                    "send buffer {after} after asking for {UNIX_STREAM_BUFFER} (cap {cap}, was {before})"
+                );
+            } else {
+                eprintln!(
+                    "skipped: net.core.wmem_max {cap} leaves no room above the default {before}"
+                );
+            }
         });
     }
 

@@ -58,7 +58,8 @@ pub struct JoinOptions {
     /// through the WebSocket.
     pub stream: bool,
     /// With `stream`, attach it to the relay's Unix-domain socket when the relay offers one and
-    /// was reached on a loopback address (default; falls back to TCP if that fails).
+    /// was reached on a loopback address (default). If it cannot be reached the stream goes over
+    /// TCP; if the relay refuses the hello there, the data goes on the WebSocket.
     pub local_stream: bool,
 }
 
