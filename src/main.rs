@@ -162,8 +162,10 @@ mod cli {
             /// Wanted rank (default: any free rank).
             #[arg(long)]
             rank: Option<u32>,
-            /// Room token (default: create the room with a random token, printed).
-            #[arg(long)]
+            /// Room token (default: create the room with a random token, printed). Also read from
+            /// DISTGRAD_TOKEN, which keeps it off the command line (where other local users can
+            /// see it).
+            #[arg(long, env = "DISTGRAD_TOKEN", hide_env_values = true)]
             token: Option<String>,
             /// Collective of the built-in example.
             #[arg(long, default_value = "all_reduce")]
@@ -260,9 +262,9 @@ mod cli {
             /// stays in this process).
             #[arg(long)]
             processes: bool,
-            /// Internal: run as one rank of a `--processes` bench (relay URL, room token, rank,
-            /// the parent's memcpy GB/s).
-            #[arg(long, hide = true, num_args = 4, value_names = ["URL", "TOKEN", "RANK", "MEMCPY"])]
+            /// Internal: run as one rank of a `--processes` bench (relay URL, rank, the parent's
+            /// memcpy GB/s; the room token comes in DISTGRAD_TOKEN).
+            #[arg(long, hide = true, num_args = 3, value_names = ["URL", "RANK", "MEMCPY"])]
             bench_rank: Option<Vec<String>>,
         },
     }
@@ -481,13 +483,16 @@ mod cli {
         fn parse(v: &[String]) -> distgrad::Result<BenchChild> {
             let bad = || {
                 distgrad::Error::Input(format!(
-                    "--bench-rank takes URL TOKEN RANK MEMCPY_GBPS, got {v:?}"
+                    "--bench-rank takes URL RANK MEMCPY_GBPS, got {v:?}"
                 ))
             };
+            let token = std::env::var(TOKEN_ENV).map_err(|_| {
+                distgrad::Error::Input(format!("--bench-rank needs the room token in {TOKEN_ENV}"))
+            })?;
             match v {
-                [relay, token, rank, memcpy] => Ok(BenchChild {
+                [relay, rank, memcpy] => Ok(BenchChild {
                     relay: relay.clone(),
-                    token: token.clone(),
+                    token,
                     rank: rank.parse().map_err(|_| bad())?,
                     memcpy: memcpy.parse().map_err(|_| bad())?,
                 }),
@@ -711,27 +716,23 @@ mod cli {
                     .args(["--min-bytes", &a.min.to_string()])
                     .args(["--max-bytes", &a.max.to_string()])
                     .args(["--ops", &a.ops.join(","), "--algo", &a.algo])
-                    .args(["--bench-rank", &relay.url, &token, &r.to_string()])
+                    .args(["--bench-rank", &relay.url, &r.to_string()])
                     .arg(memcpy.to_string())
+                    .env(TOKEN_ENV, &token)
                     .stdout(if r == 0 {
                         std::process::Stdio::inherit()
                     } else {
                         std::process::Stdio::null()
                     })
-                    // Straight to ours: a rank's errors show as they happen, and no pipe
-                    // left unread while we wait on another rank can block it.
+                    // Straight to ours: a rank's errors show as they happen.
                     .stderr(std::process::Stdio::inherit())
                     .spawn()
             })
             .collect();
-        let mut failed = Vec::new();
-        for (r, c) in children.into_iter().enumerate() {
-            match c.map(|mut c| c.wait()) {
-                Ok(Ok(status)) if status.success() => {}
-                Ok(Ok(status)) => failed.push(format!("rank {r} {status} (its errors above)")),
-                Ok(Err(e)) | Err(e) => failed.push(format!("rank {r}: {e}")),
-            }
-        }
+        let failed: Vec<String> = wait_ranks("rank", children)
+            .into_iter()
+            .filter_map(|r| r.err())
+            .collect();
         relay.stop();
         if failed.is_empty() {
             Ok(())
@@ -1283,10 +1284,12 @@ mod cli {
 
     /// A relay on an ephemeral loopback port of 127.0.0.1, in its own thread and runtime, for
     /// the worker processes of `demo` and `bench --processes`.
+    /// A relay serving on an ephemeral loopback port from a thread of its own; stopped (and its
+    /// thread joined) by [`LocalRelay::stop`] or when dropped, on any path out of the caller.
     struct LocalRelay {
         url: String,
-        stop: tokio::sync::oneshot::Sender<()>,
-        thread: std::thread::JoinHandle<()>,
+        stop: Option<tokio::sync::oneshot::Sender<()>>,
+        thread: Option<std::thread::JoinHandle<()>>,
     }
 
     impl LocalRelay {
@@ -1316,16 +1319,136 @@ mod cli {
                 .map_err(|e| distgrad::Error::Input(format!("relay: {e}")))?;
             Ok(LocalRelay {
                 url: format!("ws://{addr}/ws"),
-                stop,
-                thread,
+                stop: Some(stop),
+                thread: Some(thread),
             })
         }
 
         /// Stop serving and wait for the relay's thread.
         fn stop(self) {
-            let _ = self.stop.send(());
-            let _ = self.thread.join();
+            drop(self);
         }
+    }
+
+    impl Drop for LocalRelay {
+        fn drop(&mut self) {
+            if let Some(s) = self.stop.take() {
+                let _ = s.send(());
+            }
+            if let Some(t) = self.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+
+    /// Where a parent hands the room token to its rank processes (not on their command lines,
+    /// which other local users can read).
+    const TOKEN_ENV: &str = "DISTGRAD_TOKEN";
+
+    /// What a rank process left: its piped output (empty where not piped).
+    struct Finished {
+        stdout: Vec<u8>,
+        stderr: Vec<u8>,
+    }
+
+    /// Wait for every rank process (`what` names them in errors). The first that fails, or that
+    /// did not start, gets the others killed: they would otherwise wait for a peer that is gone
+    /// until their own timeouts. Piped outputs are read as they come (a full pipe never blocks
+    /// a rank). A failed rank's error carries its status and the end of its piped stderr.
+    fn wait_ranks(
+        what: &str,
+        children: Vec<std::io::Result<std::process::Child>>,
+    ) -> Vec<Result<Finished, String>> {
+        use std::io::Read;
+        fn drain<R: Read + Send + 'static>(
+            pipe: Option<R>,
+        ) -> Option<std::thread::JoinHandle<Vec<u8>>> {
+            pipe.map(|mut p| {
+                std::thread::spawn(move || {
+                    let mut v = Vec::new();
+                    let _ = p.read_to_end(&mut v);
+                    v
+                })
+            })
+        }
+        let collect = |h: Option<std::thread::JoinHandle<Vec<u8>>>| {
+            h.map(|h| h.join().unwrap_or_default()).unwrap_or_default()
+        };
+        struct Running {
+            child: std::process::Child,
+            out: Option<std::thread::JoinHandle<Vec<u8>>>,
+            err: Option<std::thread::JoinHandle<Vec<u8>>>,
+        }
+        let mut results: Vec<Option<Result<Finished, String>>> = Vec::new();
+        let mut running: Vec<Option<Running>> = Vec::new();
+        let mut first_failure: Option<String> = None;
+        for (r, c) in children.into_iter().enumerate() {
+            match c {
+                Ok(mut child) => {
+                    let out = drain(child.stdout.take());
+                    let err = drain(child.stderr.take());
+                    running.push(Some(Running { child, out, err }));
+                    results.push(None);
+                }
+                Err(e) => {
+                    first_failure.get_or_insert_with(|| format!("{what} {r} did not start"));
+                    running.push(None);
+                    results.push(Some(Err(format!("starting {what} {r}: {e}"))));
+                }
+            }
+        }
+        while running.iter().any(Option::is_some) {
+            if let Some(why) = &first_failure {
+                for (r, slot) in running.iter_mut().enumerate() {
+                    if let Some(mut p) = slot.take() {
+                        let _ = p.child.kill();
+                        let _ = p.child.wait();
+                        // Its readers are left to end on their own (a grandchild may still
+                        // hold the pipes open).
+                        drop((p.out, p.err));
+                        results[r] = Some(Err(format!("{what} {r} stopped: {why}")));
+                    }
+                }
+                break;
+            }
+            let mut progressed = false;
+            for (r, slot) in running.iter_mut().enumerate() {
+                let Some(p) = slot.as_mut() else { continue };
+                let status = match p.child.try_wait() {
+                    Ok(None) => continue,
+                    Ok(Some(s)) => Ok(s),
+                    Err(e) => Err(e),
+                };
+                progressed = true;
+                let Some(p) = slot.take() else { continue };
+                let (stdout, stderr) = (collect(p.out), collect(p.err));
+                results[r] = Some(match status {
+                    Ok(s) if s.success() => Ok(Finished { stdout, stderr }),
+                    Ok(s) => {
+                        first_failure.get_or_insert_with(|| format!("{what} {r} failed"));
+                        let text = String::from_utf8_lossy(&stderr);
+                        let tail = text.trim();
+                        Err(if tail.is_empty() {
+                            format!("{what} {r} {s} (its errors above)")
+                        } else {
+                            format!("{what} {r} {s}: {tail}")
+                        })
+                    }
+                    Err(e) => {
+                        first_failure.get_or_insert_with(|| format!("{what} {r} was lost"));
+                        Err(format!("{what} {r}: {e}"))
+                    }
+                });
+            }
+            if !progressed {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        }
+        results
+            .into_iter()
+            .enumerate()
+            .map(|(r, x)| x.unwrap_or_else(|| Err(format!("{what} {r}: no result"))))
+            .collect()
     }
 
     /// A relay on an ephemeral loopback port (its own thread and runtime) plus `world` worker processes.
@@ -1346,9 +1469,8 @@ mod cli {
         let children: Vec<_> = (0..world)
             .map(|r| {
                 std::process::Command::new(&exe)
-                    .args([
-                        "worker", "--relay", &url, "--room", "demo", "--token", &token, "--json",
-                    ])
+                    .args(["worker", "--relay", &url, "--room", "demo", "--json"])
+                    .env(TOKEN_ENV, &token)
                     .args(["--world", &world.to_string(), "--rank", &r.to_string()])
                     .args([
                         "--collective",
@@ -1368,32 +1490,21 @@ mod cli {
                     .spawn()
             })
             .collect();
-        let mut results = Vec::with_capacity(world);
-        for (r, c) in children.into_iter().enumerate() {
-            let res = c
-                .map_err(|e| distgrad::Error::Input(format!("starting worker {r}: {e}")))
-                .and_then(|c| {
-                    c.wait_with_output()
-                        .map_err(|e| distgrad::Error::Input(format!("worker {r}: {e}")))
-                })
-                .and_then(|out| {
-                    if !out.status.success() {
-                        return Err(distgrad::Error::Input(format!(
-                            "worker {r} failed: {}",
-                            String::from_utf8_lossy(&out.stderr).trim()
-                        )));
+        let results = wait_ranks("worker", children)
+            .into_iter()
+            .enumerate()
+            .map(|(r, res)| {
+                let done = res.map_err(distgrad::Error::Input)?;
+                // Say which pairs linked directly (the workers' own report).
+                for line in String::from_utf8_lossy(&done.stderr).lines() {
+                    if line.contains("direct links") {
+                        eprintln!("demo: {line}");
                     }
-                    // Say which pairs linked directly (the workers' own report).
-                    for line in String::from_utf8_lossy(&out.stderr).lines() {
-                        if line.contains("direct links") {
-                            eprintln!("demo: {line}");
-                        }
-                    }
-                    serde_json::from_slice::<vjp::RankResult>(&out.stdout)
-                        .map_err(|e| distgrad::Error::Input(format!("worker {r} output: {e}")))
-                });
-            results.push(res);
-        }
+                }
+                serde_json::from_slice::<vjp::RankResult>(&done.stdout)
+                    .map_err(|e| distgrad::Error::Input(format!("worker {r} output: {e}")))
+            })
+            .collect();
         relay.stop();
         vjp::assemble(&prepared, results)
     }
@@ -1442,5 +1553,81 @@ mod cli {
             print!("{}", vjp::render_table(case, out));
         }
         Ok(())
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::wait_ranks;
+        use std::process::{Command, Stdio};
+
+        fn sh(script: &str) -> std::io::Result<std::process::Child> {
+            Command::new("sh")
+                .args(["-c", script])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+        }
+
+        #[test]
+        fn all_ranks_succeeding_give_their_outputs() {
+            let got = wait_ranks("rank", vec![sh("echo zero"), sh("echo one; echo note >&2")]);
+            let got: Vec<_> = got.into_iter().map(|r| r.expect("ok")).collect();
+            assert_eq!(got[0].stdout, b"zero\n");
+            assert_eq!(got[1].stdout, b"one\n");
+            assert_eq!(got[1].stderr, b"note\n");
+        }
+
+        /// One rank fails: the others, which would wait for it (here: a minute), are killed at
+        /// once, and every error says what happened to whom.
+        #[test]
+        fn a_failed_rank_stops_the_others() {
+            let t0 = std::time::Instant::now();
+            let got = wait_ranks(
+                "rank",
+                vec![
+                    sh("exec sleep 60"),
+                    sh("echo boom >&2; exit 3"),
+                    sh("exec sleep 60"),
+                ],
+            );
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(30),
+                "the waiting ranks were not stopped ({:?})",
+                t0.elapsed()
+            );
+            let errs: Vec<String> = got
+                .into_iter()
+                .map(|r| r.err().expect("all fail"))
+                .collect();
+            assert!(
+                errs[1].contains("rank 1") && errs[1].contains("boom"),
+                "{}",
+                errs[1]
+            );
+            assert!(errs[1].contains('3'), "the exit status: {}", errs[1]);
+            for r in [0, 2] {
+                assert!(
+                    errs[r].contains(&format!("rank {r} stopped: rank 1 failed")),
+                    "{}",
+                    errs[r]
+                );
+            }
+        }
+
+        #[test]
+        fn a_rank_that_did_not_start_stops_the_others() {
+            let missing = Command::new("/nonexistent/distgrad-test-binary").spawn();
+            let got = wait_ranks("worker", vec![sh("exec sleep 60"), missing]);
+            let errs: Vec<String> = got
+                .into_iter()
+                .map(|r| r.err().expect("all fail"))
+                .collect();
+            assert!(errs[1].starts_with("starting worker 1"), "{}", errs[1]);
+            assert!(
+                errs[0].contains("worker 0 stopped: worker 1 did not start"),
+                "{}",
+                errs[0]
+            );
+        }
     }
 }

@@ -2271,6 +2271,7 @@ fn streams_fall_back_and_both_forwarding_loops_are_exact() {
 /// carries a stream key, the file and its directory are private to the relay's user, a hello there is checked like
 /// one over TCP, a member whose Unix socket is unreachable attaches over TCP instead, and both
 /// are gone after shutdown.
+#[cfg(unix)]
 #[test]
 fn local_stream_socket_is_private_checked_falls_back_and_is_removed() {
     use distgrad::wire::StreamHello;

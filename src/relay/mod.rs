@@ -20,8 +20,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::connect_info::ConnectInfo;
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
+use axum::extract::{Extension, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -273,9 +274,12 @@ pub async fn serve(
     };
     // Accepted connections are sorted: data streams here, HTTP (page, WebSocket) to axum.
     let incoming = stream::Incoming::new(listener, shared.clone())?;
-    axum::serve(incoming, router_with(shared))
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    axum::serve(
+        incoming,
+        router_with(shared).into_make_service_with_connect_info::<stream::PeerAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await?;
     // Give the open connections a moment to tell their members (error + close) before returning.
     let _ = tokio::time::timeout(Duration::from_secs(2), conns.acquire_many(CONN_PERMITS)).await;
     Ok(())
@@ -284,8 +288,10 @@ pub async fn serve(
 async fn ws_handler(
     ws: WebSocketUpgrade,
     headers: HeaderMap,
+    peer: Option<Extension<ConnectInfo<stream::PeerAddr>>>,
     State(shared): State<Arc<Shared>>,
 ) -> Response {
+    let on_host = on_host(peer.map(|Extension(ConnectInfo(a))| a.0));
     if let Some(allowed) = &shared.cfg.allowed_origins {
         let origin = headers.get("origin").and_then(|o| o.to_str().ok());
         // Native clients send no Origin; only browsers are subject to the list.
@@ -300,7 +306,14 @@ async fn ws_handler(
     let hard = shared.cfg.max_frame.saturating_mul(2).max(64 << 10);
     ws.max_message_size(hard)
         .max_frame_size(hard)
-        .on_upgrade(move |socket| connection(socket, shared))
+        .on_upgrade(move |socket| connection(socket, shared, on_host))
+}
+
+/// Whether a member connected from `peer` is on the relay's host (a loopback address, IPv4-mapped
+/// ones included). Only [`serve`] knows the peer (and only it has a Unix-domain socket to name):
+/// `None` is not on the host.
+fn on_host(peer: Option<std::net::SocketAddr>) -> bool {
+    peer.is_some_and(|a| a.ip().to_canonical().is_loopback())
 }
 
 /// A member's identity inside the relay.
@@ -310,7 +323,8 @@ struct Seat {
     rank: u32,
 }
 
-async fn connection(socket: WebSocket, shared: Arc<Shared>) {
+/// `on_host`: the member reached us on a loopback address (so it may use our Unix-domain socket).
+async fn connection(socket: WebSocket, shared: Arc<Shared>, on_host: bool) {
     let _open = shared.conns.clone().try_acquire_owned().ok();
     let (mut sink, mut stream) = socket.split();
     let (tx, mut rx) = mpsc::unbounded_channel::<Out>();
@@ -378,7 +392,7 @@ async fn connection(socket: WebSocket, shared: Arc<Shared>) {
         kill,
     };
 
-    let seat = match join(&shared, &mut stream, &link).await {
+    let seat = match join(&shared, &mut stream, &link, on_host).await {
         Ok(seat) => seat,
         Err(reason) => {
             send_error(&tx, &reason);
@@ -426,11 +440,13 @@ fn control(msg: &Control) -> String {
     serde_json::to_string(msg).unwrap_or_default()
 }
 
-/// Wait for the join message and seat the client, or say why not.
+/// Wait for the join message and seat the client, or say why not. The Unix-domain socket is named
+/// only to members `on_host` (others could not reach it, and need not know where it is).
 async fn join(
     shared: &Shared,
     stream: &mut futures::stream::SplitStream<WebSocket>,
     link: &Link,
+    on_host: bool,
 ) -> Result<Seat, String> {
     let tx = &link.tx;
     let first = tokio::time::timeout(shared.cfg.join_timeout, stream.next())
@@ -518,7 +534,10 @@ async fn join(
         world,
         token: r.token.clone(),
         members: members.clone(),
-        stream_path: key.as_ref().and_then(|_| shared.local_path.get().cloned()),
+        stream_path: key
+            .as_ref()
+            .filter(|_| on_host)
+            .and_then(|_| shared.local_path.get().cloned()),
         stream_key: key,
     })));
     // A full room whose last data streams are still attaching announces `ready` shortly.
@@ -677,5 +696,31 @@ fn leave(shared: &Shared, seat: &Seat, reason: &str) {
     }
     if room.members.is_empty() {
         rooms.remove(&seat.room);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::on_host;
+
+    #[test]
+    fn only_loopback_peers_are_on_the_host() {
+        for a in [
+            "127.0.0.1:9",
+            "127.3.4.5:9",
+            "[::1]:9",
+            "[::ffff:127.0.0.1]:9",
+        ] {
+            assert!(on_host(Some(a.parse().unwrap())), "{a}");
+        }
+        for a in [
+            "10.0.0.1:9",
+            "[::ffff:10.0.0.1]:9",
+            "[fe80::1]:9",
+            "0.0.0.0:9",
+        ] {
+            assert!(!on_host(Some(a.parse().unwrap())), "{a}");
+        }
+        assert!(!on_host(None), "an unknown peer");
     }
 }

@@ -209,6 +209,18 @@ impl axum::serve::Listener for Incoming {
     }
 }
 
+/// The address a WebSocket member connected from (what `serve` tells the handler).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct PeerAddr(pub(super) SocketAddr);
+
+impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, Incoming>>
+    for PeerAddr
+{
+    fn connect_info(s: axum::serve::IncomingStream<'_, Incoming>) -> PeerAddr {
+        PeerAddr(*s.remote_addr())
+    }
+}
+
 /// The relay's Unix-domain socket for data streams of members on its host: `relay.sock` in a
 /// directory of its own under the temporary directory, both reachable by the relay's user only
 /// (the directory is private before the socket exists, so there is no moment when others could
@@ -217,6 +229,9 @@ impl axum::serve::Listener for Incoming {
 pub(super) struct LocalListener {
     dir: std::path::PathBuf,
     path: std::path::PathBuf,
+    /// The accepting task: it ends with the relay, or when this is dropped (on any path out of
+    /// `serve`, including its errors).
+    accepting: Option<tokio::task::JoinHandle<()>>,
 }
 
 #[cfg(unix)]
@@ -231,14 +246,15 @@ impl LocalListener {
         ));
         // Fails if the name exists: never a directory someone else prepared.
         std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
-        let me = LocalListener {
+        let mut me = LocalListener {
             path: dir.join("relay.sock"),
             dir,
+            accepting: None,
         };
         let listener = tokio::net::UnixListener::bind(&me.path)?;
         std::fs::set_permissions(&me.path, std::fs::Permissions::from_mode(0o600))?;
         let mut stopping = shared.stopping.clone();
-        tokio::spawn(async move {
+        me.accepting = Some(tokio::spawn(async move {
             loop {
                 let sock = tokio::select! {
                     r = listener.accept() => match r {
@@ -253,7 +269,7 @@ impl LocalListener {
                 crate::transport::direct::enlarge_unix_buffer(&sock);
                 tokio::spawn(attach(shared.clone(), Sock::Unix(sock)));
             }
-        });
+        }));
         Ok(me)
     }
 
@@ -266,6 +282,9 @@ impl LocalListener {
 #[cfg(unix)]
 impl Drop for LocalListener {
     fn drop(&mut self) {
+        if let Some(t) = self.accepting.take() {
+            t.abort();
+        }
         let _ = std::fs::remove_file(&self.path);
         let _ = std::fs::remove_dir(&self.dir);
     }

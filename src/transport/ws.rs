@@ -172,8 +172,9 @@ impl WsTransport {
                             };
                             // A relay on this host (reached on loopback) is nearer through its
                             // Unix-domain socket.
-                            let local = stream_path
-                                .filter(|_| opts.local_stream && addr.ip().is_loopback());
+                            let local = stream_path.filter(|_| {
+                                opts.local_stream && addr.ip().to_canonical().is_loopback()
+                            });
                             match attach_stream(addr, local.as_deref(), &hello).await {
                                 Ok(s) => data_stream = Some(s),
                                 Err(_) => {
@@ -531,11 +532,14 @@ async fn attach_stream(
 ) -> std::io::Result<StreamHalves> {
     let limit = Duration::from_secs(5);
     #[cfg(unix)]
-    if let Some(path) = local {
-        // Not reachable (another filesystem view, say): TCP is tried next. A connection the
-        // relay answered but refused means the key is spent, and TCP would be refused too.
+    if let Some(path) = local.filter(|p| private_relay_socket(std::path::Path::new(p))) {
+        // Not reachable (another filesystem view, say), or not our user's on the other end: TCP
+        // is tried next. A connection the relay answered but refused means the key is spent,
+        // and TCP would be refused too.
         let s = tokio::time::timeout(limit, tokio::net::UnixStream::connect(path)).await;
-        if let Ok(Ok(mut s)) = s {
+        if let Ok(Ok(mut s)) = s
+            && s.peer_cred().is_ok_and(|c| c.uid() == own_uid())
+        {
             direct::enlarge_unix_buffer(&s);
             say_hello(&mut s, hello, limit).await?;
             let (rd, wr) = s.into_split();
@@ -551,6 +555,36 @@ async fn attach_stream(
     say_hello(&mut s, hello, limit).await?;
     let (rd, wr) = s.into_split();
     Ok((Box::new(rd), Box::new(wr), StreamRoute::Tcp))
+}
+
+/// Whether `path` looks like a relay's Unix-domain socket that only our user can reach:
+/// `<dir>/relay.sock`, absolute, where `<dir>` is named `distgrad-relay-*`, is a directory (not a
+/// link), belongs to our user and is closed to everyone else (as `serve` makes it). A member only
+/// connects to such a path, whatever a relay names, so a relay cannot point it at another local
+/// service's socket.
+#[cfg(unix)]
+fn private_relay_socket(path: &std::path::Path) -> bool {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let Some(dir) = path.parent() else {
+        return false;
+    };
+    let named = path.is_absolute()
+        && path.file_name().is_some_and(|f| f == "relay.sock")
+        && dir
+            .file_name()
+            .and_then(|d| d.to_str())
+            .is_some_and(|d| d.starts_with("distgrad-relay-"));
+    named
+        && std::fs::symlink_metadata(dir).is_ok_and(|m| {
+            m.is_dir() && m.uid() == own_uid() && m.permissions().mode() & 0o077 == 0
+        })
+}
+
+/// Our effective user id.
+#[cfg(unix)]
+fn own_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
 }
 
 /// Send the stream hello on `s` and wait for the relay's yes.
@@ -631,6 +665,60 @@ async fn read_stream(
             Ok(Some(m)) => mb.deliver(h.src as usize, h.tag, m),
             Ok(None) => {}
             Err(e) => return e,
+        }
+    }
+}
+
+#[cfg(all(test, unix))]
+mod tests {
+    use super::private_relay_socket;
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    use std::path::{Path, PathBuf};
+
+    /// A fresh directory under the temporary directory, named `name-<pid>-<n>`, with `mode`.
+    fn dir(name: &str, mode: u32) -> PathBuf {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let d = std::env::temp_dir().join(format!(
+            "{name}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::DirBuilder::new().mode(mode).create(&d).unwrap();
+        // The umask may have narrowed the mode; set it exactly.
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(mode)).unwrap();
+        d
+    }
+
+    #[test]
+    fn only_our_private_relay_directories_are_trusted() {
+        let good = dir("distgrad-relay-test", 0o700);
+        assert!(private_relay_socket(&good.join("relay.sock")));
+        // Another name in the right directory, or the right name elsewhere.
+        assert!(!private_relay_socket(&good.join("other.sock")));
+        let elsewhere = dir("not-a-relay", 0o700);
+        assert!(!private_relay_socket(&elsewhere.join("relay.sock")));
+        // A directory others may enter or list.
+        let open = dir("distgrad-relay-open", 0o755);
+        assert!(!private_relay_socket(&open.join("relay.sock")));
+        // Relative paths, and a path with no directory.
+        assert!(!private_relay_socket(Path::new(
+            "distgrad-relay-x/relay.sock"
+        )));
+        assert!(!private_relay_socket(Path::new("/relay.sock")));
+        // A link named like a relay directory, pointing at a private directory: refused (the
+        // link itself, not its target, must be the directory).
+        let link = std::env::temp_dir().join(format!("distgrad-relay-link-{}", std::process::id()));
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&good, &link).unwrap();
+        assert!(!private_relay_socket(&link.join("relay.sock")));
+        // A directory that does not exist.
+        assert!(!private_relay_socket(
+            &std::env::temp_dir().join("distgrad-relay-absent-xyz/relay.sock")
+        ));
+        let _ = std::fs::remove_file(&link);
+        for d in [good, elsewhere, open] {
+            let _ = std::fs::remove_dir(d);
         }
     }
 }
