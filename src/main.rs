@@ -1283,9 +1283,8 @@ mod cli {
     }
 
     /// A relay on an ephemeral loopback port of 127.0.0.1, in its own thread and runtime, for
-    /// the worker processes of `demo` and `bench --processes`.
-    /// A relay serving on an ephemeral loopback port from a thread of its own; stopped (and its
-    /// thread joined) by [`LocalRelay::stop`] or when dropped, on any path out of the caller.
+    /// the worker processes of `demo` and `bench --processes`; stopped (and its thread joined) by
+    /// [`LocalRelay::stop`] or when dropped, on any path out of the caller.
     struct LocalRelay {
         url: String,
         stop: Option<tokio::sync::oneshot::Sender<()>>,
@@ -1427,7 +1426,13 @@ mod cli {
                     Ok(s) => {
                         first_failure.get_or_insert_with(|| format!("{what} {r} failed"));
                         let text = String::from_utf8_lossy(&stderr);
-                        let tail = text.trim();
+                        let text = text.trim();
+                        // The end of a long stderr is where the reason is.
+                        let mut cut = text.len().saturating_sub(2000);
+                        while !text.is_char_boundary(cut) {
+                            cut += 1;
+                        }
+                        let tail = &text[cut..];
                         Err(if tail.is_empty() {
                             format!("{what} {r} {s} (its errors above)")
                         } else {
@@ -1586,8 +1591,9 @@ mod cli {
                 "rank",
                 vec![
                     sh("exec sleep 60"),
-                    sh("echo boom >&2; exit 3"),
+                    sh("sleep 0.2; echo boom >&2; exit 3"),
                     sh("exec sleep 60"),
+                    sh("echo fine"),
                 ],
             );
             assert!(
@@ -1595,10 +1601,15 @@ mod cli {
                 "the waiting ranks were not stopped ({:?})",
                 t0.elapsed()
             );
+            let mut got = got.into_iter();
             let errs: Vec<String> = got
-                .into_iter()
-                .map(|r| r.err().expect("all fail"))
+                .by_ref()
+                .take(3)
+                .map(|r| r.err().expect("ranks 0..3 fail"))
                 .collect();
+            // The rank that had finished before the failure keeps its result.
+            let fine = got.next().expect("rank 3").expect("rank 3 succeeded");
+            assert_eq!(fine.stdout, b"fine\n");
             assert!(
                 errs[1].contains("rank 1") && errs[1].contains("boom"),
                 "{}",

@@ -1142,7 +1142,9 @@ fn killed_worker(direct: bool) {
     let prepared = vjp::Prepared::new(&case).unwrap();
     let mut worker = Child(Some(
         Command::new(BIN)
-            .args(["worker", "--relay", &url, "--room", "loss", "--token", "tk"])
+            // The token as the CLI's own parents pass it (not on the command line).
+            .args(["worker", "--relay", &url, "--room", "loss"])
+            .env("DISTGRAD_TOKEN", "tk")
             .args([
                 "--world",
                 "3",

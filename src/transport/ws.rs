@@ -532,11 +532,13 @@ async fn attach_stream(
 ) -> std::io::Result<StreamHalves> {
     let limit = Duration::from_secs(5);
     #[cfg(unix)]
-    if let Some(path) = local.filter(|p| private_relay_socket(std::path::Path::new(p))) {
+    if let Some(sock) = local.and_then(|p| private_relay_socket(std::path::Path::new(p))) {
         // Not reachable (another filesystem view, say), or not our user's on the other end: TCP
         // is tried next. A connection the relay answered but refused means the key is spent,
         // and TCP would be refused too.
-        let s = tokio::time::timeout(limit, tokio::net::UnixStream::connect(path)).await;
+        let s =
+            tokio::time::timeout(limit, tokio::net::UnixStream::connect(sock.connect_path())).await;
+        drop(sock);
         if let Ok(Ok(mut s)) = s
             && s.peer_cred().is_ok_and(|c| c.uid() == own_uid())
         {
@@ -557,27 +559,72 @@ async fn attach_stream(
     Ok((Box::new(rd), Box::new(wr), StreamRoute::Tcp))
 }
 
-/// Whether `path` looks like a relay's Unix-domain socket that only our user can reach:
+/// A relay's Unix-domain socket that only our user can reach, ready to connect to.
+#[cfg(unix)]
+struct PrivateSocket {
+    /// The socket's directory, held open (Linux): the connection goes through this very
+    /// directory, whatever its path names by then.
+    #[cfg(target_os = "linux")]
+    dir: std::fs::File,
+    #[cfg(not(target_os = "linux"))]
+    path: std::path::PathBuf,
+}
+
+#[cfg(unix)]
+impl PrivateSocket {
+    /// The path to connect to.
+    fn connect_path(&self) -> std::path::PathBuf {
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::fd::AsRawFd;
+            // The directory we checked, through our descriptor of it (not its name again).
+            std::path::PathBuf::from(format!("/proc/self/fd/{}/relay.sock", self.dir.as_raw_fd()))
+        }
+        #[cfg(not(target_os = "linux"))]
+        self.path.clone()
+    }
+}
+
+/// `path` as a relay's Unix-domain socket that only our user can reach, or `None`: it must be
 /// `<dir>/relay.sock`, absolute, where `<dir>` is named `distgrad-relay-*`, is a directory (not a
 /// link), belongs to our user and is closed to everyone else (as `serve` makes it). A member only
-/// connects to such a path, whatever a relay names, so a relay cannot point it at another local
-/// service's socket.
+/// connects to such a socket, whatever a relay names, so a relay cannot point it at another local
+/// service's socket. On Linux the directory is opened once (no link followed at its last step),
+/// checked through that descriptor and connected through it, so no one can swap what the path
+/// names between the check and the connection; only our user can put a `relay.sock` in it.
 #[cfg(unix)]
-fn private_relay_socket(path: &std::path::Path) -> bool {
+fn private_relay_socket(path: &std::path::Path) -> Option<PrivateSocket> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    let Some(dir) = path.parent() else {
-        return false;
-    };
+    let dir = path.parent()?;
     let named = path.is_absolute()
         && path.file_name().is_some_and(|f| f == "relay.sock")
         && dir
             .file_name()
             .and_then(|d| d.to_str())
             .is_some_and(|d| d.starts_with("distgrad-relay-"));
-    named
-        && std::fs::symlink_metadata(dir).is_ok_and(|m| {
-            m.is_dir() && m.uid() == own_uid() && m.permissions().mode() & 0o077 == 0
+    if !named {
+        return None;
+    }
+    let private = |m: &std::fs::Metadata| {
+        m.is_dir() && m.uid() == own_uid() && m.permissions().mode() & 0o077 == 0
+    };
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW)
+            .open(dir)
+            .ok()?;
+        private(&dir.metadata().ok()?).then_some(PrivateSocket { dir })
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let m = std::fs::symlink_metadata(dir).ok()?;
+        private(&m).then(|| PrivateSocket {
+            path: path.to_path_buf(),
         })
+    }
 }
 
 /// Our effective user id.
@@ -693,31 +740,69 @@ mod tests {
     #[test]
     fn only_our_private_relay_directories_are_trusted() {
         let good = dir("distgrad-relay-test", 0o700);
-        assert!(private_relay_socket(&good.join("relay.sock")));
+        assert!(private_relay_socket(&good.join("relay.sock")).is_some());
         // Another name in the right directory, or the right name elsewhere.
-        assert!(!private_relay_socket(&good.join("other.sock")));
+        assert!(private_relay_socket(&good.join("other.sock")).is_none());
         let elsewhere = dir("not-a-relay", 0o700);
-        assert!(!private_relay_socket(&elsewhere.join("relay.sock")));
+        assert!(private_relay_socket(&elsewhere.join("relay.sock")).is_none());
         // A directory others may enter or list.
         let open = dir("distgrad-relay-open", 0o755);
-        assert!(!private_relay_socket(&open.join("relay.sock")));
+        assert!(private_relay_socket(&open.join("relay.sock")).is_none());
         // Relative paths, and a path with no directory.
-        assert!(!private_relay_socket(Path::new(
-            "distgrad-relay-x/relay.sock"
-        )));
-        assert!(!private_relay_socket(Path::new("/relay.sock")));
+        assert!(private_relay_socket(Path::new("distgrad-relay-x/relay.sock")).is_none());
+        assert!(private_relay_socket(Path::new("/relay.sock")).is_none());
         // A link named like a relay directory, pointing at a private directory: refused (the
         // link itself, not its target, must be the directory).
         let link = std::env::temp_dir().join(format!("distgrad-relay-link-{}", std::process::id()));
         let _ = std::fs::remove_file(&link);
         std::os::unix::fs::symlink(&good, &link).unwrap();
-        assert!(!private_relay_socket(&link.join("relay.sock")));
+        assert!(private_relay_socket(&link.join("relay.sock")).is_none());
         // A directory that does not exist.
-        assert!(!private_relay_socket(
-            &std::env::temp_dir().join("distgrad-relay-absent-xyz/relay.sock")
-        ));
+        assert!(
+            private_relay_socket(
+                &std::env::temp_dir().join("distgrad-relay-absent-xyz/relay.sock")
+            )
+            .is_none()
+        );
         let _ = std::fs::remove_file(&link);
         for d in [good, elsewhere, open] {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+
+    /// The checked directory is the one connected through, even if its path names another
+    /// directory by the time of the connection (Linux: through the held descriptor).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_connection_goes_to_the_checked_directory() {
+        use std::io::{Read, Write};
+        use std::os::unix::net::{UnixListener, UnixStream};
+        let checked = dir("distgrad-relay-checked", 0o700);
+        let listener = UnixListener::bind(checked.join("relay.sock")).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let sock = private_relay_socket(&checked.join("relay.sock")).expect("a private directory");
+        // Swap: the checked directory moves away; another one, with its own socket, takes its name.
+        let moved = checked.with_extension("moved");
+        std::fs::rename(&checked, &moved).unwrap();
+        let impostor_dir = std::fs::DirBuilder::new().mode(0o700).create(&checked);
+        impostor_dir.unwrap();
+        let impostor = UnixListener::bind(checked.join("relay.sock")).unwrap();
+        impostor.set_nonblocking(true).unwrap();
+        let mut c =
+            UnixStream::connect(sock.connect_path()).expect("connect through the descriptor");
+        c.write_all(b"x").unwrap();
+        let (mut a, _) = listener
+            .accept()
+            .expect("the checked directory's socket answers");
+        let mut b = [0u8; 1];
+        a.read_exact(&mut b).unwrap();
+        assert_eq!(&b, b"x");
+        assert!(
+            impostor.accept().is_err(),
+            "the impostor got the connection"
+        );
+        for d in [&checked, &moved] {
+            let _ = std::fs::remove_file(d.join("relay.sock"));
             let _ = std::fs::remove_dir(d);
         }
     }
