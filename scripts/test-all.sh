@@ -49,6 +49,9 @@ cargo build --locked --bin distgrad
 bin="$CARGO_TARGET_DIR/debug/distgrad"
 out="$CARGO_TARGET_DIR/browser-test-output"
 node tests/browser/e2e.mjs --bin "$bin" --dist dist --net relay --out "$out"
+# Tabs of one browser over BroadcastChannels (no network between them; the native worker of the
+# mixed-group check keeps the relay).
+node tests/browser/e2e.mjs --bin "$bin" --dist dist --net channel --out "$out"
 say "end-to-end: every lesson of the teaching demo in 3 tabs and in single-tab mode (tests/browser/lessons.mjs)"
 node tests/browser/lessons.mjs --bin "$bin" --dist dist --out "$out"
 # WebRTC only inside a loopback-only network namespace, so ICE never tries another interface.

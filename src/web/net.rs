@@ -1,7 +1,15 @@
 //! The browser's [`Transport`]: a WebSocket to the relay, plus (optionally) a full mesh of WebRTC
-//! data channels signaled through it. Each peer is reached over one [`LinkKind`]: its data channel
-//! when that connected, else the relay (per pair, decided once after the room is full). Incoming
-//! frames from either path land in the one [`Mailbox`].
+//! data channels signaled through it, or (optionally) a BroadcastChannel per pair of tabs open in
+//! the same browser. Each peer is reached over one [`LinkKind`]: its data channel or broadcast
+//! channel when that connected, else the relay (per pair, decided once after the room is full).
+//! Incoming frames from any path land in the one [`Mailbox`].
+//!
+//! A BroadcastChannel reaches only pages of the same origin in the same browser profile: no
+//! network at all between them. Each pair of ranks uses its own channel, named after the room, its
+//! token and the pair; the two tabs find each other with a short hello exchange on it (a tab in
+//! another browser, or a native worker, never answers: that pair keeps the relay). A tab always
+//! listens on its pair channels, so a pair that decided differently at the time limit still
+//! delivers; each direction keeps one route for the whole session.
 //!
 //! Frames are the relay's wire format ([`crate::wire`]) on both paths; over WebRTC a frame is at
 //! most 256 KiB (Chromium's data-channel message limit), and its source rank is the channel's peer,
@@ -21,9 +29,9 @@ use wasm_bindgen::JsCast;
 use wasm_bindgen::prelude::*;
 use wasm_bindgen_futures::JsFuture;
 use web_sys::{
-    BinaryType, MessageEvent, RtcConfiguration, RtcDataChannel, RtcDataChannelInit,
-    RtcDataChannelState, RtcDataChannelType, RtcIceGatheringState, RtcPeerConnection, RtcSdpType,
-    RtcSessionDescriptionInit, WebSocket,
+    BinaryType, BroadcastChannel, MessageEvent, RtcConfiguration, RtcDataChannel,
+    RtcDataChannelInit, RtcDataChannelState, RtcDataChannelType, RtcIceGatheringState,
+    RtcPeerConnection, RtcSdpType, RtcSessionDescriptionInit, WebSocket,
 };
 
 use crate::error::{Error, Result};
@@ -34,6 +42,8 @@ use crate::wire::{Control, HEADER_LEN, Header, LEFT_CLEANLY, Reassembler, fragme
 pub const RTC_MAX_MESSAGE: usize = 256 * 1024;
 /// Largest frame payload sent through the relay (its default frame limit).
 pub const RELAY_MAX_PAYLOAD: usize = 1 << 20;
+/// Largest frame payload posted on a BroadcastChannel (no browser limit; bounds each copy).
+pub const CHANNEL_MAX_PAYLOAD: usize = 4 << 20;
 const WS_HIGH_WATER: u32 = 8 << 20;
 const RTC_HIGH_WATER: u32 = 2 << 20;
 
@@ -44,14 +54,17 @@ pub enum LinkKind {
     Relay,
     /// A direct WebRTC data channel.
     WebRtc,
+    /// A BroadcastChannel between two tabs of the same browser.
+    Channel,
 }
 
 impl LinkKind {
-    /// "relay" or "webrtc".
+    /// "relay", "webrtc" or "channel".
     pub fn name(self) -> &'static str {
         match self {
             LinkKind::Relay => "relay",
             LinkKind::WebRtc => "webrtc",
+            LinkKind::Channel => "channel",
         }
     }
 }
@@ -103,6 +116,9 @@ pub struct WebJoin {
     pub rank: Option<u32>,
     /// Try WebRTC data channels to every peer (falling back to the relay per pair).
     pub webrtc: bool,
+    /// Try a BroadcastChannel to every peer (tabs of this browser; the relay for the others).
+    /// Takes precedence over `webrtc`.
+    pub channel: bool,
     /// How long to wait for the room to fill.
     pub ready_timeout: Duration,
     /// How long to wait for a data channel to open before that pair falls back to the relay.
@@ -121,6 +137,7 @@ impl WebJoin {
             world,
             rank: None,
             webrtc: true,
+            channel: false,
             ready_timeout: Duration::from_secs(600),
             rtc_timeout: Duration::from_secs(10),
             max_message: 1 << 30,
@@ -245,6 +262,13 @@ impl Shared {
     }
 }
 
+/// A peer's direct path.
+#[derive(Clone)]
+enum Link {
+    Rtc(RtcDataChannel),
+    Channel(BroadcastChannel),
+}
+
 /// One browser tab's connection to its room: see the module docs.
 pub struct BrowserTransport {
     shared: Rc<Shared>,
@@ -252,7 +276,9 @@ pub struct BrowserTransport {
     world: usize,
     token: String,
     ws: WebSocket,
-    links: RefCell<Vec<Option<RtcDataChannel>>>,
+    links: RefCell<Vec<Option<Link>>>,
+    /// Every pair channel opened (also those whose hello went unanswered: still listened to).
+    channels: RefCell<Vec<BroadcastChannel>>,
     peers: RefCell<Vec<RtcPeerConnection>>,
     handlers: RefCell<Vec<Handler>>,
 }
@@ -393,23 +419,37 @@ impl BrowserTransport {
             token: token.unwrap_or_default(),
             ws,
             links: RefCell::new(vec![None; world]),
+            channels: RefCell::new(Vec::new()),
             peers: RefCell::new(Vec::new()),
             handlers: RefCell::new(handlers),
         };
-        let rtc = opts.webrtc && world > 1;
+        let channel = opts.channel && world > 1;
+        let rtc = opts.webrtc && !channel && world > 1;
+        let base = format!("distgrad/{}/{}", opts.room, t.token);
         let attempts = (0..world).filter(|&p| p != rank).map(|p| {
             let rx = signal_rx[p].take();
             let t = &t;
+            let base = &base;
             async move {
-                let r = match (rtc, rx) {
-                    (true, Some(rx)) => t.connect_peer(p, rx, opts.rtc_timeout).await,
-                    // WebRTC off by choice: the relay is not a fallback, so no reason to show.
+                let r = match (rtc, channel, rx) {
+                    (true, _, Some(rx)) => {
+                        t.connect_peer(p, rx, opts.rtc_timeout).await.map(Link::Rtc)
+                    }
+                    (_, true, _) => t
+                        .connect_channel(base, p, opts.rtc_timeout)
+                        .await
+                        .map(Link::Channel),
+                    // Direct links off by choice: the relay is not a fallback, so no reason to show.
                     _ => Err(String::new()),
                 };
                 let (kind, detail) = match r {
-                    Ok(dc) => {
-                        t.links.borrow_mut()[p] = Some(dc);
-                        (LinkKind::WebRtc, String::new())
+                    Ok(link) => {
+                        let kind = match link {
+                            Link::Rtc(_) => LinkKind::WebRtc,
+                            Link::Channel(_) => LinkKind::Channel,
+                        };
+                        t.links.borrow_mut()[p] = Some(link);
+                        (kind, String::new())
                     }
                     Err(why) => (LinkKind::Relay, why),
                 };
@@ -422,6 +462,71 @@ impl BrowserTransport {
         });
         futures::future::join_all(attempts).await;
         Ok(t)
+    }
+
+    /// Open the BroadcastChannel of the pair (this rank, `peer`) and find out whether `peer` is on
+    /// it (a tab of this browser): both post `hello:<heard>` every 50 ms (`heard`: whether they
+    /// have heard the other yet) and answer a `hello:0` with `hello:1`; a `hello:1` means the
+    /// peer hears us, so the link works both ways. Frames arriving on the channel are delivered
+    /// from the start, whatever is decided. (A channel delivers only to pages that have it open
+    /// at the time: the first hellos of the earlier tab are lost, hence the repeats.)
+    async fn connect_channel(
+        &self,
+        base: &str,
+        peer: usize,
+        limit: Duration,
+    ) -> std::result::Result<BroadcastChannel, String> {
+        let (lo, hi) = (self.rank.min(peer), self.rank.max(peer));
+        let bc = BroadcastChannel::new(&format!("{base}/{lo}-{hi}"))
+            .map_err(|v| format!("BroadcastChannel: {}", js_err("", v)))?;
+        self.channels.borrow_mut().push(bc.clone());
+        let heard = Rc::new(Cell::new(false));
+        let confirmed = Rc::new(Cell::new(false));
+        let s = self.shared.clone();
+        let (h, c, answer) = (heard.clone(), confirmed.clone(), bc.clone());
+        let onmessage: Handler = Closure::new(move |ev: JsValue| {
+            let ev: MessageEvent = ev.unchecked_into();
+            let data = ev.data();
+            if let Some(b) = bytes_of(&data) {
+                s.on_frame(b, Some(peer));
+            } else if let Some(text) = data.as_string() {
+                match text.as_str() {
+                    "hello:0" => {
+                        h.set(true);
+                        let _ = answer.post_message(&JsValue::from_str("hello:1"));
+                    }
+                    "hello:1" => {
+                        h.set(true);
+                        c.set(true);
+                    }
+                    _ => {}
+                }
+            }
+        });
+        bc.set_onmessage(Some(onmessage.as_ref().unchecked_ref()));
+        self.handlers.borrow_mut().push(onmessage);
+        // Done once the peer hears us (it sent `hello:1`) and we have told it that we hear it
+        // (a `hello:1` of ours after hearing it: delivered, since its channel is open by then).
+        let greet = async {
+            let mut told = false;
+            loop {
+                let hello = if heard.get() { "hello:1" } else { "hello:0" };
+                bc.post_message(&JsValue::from_str(hello))
+                    .map_err(|v| format!("BroadcastChannel post: {}", js_err("", v)))?;
+                told |= hello == "hello:1";
+                if confirmed.get() && told {
+                    return Ok(());
+                }
+                sleep(Duration::from_millis(50)).await;
+            }
+        };
+        match within(limit, greet).await {
+            Some(Ok(())) => Ok(bc),
+            Some(Err(why)) => Err(why),
+            None => Err(format!(
+                "not in this browser (no answer on a BroadcastChannel within {limit:?})"
+            )),
+        }
     }
 
     /// Open a negotiated data channel to `peer`: the lower rank offers, the higher answers; the SDP
@@ -574,12 +679,10 @@ impl BrowserTransport {
         let links = self.links.borrow();
         (0..self.world)
             .map(|p| {
-                (p != self.rank).then(|| {
-                    if links[p].is_some() {
-                        LinkKind::WebRtc
-                    } else {
-                        LinkKind::Relay
-                    }
+                (p != self.rank).then(|| match &links[p] {
+                    Some(Link::Rtc(_)) => LinkKind::WebRtc,
+                    Some(Link::Channel(_)) => LinkKind::Channel,
+                    None => LinkKind::Relay,
                 })
             })
             .collect()
@@ -592,8 +695,13 @@ impl BrowserTransport {
 
     /// Close every connection (peers see a clean leave).
     pub fn close(&self) {
-        for dc in self.links.borrow().iter().flatten() {
-            dc.close();
+        for link in self.links.borrow().iter().flatten() {
+            if let Link::Rtc(dc) = link {
+                dc.close();
+            }
+        }
+        for bc in self.channels.borrow().iter() {
+            bc.close();
         }
         for pc in self.peers.borrow().iter() {
             pc.close();
@@ -646,9 +754,14 @@ impl Drop for BrowserTransport {
         self.ws.set_onclose(None);
         self.ws.set_onerror(None);
         self.ws.set_onopen(None);
-        for dc in self.links.borrow().iter().flatten() {
-            dc.set_onmessage(None);
-            dc.set_onclose(None);
+        for link in self.links.borrow().iter().flatten() {
+            if let Link::Rtc(dc) = link {
+                dc.set_onmessage(None);
+                dc.set_onclose(None);
+            }
+        }
+        for bc in self.channels.borrow().iter() {
+            bc.set_onmessage(None);
         }
         self.close();
     }
@@ -670,15 +783,22 @@ impl Transport for BrowserTransport {
                 self.world
             )));
         }
-        let dc = self.links.borrow().get(dst).cloned().flatten();
-        let max = if dc.is_some() {
-            RTC_MAX_MESSAGE - HEADER_LEN
-        } else {
-            RELAY_MAX_PAYLOAD
+        let link = self.links.borrow().get(dst).cloned().flatten();
+        let max = match link {
+            Some(Link::Rtc(_)) => RTC_MAX_MESSAGE - HEADER_LEN,
+            Some(Link::Channel(_)) => CHANNEL_MAX_PAYLOAD,
+            None => RELAY_MAX_PAYLOAD,
         };
         for frame in fragments(self.rank as u32, dst as u32, tag, &payload, max) {
-            match &dc {
-                Some(dc) => self.push_rtc(dc, dst, &frame).await?,
+            match &link {
+                Some(Link::Rtc(dc)) => self.push_rtc(dc, dst, &frame).await?,
+                Some(Link::Channel(bc)) => {
+                    // Posted as an ArrayBuffer (the receiver gets a copy).
+                    let buf = Uint8Array::from(&frame[..]).buffer();
+                    bc.post_message(&buf).map_err(|v| {
+                        self.transport_err(js_err("BroadcastChannel post", v).to_string())
+                    })?;
+                }
                 None => self.push_ws(&frame).await?,
             }
         }

@@ -1,7 +1,8 @@
 //! The page (`www/index.html`): one browser tab = one rank, or N simulated ranks in one tab.
 //!
 //! The URL says which room and world (`?room=r&world=4`, plus `token` to join an existing room,
-//! `net=relay` to skip WebRTC, `device=cpu|gpu|auto`, `relay=ws://...` for another relay), or
+//! `net=relay` to skip WebRTC, `net=channel` for BroadcastChannels between tabs of this browser
+//! instead of WebRTC, `device=cpu|gpu|auto`, `relay=ws://...` for another relay), or
 //! `?sim=N` for N ranks simulated inside this page (no server: for a projector). The page picks the
 //! compute backend (WebGPU when the browser has an adapter, else the CPU) and says which, joins the
 //! room through the relay, connects WebRTC data channels to every peer (or says which pairs fell
@@ -58,7 +59,7 @@ struct PageState {
     sim: bool,
     rank: Option<usize>,
     members: Vec<u32>,
-    /// per rank: "self", "webrtc", "relay" or "" (not decided yet)
+    /// per rank: "self", "webrtc", "channel", "relay" or "" (not decided yet)
     links: Vec<String>,
     /// why pairs fell back to the relay
     fallbacks: Vec<String>,
@@ -234,6 +235,8 @@ struct Params {
     token: Option<String>,
     rank: Option<u32>,
     webrtc: bool,
+    /// BroadcastChannels to the tabs of this browser (`net=channel`).
+    channel: bool,
     device: Choice,
     relay: Option<String>,
 }
@@ -269,10 +272,15 @@ fn params() -> Result<Params> {
             )));
         }
     };
-    let webrtc = match q.get("net").as_deref() {
-        None | Some("webrtc") => true,
-        Some("relay") => false,
-        Some(o) => return Err(Error::Input(format!("net={o:?}: expected webrtc or relay"))),
+    let (webrtc, channel) = match q.get("net").as_deref() {
+        None | Some("webrtc") => (true, false),
+        Some("relay") => (false, false),
+        Some("channel") => (false, true),
+        Some(o) => {
+            return Err(Error::Input(format!(
+                "net={o:?}: expected webrtc, channel or relay"
+            )));
+        }
     };
     let rank = match q.get("rank") {
         None => None,
@@ -288,6 +296,7 @@ fn params() -> Result<Params> {
         token: q.get("token").filter(|t| !t.is_empty()),
         rank,
         webrtc,
+        channel,
         device,
         relay: q.get("relay"),
     })
@@ -326,7 +335,9 @@ fn share_link(p: &Params, room: &str, token: &str) -> String {
         p.world,
         enc(token)
     );
-    if !p.webrtc {
+    if p.channel {
+        s.push_str("&net=channel");
+    } else if !p.webrtc {
         s.push_str("&net=relay");
     }
     if let Some(r) = &p.relay {
@@ -405,6 +416,7 @@ async fn run() -> Result<()> {
     join.token = p.token.clone();
     join.rank = p.rank;
     join.webrtc = p.webrtc;
+    join.channel = p.channel;
     let t = BrowserTransport::join(join, Rc::new(on_net_event)).await?;
     let rank = t.rank();
     render_ranks();
