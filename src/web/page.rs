@@ -387,6 +387,15 @@ async fn run() -> Result<()> {
     }
     let Some(room) = p.room.clone() else {
         // No room yet: the lobby creates one (or joins one by name and token).
+        if let Some(sel) = el::<HtmlSelectElement>("new-net") {
+            sel.set_value(if p.channel {
+                "channel"
+            } else if p.webrtc {
+                "webrtc"
+            } else {
+                "relay"
+            });
+        }
         set_hidden("create", false);
         set_hidden("lobby", true);
         set_hidden("lesson-panel", true);
@@ -1542,7 +1551,9 @@ fn parse_control(what: &str) -> Result<Bus> {
 }
 
 /// Load this page for `room` (keeping the other URL parameters: net, device, relay).
-fn go_to_room(room: &str, world: &str, token: Option<&str>) {
+/// Open `room` (a new one: `token` None). `net`: the data path chosen in the lobby (else the
+/// current URL's `net` is kept).
+fn go_to_room(room: &str, world: &str, token: Option<&str>, net: Option<&str>) {
     let Some(w) = web_sys::window() else { return };
     let ok = world
         .parse::<usize>()
@@ -1560,7 +1571,12 @@ fn go_to_room(room: &str, world: &str, token: Option<&str>) {
         search.push_str(&format!("&token={}", enc(t)));
     }
     for key in ["net", "device", "relay"] {
-        if let Some(v) = q.as_ref().and_then(|q| q.get(key)) {
+        let v = match (key, net) {
+            // WebRTC is the default: no parameter.
+            ("net", Some(n)) => Some(n.to_string()).filter(|n| n != "webrtc"),
+            _ => q.as_ref().and_then(|q| q.get(key)),
+        };
+        if let Some(v) = v {
             search.push_str(&format!("&{key}={}", enc(&v)));
         }
     }
@@ -1646,7 +1662,8 @@ fn install_api() {
         e.prevent_default();
         let world = el::<HtmlInputElement>("new-world").map_or_else(String::new, |i| i.value());
         let name = format!("room-{:06}", (js_sys::Math::random() * 1e6) as u32);
-        go_to_room(&name, &world, None);
+        let net = el::<HtmlSelectElement>("new-net").map(|s| s.value());
+        go_to_room(&name, &world, None, net.as_deref());
     });
     on("join-form", "submit", |e| {
         e.prevent_default();
@@ -1656,6 +1673,7 @@ fn install_api() {
             value("join-room").trim(),
             &world,
             Some(value("join-token").trim()),
+            None,
         );
     });
     on("run-form", "submit", |e| {

@@ -125,8 +125,18 @@ async function main() {
       watch(p, `tab ${i}`, errors);
       pages.push(p);
     }
+    // The lobby's data-path choice: BroadcastChannel goes into the room's URL.
+    await pages[0].goto(base);
+    await waitFor([pages[0]], (s) => s.phase === 'lobby', 30000, 'lobby');
+    if (await pages[0].inputValue('#new-net') !== 'webrtc') fail('the lobby does not default to WebRTC');
+    await pages[0].selectOption('#new-net', 'channel');
+    await pages[0].click('#create-form button[type=submit]');
+    await pages[0].waitForURL(/room=/);
+    if (!pages[0].url().includes('net=channel')) fail(`the lobby's BroadcastChannel choice is not in ${pages[0].url()}`);
+    // The lessons run over the relay: the lobby keeps the URL's choice.
     await pages[0].goto(`${base}?net=relay`);
     await waitFor([pages[0]], (s) => s.phase === 'lobby', 30000, 'lobby');
+    if (await pages[0].inputValue('#new-net') !== 'relay') fail('the lobby does not show the net=relay of its URL');
     await pages[0].fill('#new-world', String(WORLD));
     await pages[0].click('#create-form button[type=submit]');
     await pages[0].waitForURL(/room=/);
