@@ -236,7 +236,9 @@ impl Gpu {
         })))
     }
 
-    /// `name (backend, device type)` of the adapter.
+    /// `name (backend, device type[, driver])` of the adapter: the driver's own version string
+    /// where it gives one (e.g. `Mesa 22.3.6 (LLVM 15.0.6)` for lavapipe), since kernel figures
+    /// depend on it.
     pub fn describe(&self) -> String {
         let i = &self.0.info;
         let name = if i.name.is_empty() {
@@ -244,7 +246,12 @@ impl Gpu {
         } else {
             &i.name
         };
-        format!("{name} ({:?}, {:?})", i.backend, i.device_type)
+        let driver = if i.driver_info.is_empty() {
+            String::new()
+        } else {
+            format!(", {}", i.driver_info)
+        };
+        format!("{name} ({:?}, {:?}{driver})", i.backend, i.device_type)
     }
 
     /// The adapter's limits in force.
