@@ -1591,7 +1591,7 @@ mod cli {
                 "rank",
                 vec![
                     sh("exec sleep 60"),
-                    sh("sleep 0.2; echo boom >&2; exit 3"),
+                    sh("sleep 1; echo boom >&2; exit 3"),
                     sh("exec sleep 60"),
                     sh("echo fine"),
                 ],

@@ -784,8 +784,10 @@ mod tests {
         // Swap: the checked directory moves away; another one, with its own socket, takes its name.
         let moved = checked.with_extension("moved");
         std::fs::rename(&checked, &moved).unwrap();
-        let impostor_dir = std::fs::DirBuilder::new().mode(0o700).create(&checked);
-        impostor_dir.unwrap();
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&checked)
+            .unwrap();
         let impostor = UnixListener::bind(checked.join("relay.sock")).unwrap();
         impostor.set_nonblocking(true).unwrap();
         let mut c =

@@ -67,6 +67,13 @@ impl LinkKind {
             LinkKind::Channel => "channel",
         }
     }
+
+    /// The kind [`LinkKind::name`] calls `name`.
+    pub fn from_name(name: &str) -> Option<LinkKind> {
+        [LinkKind::Relay, LinkKind::WebRtc, LinkKind::Channel]
+            .into_iter()
+            .find(|k| k.name() == name)
+    }
 }
 
 /// What the page is told about the network.
@@ -114,11 +121,9 @@ pub struct WebJoin {
     pub world: u32,
     /// Wanted rank, or any free one.
     pub rank: Option<u32>,
-    /// Try WebRTC data channels to every peer (falling back to the relay per pair).
-    pub webrtc: bool,
-    /// Try a BroadcastChannel to every peer (tabs of this browser; the relay for the others).
-    /// Takes precedence over `webrtc`.
-    pub channel: bool,
+    /// The direct path to try to every peer, falling back to the relay per pair: WebRTC data
+    /// channels, BroadcastChannels (tabs of this browser), or none (`Relay`: all data through it).
+    pub links: LinkKind,
     /// How long to wait for the room to fill.
     pub ready_timeout: Duration,
     /// How long to wait for a data channel to open before that pair falls back to the relay.
@@ -128,7 +133,7 @@ pub struct WebJoin {
 }
 
 impl WebJoin {
-    /// Defaults: any rank, WebRTC on, 10 min to fill (people open tabs by hand), 10 s per data channel.
+    /// Defaults: any rank, WebRTC links, 10 min to fill (people open tabs by hand), 10 s per data channel.
     pub fn new(url: &str, room: &str, world: u32) -> Self {
         WebJoin {
             url: url.to_string(),
@@ -136,8 +141,7 @@ impl WebJoin {
             token: None,
             world,
             rank: None,
-            webrtc: true,
-            channel: false,
+            links: LinkKind::WebRtc,
             ready_timeout: Duration::from_secs(600),
             rtc_timeout: Duration::from_secs(10),
             max_message: 1 << 30,
@@ -423,19 +427,17 @@ impl BrowserTransport {
             peers: RefCell::new(Vec::new()),
             handlers: RefCell::new(handlers),
         };
-        let channel = opts.channel && world > 1;
-        let rtc = opts.webrtc && !channel && world > 1;
         let base = format!("distgrad/{}/{}", opts.room, t.token);
         let attempts = (0..world).filter(|&p| p != rank).map(|p| {
             let rx = signal_rx[p].take();
             let t = &t;
             let base = &base;
             async move {
-                let r = match (rtc, channel, rx) {
-                    (true, _, Some(rx)) => {
+                let r = match (opts.links, rx) {
+                    (LinkKind::WebRtc, Some(rx)) => {
                         t.connect_peer(p, rx, opts.rtc_timeout).await.map(Link::Rtc)
                     }
-                    (_, true, _) => t
+                    (LinkKind::Channel, _) => t
                         .connect_channel(base, p, opts.rtc_timeout)
                         .await
                         .map(Link::Channel),

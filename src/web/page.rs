@@ -234,9 +234,8 @@ struct Params {
     sim: Option<usize>,
     token: Option<String>,
     rank: Option<u32>,
-    webrtc: bool,
-    /// BroadcastChannels to the tabs of this browser (`net=channel`).
-    channel: bool,
+    /// The direct links between tabs (`net=webrtc|channel|relay`; `relay`: none).
+    net: LinkKind,
     device: Choice,
     relay: Option<String>,
 }
@@ -272,15 +271,10 @@ fn params() -> Result<Params> {
             )));
         }
     };
-    let (webrtc, channel) = match q.get("net").as_deref() {
-        None | Some("webrtc") => (true, false),
-        Some("relay") => (false, false),
-        Some("channel") => (false, true),
-        Some(o) => {
-            return Err(Error::Input(format!(
-                "net={o:?}: expected webrtc, channel or relay"
-            )));
-        }
+    let net = match q.get("net") {
+        None => LinkKind::WebRtc,
+        Some(o) => LinkKind::from_name(&o)
+            .ok_or_else(|| Error::Input(format!("net={o:?}: expected webrtc, channel or relay")))?,
     };
     let rank = match q.get("rank") {
         None => None,
@@ -295,8 +289,7 @@ fn params() -> Result<Params> {
         sim,
         token: q.get("token").filter(|t| !t.is_empty()),
         rank,
-        webrtc,
-        channel,
+        net,
         device,
         relay: q.get("relay"),
     })
@@ -335,10 +328,8 @@ fn share_link(p: &Params, room: &str, token: &str) -> String {
         p.world,
         enc(token)
     );
-    if p.channel {
-        s.push_str("&net=channel");
-    } else if !p.webrtc {
-        s.push_str("&net=relay");
+    if p.net != LinkKind::WebRtc {
+        s.push_str(&format!("&net={}", p.net.name()));
     }
     if let Some(r) = &p.relay {
         s.push_str(&format!("&relay={}", enc(r)));
@@ -388,13 +379,7 @@ async fn run() -> Result<()> {
     let Some(room) = p.room.clone() else {
         // No room yet: the lobby creates one (or joins one by name and token).
         if let Some(sel) = el::<HtmlSelectElement>("new-net") {
-            sel.set_value(if p.channel {
-                "channel"
-            } else if p.webrtc {
-                "webrtc"
-            } else {
-                "relay"
-            });
+            sel.set_value(p.net.name());
         }
         set_hidden("create", false);
         set_hidden("lobby", true);
@@ -424,8 +409,7 @@ async fn run() -> Result<()> {
     let mut join = WebJoin::new(&url, &room, p.world as u32);
     join.token = p.token.clone();
     join.rank = p.rank;
-    join.webrtc = p.webrtc;
-    join.channel = p.channel;
+    join.links = p.net;
     let t = BrowserTransport::join(join, Rc::new(on_net_event)).await?;
     let rank = t.rank();
     render_ranks();
@@ -1550,9 +1534,8 @@ fn parse_control(what: &str) -> Result<Bus> {
     })
 }
 
-/// Load this page for `room` (keeping the other URL parameters: net, device, relay).
-/// Open `room` (a new one: `token` None). `net`: the data path chosen in the lobby (else the
-/// current URL's `net` is kept).
+/// Load this page for `room` (a new one: `token` None), keeping the other URL parameters (device,
+/// relay, and net unless `net` gives the data path chosen in the lobby).
 fn go_to_room(room: &str, world: &str, token: Option<&str>, net: Option<&str>) {
     let Some(w) = web_sys::window() else { return };
     let ok = world
