@@ -36,16 +36,22 @@ const BIN: &str = env!("CARGO_BIN_EXE_distgrad");
 // Helpers
 // ---------------------------------------------------------------------------------------------
 
-/// Run the binary with a wall-clock bound (killed past it); stdout and stderr are drained by
-/// threads so a chatty child cannot block on a full pipe.
+/// Run the binary with a wall-clock bound (killed past it).
 fn run_bin(args: &[&str], bound: Duration) -> Output {
-    let mut child = Command::new(BIN)
-        .args(args)
+    let mut cmd = Command::new(BIN);
+    cmd.args(args);
+    run_bounded(cmd, &format!("distgrad {args:?}"), bound)
+}
+
+/// Run `cmd` (named `what` in failures) with a wall-clock bound (killed past it); stdout and
+/// stderr are drained by threads so a chatty child cannot block on a full pipe.
+fn run_bounded(mut cmd: Command, what: &str, bound: Duration) -> Output {
+    let mut child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap_or_else(|e| panic!("spawning distgrad {args:?}: {e}"));
+        .unwrap_or_else(|e| panic!("spawning {what}: {e}"));
     let mut so = child.stdout.take().unwrap();
     let mut se = child.stderr.take().unwrap();
     let out_t = std::thread::spawn(move || {
@@ -66,7 +72,7 @@ fn run_bin(args: &[&str], bound: Duration) -> Output {
         if t0.elapsed() > bound {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("distgrad {args:?} ran longer than {bound:?}; killed");
+            panic!("{what} ran longer than {bound:?}; killed");
         }
         std::thread::sleep(Duration::from_millis(5));
     };
@@ -2046,6 +2052,17 @@ fn a_receiver_that_never_reads_stops_its_sender() {
 
 /// Join over a raw WebSocket announcing a data stream; returns the client and its stream key.
 async fn raw_join_with_stream(url: &str, room: &str, world: u32, rank: u32) -> (Raw, String) {
+    let (c, key, _) = raw_join_with_stream_path(url, room, world, rank).await;
+    (c, key)
+}
+
+/// [`raw_join_with_stream`], also returning the Unix-domain socket path the welcome named (if any).
+async fn raw_join_with_stream_path(
+    url: &str,
+    room: &str,
+    world: u32,
+    rank: u32,
+) -> (Raw, String, Option<String>) {
     let mut c = Raw::connect(url).await;
     c.send_control(&Control::Join {
         room: room.into(),
@@ -2058,8 +2075,9 @@ async fn raw_join_with_stream(url: &str, room: &str, world: u32, rank: u32) -> (
     match c.next_control().await {
         Control::Welcome {
             stream_key: Some(key),
+            stream_path,
             ..
-        } => (c, key),
+        } => (c, key, stream_path),
         other => panic!("expected a welcome with a stream key, got {other:?}"),
     }
 }
@@ -2416,6 +2434,141 @@ fn local_stream_socket_is_private_checked_falls_back_and_is_removed() {
         .parent()
         .expect("the socket's directory");
     assert!(!dir.exists(), "{} after shutdown", dir.display());
+}
+
+/// Set (by [`only_loopback_members_are_told_the_unix_socket`]) for its run in a network namespace.
+const NETNS_INNER: &str = "DISTGRAD_NETNS_INNER";
+/// What that run prints once all its checks passed.
+const NETNS_OK: &str = "netns check: ok (non-loopback member: tcp, loopback member: unix)";
+
+/// Only members that reached the relay on a loopback address are told its Unix-domain socket: in
+/// a network namespace of the test's own, where 192.0.2.1 (TEST-NET-1) is an address of this host
+/// that nothing outside sees, a relay on 0.0.0.0 names the socket in the welcome of a member that
+/// joined on 127.0.0.1 and not in that of one that joined on 192.0.2.1 (its source address), and
+/// our transport's data streams take the Unix socket and TCP respectively. The test runs itself
+/// again under `unshare -n` (needs root or user namespaces, and iproute2's `ip`; it says why it
+/// skipped otherwise), and passes only if that run printed [`NETNS_OK`].
+#[cfg(target_os = "linux")]
+#[test]
+fn only_loopback_members_are_told_the_unix_socket() {
+    const NAME: &str = "only_loopback_members_are_told_the_unix_socket";
+    if std::env::var_os(NETNS_INNER).is_some() {
+        return netns_only_loopback_members_are_told_the_unix_socket();
+    }
+    match Command::new("unshare").args(["-n", "true"]).output() {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => {
+            let why = String::from_utf8_lossy(&o.stderr);
+            eprintln!(
+                "skipped: `unshare -n true` failed ({}): {}",
+                o.status,
+                why.trim()
+            );
+            return;
+        }
+        Err(e) => {
+            eprintln!("skipped: cannot run `unshare` (util-linux): {e}");
+            return;
+        }
+    }
+    if let Err(e) = Command::new("ip").arg("-V").output() {
+        eprintln!("skipped: cannot run `ip` (iproute2): {e}");
+        return;
+    }
+    let mut cmd = Command::new("unshare");
+    cmd.args(["-n", "--"])
+        .arg(std::env::current_exe().expect("current_exe"))
+        .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
+        .env(NETNS_INNER, "1");
+    let out = run_bounded(cmd, "this test under `unshare -n`", Duration::from_secs(60));
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success() && so.lines().any(|l| l == NETNS_OK),
+        "the run in a network namespace ({}) did not print {NETNS_OK:?}\n\
+         stdout:\n{so}\nstderr:\n{se}",
+        out.status
+    );
+    println!("{NETNS_OK}");
+}
+
+/// [`only_loopback_members_are_told_the_unix_socket`] inside its network namespace.
+#[cfg(target_os = "linux")]
+fn netns_only_loopback_members_are_told_the_unix_socket() {
+    let ip = |args: &[&str]| -> std::result::Result<(), String> {
+        let o = Command::new("ip")
+            .args(args)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if o.status.success() {
+            Ok(())
+        } else {
+            Err(String::from_utf8_lossy(&o.stderr).trim().to_string())
+        }
+    };
+    let must = |args: &[&str]| ip(args).unwrap_or_else(|e| panic!("ip {args:?}: {e}"));
+    must(&["link", "set", "lo", "up"]);
+    // A second interface where the kernel has dummy ones, else lo: either way 192.0.2.1 is an
+    // address of this host that is no loopback address.
+    let dev = match ip(&["link", "add", "dg0", "type", "dummy"]) {
+        Ok(()) => "dg0",
+        Err(e) => {
+            println!("no dummy interface ({e}); 192.0.2.1 goes on lo");
+            "lo"
+        }
+    };
+    must(&["addr", "add", "192.0.2.1/24", "dev", dev]);
+    must(&["link", "set", dev, "up"]);
+
+    let relay = TestRelay::start_on("0.0.0.0:0", RelayConfig::default());
+    let port = relay.addr.port();
+    let (far, near) = (
+        format!("ws://192.0.2.1:{port}/ws"),
+        format!("ws://127.0.0.1:{port}/ws"),
+    );
+    // What the relay tells each member in its welcome.
+    rank_runtime().block_on(async {
+        let (c, _, far_path) = raw_join_with_stream_path(&far, "told", 2, 0).await;
+        let tokio_tungstenite::MaybeTlsStream::Plain(s) = c.ws.get_ref() else {
+            unreachable!("ws:// is plain TCP")
+        };
+        let from = s.local_addr().expect("local_addr").ip();
+        assert_eq!(from.to_string(), "192.0.2.1", "the far member's address");
+        let (_near, _, near_path) = raw_join_with_stream_path(&near, "told", 2, 1).await;
+        assert_eq!(
+            far_path, None,
+            "a member that joined from {from} was told the relay's Unix-domain socket"
+        );
+        assert!(
+            near_path.is_some(),
+            "a member that joined from 127.0.0.1 was not told the relay's Unix-domain socket"
+        );
+    });
+    // The route each of our transport's members takes.
+    let route = |url: &str, rank: u32| {
+        rank_runtime().block_on(async {
+            let t = WsTransport::connect(url, join_opts("routes", "t", 2, rank))
+                .await
+                .unwrap_or_else(|e| panic!("rank {rank} joins on {url}: {e}"));
+            let r = t.data_stream_route();
+            t.close().await;
+            r
+        })
+    };
+    let routes = std::thread::scope(|s| {
+        let far = s.spawn(|| route(&far, 0));
+        let near = s.spawn(|| route(&near, 1));
+        (far.join().unwrap(), near.join().unwrap())
+    });
+    assert_eq!(
+        routes,
+        (Some(StreamRoute::Tcp), Some(StreamRoute::Unix)),
+        "data stream routes (member on 192.0.2.1, member on 127.0.0.1)"
+    );
+    relay.shutdown(Duration::from_secs(5));
+    println!("{NETNS_OK}");
 }
 
 /// A member that never reads its data stream: the relay's forward to it makes no progress, so

@@ -1,7 +1,7 @@
 //! Helpers for the relay tests (`tests/relay.rs`).
 //!
-//! - [`TestRelay`]: `relay::serve` on `127.0.0.1:0` in its own thread and multi-thread tokio
-//!   runtime, stopped through a oneshot (on [`TestRelay::shutdown`] or on drop).
+//! - [`TestRelay`]: `relay::serve` on `127.0.0.1:0` (or another address) in its own thread and
+//!   multi-thread tokio runtime, stopped through a oneshot (on [`TestRelay::shutdown`] or on drop).
 //! - [`run_ranks`]: one std thread per rank, each with its own current-thread tokio runtime, that
 //!   connects a [`WsTransport`], wraps it in a [`P2p`] communicator and runs a closure on it.
 //! - [`Raw`]: a third-party client (plain tokio-tungstenite, not our transport) that speaks the wire
@@ -42,7 +42,14 @@ pub struct TestRelay {
 impl TestRelay {
     /// Start a relay with `cfg`.
     pub fn start(cfg: RelayConfig) -> TestRelay {
-        let std_listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+        TestRelay::start_on("127.0.0.1:0", cfg)
+    }
+
+    /// Start a relay with `cfg` listening on `bind` (only loopback, or addresses of a network
+    /// namespace the test made itself).
+    pub fn start_on(bind: &str, cfg: RelayConfig) -> TestRelay {
+        let std_listener =
+            std::net::TcpListener::bind(bind).unwrap_or_else(|e| panic!("bind {bind}: {e}"));
         std_listener.set_nonblocking(true).expect("nonblocking");
         let addr = std_listener.local_addr().expect("local_addr");
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
