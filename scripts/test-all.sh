@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every test: the native suite (`cargo test`, GPU tests on lavapipe), the browser unit suite
 # (wasm-bindgen-test in headless Chromium with WebGPU) and the end-to-end suites: the web app built
-# with trunk, 4 tabs as ranks over the relay and over WebRTC, a mixed native + browser group, a tab
-# closed mid-run, and every lesson of the teaching demo in 3 tabs and in single-tab mode.
+# with trunk, 4 tabs as ranks over the relay, over BroadcastChannels, with the page's automatic
+# choice and over WebRTC, a mixed native + browser group, a tab closed mid-run, and every lesson of
+# the teaching demo in 3 tabs and in single-tab mode.
 # Installs what it needs, skipping what is already there: lavapipe, chromium + chromium-driver and
 # iproute2 (apt, as root), the wasm32 target, wasm-bindgen-cli at exactly the version in
 # Cargo.lock, trunk, and the npm packages of tests/browser (scripts/web-tools.sh).
@@ -52,6 +53,9 @@ node tests/browser/e2e.mjs --bin "$bin" --dist dist --net relay --out "$out"
 # Tabs of one browser over BroadcastChannels (no network between them; the native worker of the
 # mixed-group check keeps the relay).
 node tests/browser/e2e.mjs --bin "$bin" --dist dist --net channel --out "$out"
+# The page's default (net=auto): these tabs, all in one browser, pick BroadcastChannels; the native
+# worker's pairs try WebRTC after the channel's 2 s and keep the relay.
+node tests/browser/e2e.mjs --bin "$bin" --dist dist --net auto --out "$out"
 say "end-to-end: every lesson of the teaching demo in 3 tabs and in single-tab mode (tests/browser/lessons.mjs)"
 node tests/browser/lessons.mjs --bin "$bin" --dist dist --out "$out"
 # WebRTC only inside a loopback-only network namespace, so ICE never tries another interface.

@@ -1,17 +1,20 @@
-//! The browser's [`Transport`]: a WebSocket to the relay, plus (optionally) a full mesh of WebRTC
-//! data channels signaled through it, or (optionally) a BroadcastChannel per pair of tabs open in
-//! the same browser. Each peer is reached over one [`LinkKind`]: its data channel or broadcast
-//! channel when that connected, else the relay (per pair, decided once after the room is full).
-//! Incoming frames from any path land in the one [`Mailbox`].
+//! The browser's [`Transport`]: a WebSocket to the relay, plus a direct path to each peer where one
+//! connects: a BroadcastChannel to a tab open in the same browser, or a WebRTC data channel
+//! signaled through the relay. [`Links`] says which to try ([`Links::Auto`], the default: the
+//! BroadcastChannel, then WebRTC). Each peer is reached over one [`LinkKind`]: the direct path that
+//! connected, else the relay (per pair, decided once after the room is full). Incoming frames from
+//! any path land in the one [`Mailbox`].
 //!
 //! A BroadcastChannel reaches only pages of the same origin in the same browser profile: no
 //! network at all between them. Each pair of ranks uses its own channel, named after the room, its
 //! token and the pair; the two tabs find each other with a short hello exchange on it (a tab in
-//! another browser, or a native worker, never answers: that pair keeps the relay). A tab always
-//! listens on its pair channels, so a pair that decided differently at the time limit still
-//! delivers; each direction keeps one route for the whole session.
+//! another browser, or a native worker, never answers: that pair tries the next path). The
+//! exchange runs on message events, not timers, so it completes at once in background tabs too
+//! (browsers slow their timers). A tab always listens on its pair channels, so a pair that decided
+//! differently at the time limit still delivers; each direction keeps one route for the whole
+//! session.
 //!
-//! Frames are the relay's wire format ([`crate::wire`]) on both paths; over WebRTC a frame is at
+//! Frames are the relay's wire format ([`crate::wire`]) on every path; over WebRTC a frame is at
 //! most 256 KiB (Chromium's data-channel message limit), and its source rank is the channel's peer,
 //! whatever the header says. Sends wait while the browser's send buffer is above a high-water mark,
 //! so a large tensor does not pile up in memory or overflow a data channel.
@@ -67,12 +70,40 @@ impl LinkKind {
             LinkKind::Channel => "channel",
         }
     }
+}
 
-    /// The kind [`LinkKind::name`] calls `name`.
-    pub fn from_name(name: &str) -> Option<LinkKind> {
-        [LinkKind::Relay, LinkKind::WebRtc, LinkKind::Channel]
-            .into_iter()
-            .find(|k| k.name() == name)
+/// Which direct path a tab tries to each peer before the relay (`net=` in the page's URL).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Links {
+    /// A BroadcastChannel where the peer is a tab of this browser, else a WebRTC data channel,
+    /// else the relay.
+    #[default]
+    Auto,
+    /// A WebRTC data channel (tabs in any browsers), else the relay.
+    WebRtc,
+    /// A BroadcastChannel (tabs of this browser only), else the relay.
+    Channel,
+    /// No direct path: all data through the relay.
+    Relay,
+}
+
+impl Links {
+    /// Every choice, the default first.
+    pub const ALL: [Links; 4] = [Links::Auto, Links::WebRtc, Links::Channel, Links::Relay];
+
+    /// "auto", "webrtc", "channel" or "relay" (the page's `net=` values).
+    pub fn name(self) -> &'static str {
+        match self {
+            Links::Auto => "auto",
+            Links::WebRtc => "webrtc",
+            Links::Channel => "channel",
+            Links::Relay => "relay",
+        }
+    }
+
+    /// The choice [`Links::name`] calls `name`.
+    pub fn from_name(name: &str) -> Option<Links> {
+        Links::ALL.into_iter().find(|k| k.name() == name)
     }
 }
 
@@ -101,7 +132,7 @@ pub enum NetEvent {
         peer: usize,
         /// The path.
         kind: LinkKind,
-        /// Empty, or why WebRTC was not used.
+        /// Empty, or why no direct path was used.
         detail: String,
     },
     /// The connection to the relay closed, or a fault stopped this transport.
@@ -121,19 +152,23 @@ pub struct WebJoin {
     pub world: u32,
     /// Wanted rank, or any free one.
     pub rank: Option<u32>,
-    /// The direct path to try to every peer, falling back to the relay per pair: WebRTC data
-    /// channels, BroadcastChannels (tabs of this browser), or none (`Relay`: all data through it).
-    pub links: LinkKind,
+    /// The direct path to try to every peer, falling back to the relay per pair.
+    pub links: Links,
     /// How long to wait for the room to fill.
     pub ready_timeout: Duration,
-    /// How long to wait for a data channel to open before that pair falls back to the relay.
+    /// How long to wait for a data channel to open, or (with [`Links::Channel`]) for the peer to
+    /// answer on the pair's BroadcastChannel, before that pair falls back to the relay.
     pub rtc_timeout: Duration,
+    /// With [`Links::Auto`]: how long to wait for an answer on the pair's BroadcastChannel before
+    /// trying WebRTC (a tab of this browser answers within milliseconds of joining).
+    pub channel_probe: Duration,
     /// Largest message to reassemble; a peer sending more is a protocol fault.
     pub max_message: usize,
 }
 
 impl WebJoin {
-    /// Defaults: any rank, WebRTC links, 10 min to fill (people open tabs by hand), 10 s per data channel.
+    /// Defaults: any rank, [`Links::Auto`], 10 min to fill (people open tabs by hand), 10 s per
+    /// data channel, 2 s for a tab of this browser to answer.
     pub fn new(url: &str, room: &str, world: u32) -> Self {
         WebJoin {
             url: url.to_string(),
@@ -141,9 +176,10 @@ impl WebJoin {
             token: None,
             world,
             rank: None,
-            links: LinkKind::WebRtc,
+            links: Links::Auto,
             ready_timeout: Duration::from_secs(600),
             rtc_timeout: Duration::from_secs(10),
+            channel_probe: Duration::from_secs(2),
             max_message: 1 << 30,
         }
     }
@@ -307,6 +343,19 @@ async fn sleep(d: Duration) {
     futures_timer::Delay::new(d).await;
 }
 
+/// Post `hello:0` on `bc` every 50 ms while the peer has not been `heard`; returns only when a
+/// post fails (why).
+async fn hello_until_heard(bc: &BroadcastChannel, heard: &Cell<bool>) -> String {
+    loop {
+        if !heard.get()
+            && let Err(v) = bc.post_message(&JsValue::from_str("hello:0"))
+        {
+            return format!("BroadcastChannel post: {}", js_err("", v));
+        }
+        sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// `fut` or, after `limit`, `None`.
 async fn within<F: std::future::Future>(limit: Duration, fut: F) -> Option<F::Output> {
     let fut = std::pin::pin!(fut);
@@ -318,8 +367,8 @@ async fn within<F: std::future::Future>(limit: Duration, fut: F) -> Option<F::Ou
 }
 
 impl BrowserTransport {
-    /// Connect to the relay, join `opts.room`, wait until the room is full, then (with
-    /// `opts.webrtc`) open a data channel to every peer. `on_event` hears membership and link
+    /// Connect to the relay, join `opts.room`, wait until the room is full, then open the direct
+    /// path `opts.links` asks for to every peer. `on_event` hears membership and link
     /// changes from the start (also while waiting for the room to fill).
     pub async fn join(opts: WebJoin, on_event: Listener) -> Result<BrowserTransport> {
         let world = opts.world as usize;
@@ -433,14 +482,20 @@ impl BrowserTransport {
             let t = &t;
             let base = &base;
             async move {
+                let channel = |limit| t.connect_channel(base, p, limit);
                 let r = match (opts.links, rx) {
-                    (LinkKind::WebRtc, Some(rx)) => {
+                    (Links::WebRtc, Some(rx)) => {
                         t.connect_peer(p, rx, opts.rtc_timeout).await.map(Link::Rtc)
                     }
-                    (LinkKind::Channel, _) => t
-                        .connect_channel(base, p, opts.rtc_timeout)
-                        .await
-                        .map(Link::Channel),
+                    (Links::Channel, _) => channel(opts.rtc_timeout).await.map(Link::Channel),
+                    (Links::Auto, Some(rx)) => match channel(opts.channel_probe).await {
+                        Ok(bc) => Ok(Link::Channel(bc)),
+                        Err(no_channel) => t
+                            .connect_peer(p, rx, opts.rtc_timeout)
+                            .await
+                            .map(Link::Rtc)
+                            .map_err(|no_rtc| format!("{no_channel}; WebRTC: {no_rtc}")),
+                    },
                     // Direct links off by choice: the relay is not a fallback, so no reason to show.
                     _ => Err(String::new()),
                 };
@@ -467,11 +522,14 @@ impl BrowserTransport {
     }
 
     /// Open the BroadcastChannel of the pair (this rank, `peer`) and find out whether `peer` is on
-    /// it (a tab of this browser): both post `hello:<heard>` every 50 ms (`heard`: whether they
-    /// have heard the other yet) and answer a `hello:0` with `hello:1`; a `hello:1` means the
-    /// peer hears us, so the link works both ways. Frames arriving on the channel are delivered
-    /// from the start, whatever is decided. (A channel delivers only to pages that have it open
-    /// at the time: the first hellos of the earlier tab are lost, hence the repeats.)
+    /// it (a tab of this browser). A channel delivers only to pages that have it open at the time,
+    /// so each side posts `hello:0` every 50 ms until it hears the other; whoever hears a `hello:0`
+    /// answers `hello:1` at once (delivered: the sender has the channel open), and whoever hears
+    /// a `hello:1` and has not answered yet answers it too. A side that has heard a `hello:1` and
+    /// sent one knows the link works both ways and that the peer will know it too. The answers run
+    /// in the message handler, so in a background tab (timers slowed to one a second or less) the
+    /// exchange still completes as soon as both tabs have the channel open. Frames arriving on the
+    /// channel are delivered from the start, whatever is decided.
     async fn connect_channel(
         &self,
         base: &str,
@@ -483,46 +541,48 @@ impl BrowserTransport {
             .map_err(|v| format!("BroadcastChannel: {}", js_err("", v)))?;
         self.channels.borrow_mut().push(bc.clone());
         let heard = Rc::new(Cell::new(false));
-        let confirmed = Rc::new(Cell::new(false));
+        let (done_tx, done_rx) = futures::channel::oneshot::channel::<()>();
+        let mut done_tx = Some(done_tx);
+        let (confirmed, answered) = (Cell::new(false), Cell::new(false));
         let s = self.shared.clone();
-        let (h, c, answer) = (heard.clone(), confirmed.clone(), bc.clone());
+        let (h, answer) = (heard.clone(), bc.clone());
         let onmessage: Handler = Closure::new(move |ev: JsValue| {
             let ev: MessageEvent = ev.unchecked_into();
             let data = ev.data();
             if let Some(b) = bytes_of(&data) {
-                s.on_frame(b, Some(peer));
-            } else if let Some(text) = data.as_string() {
-                match text.as_str() {
-                    "hello:0" => {
-                        h.set(true);
-                        let _ = answer.post_message(&JsValue::from_str("hello:1"));
-                    }
-                    "hello:1" => {
-                        h.set(true);
-                        c.set(true);
-                    }
-                    _ => {}
-                }
+                return s.on_frame(b, Some(peer));
+            }
+            let hello = data.as_string();
+            match hello.as_deref() {
+                Some("hello:0") => {}
+                Some("hello:1") => confirmed.set(true),
+                _ => return,
+            }
+            h.set(true);
+            if hello.as_deref() == Some("hello:0") || !answered.get() {
+                let _ = answer.post_message(&JsValue::from_str("hello:1"));
+                answered.set(true);
+            }
+            if confirmed.get()
+                && answered.get()
+                && let Some(tx) = done_tx.take()
+            {
+                let _ = tx.send(());
             }
         });
         bc.set_onmessage(Some(onmessage.as_ref().unchecked_ref()));
         self.handlers.borrow_mut().push(onmessage);
-        // Done once the peer hears us (it sent `hello:1`) and we have told it that we hear it
-        // (a `hello:1` of ours after hearing it: delivered, since its channel is open by then).
-        let greet = async {
-            let mut told = false;
-            loop {
-                let hello = if heard.get() { "hello:1" } else { "hello:0" };
-                bc.post_message(&JsValue::from_str(hello))
-                    .map_err(|v| format!("BroadcastChannel post: {}", js_err("", v)))?;
-                told |= hello == "hello:1";
-                if confirmed.get() && told {
-                    return Ok(());
+        let call = async {
+            let repeat = std::pin::pin!(hello_until_heard(&bc, &heard));
+            match futures::future::select(done_rx, repeat).await {
+                futures::future::Either::Left((Ok(()), _)) => Ok(()),
+                futures::future::Either::Left((Err(_), _)) => {
+                    Err("the BroadcastChannel's handler was dropped".to_string())
                 }
-                sleep(Duration::from_millis(50)).await;
+                futures::future::Either::Right((why, _)) => Err(why),
             }
         };
-        match within(limit, greet).await {
+        match within(limit, call).await {
             Some(Ok(())) => Ok(bc),
             Some(Err(why)) => Err(why),
             None => Err(format!(

@@ -1,12 +1,13 @@
 //! The page (`www/index.html`): one browser tab = one rank, or N simulated ranks in one tab.
 //!
 //! The URL says which room and world (`?room=r&world=4`, plus `token` to join an existing room,
-//! `net=relay` to skip WebRTC, `net=channel` for BroadcastChannels between tabs of this browser
-//! instead of WebRTC, `device=cpu|gpu|auto`, `relay=ws://...` for another relay), or
-//! `?sim=N` for N ranks simulated inside this page (no server: for a projector). The page picks the
-//! compute backend (WebGPU when the browser has an adapter, else the CPU) and says which, joins the
-//! room through the relay, connects WebRTC data channels to every peer (or says which pairs fell
-//! back to the relay), and shows a share link and a diagram of the ranks with itself highlighted.
+//! `net=webrtc|channel|relay` for the data path between tabs (default `auto`: BroadcastChannels
+//! to tabs of this browser, WebRTC to others), `device=cpu|gpu|auto`, `relay=ws://...` for another
+//! relay), or `?sim=N` for N ranks simulated inside this page (no server: for a projector). The
+//! page picks the compute backend (WebGPU when the browser has an adapter, else the CPU) and says
+//! which, joins the room through the relay, connects a direct path to every peer (or says which
+//! pairs fell back to the relay, and why), and shows a share link and a diagram of the ranks with
+//! itself highlighted.
 //!
 //! Lessons ([`crate::lesson`], files in `www/lessons/`) and free runs of any collective start from
 //! any tab: the tab asks rank 0, which puts every tab's requests in one order and announces each to
@@ -32,7 +33,7 @@ use wasm_bindgen::prelude::*;
 use wasm_bindgen_futures::{JsFuture, spawn_local};
 use web_sys::{Document, HtmlElement, HtmlInputElement, HtmlSelectElement};
 
-use super::net::{BrowserTransport, LinkKind, NetEvent, WebJoin};
+use super::net::{BrowserTransport, LinkKind, Links, NetEvent, WebJoin};
 use crate::backend::{Choice, Device};
 use crate::collective::{Communicator, P2p, ReduceOp};
 use crate::error::{Error, Result};
@@ -234,8 +235,8 @@ struct Params {
     sim: Option<usize>,
     token: Option<String>,
     rank: Option<u32>,
-    /// The direct links between tabs (`net=webrtc|channel|relay`; `relay`: none).
-    net: LinkKind,
+    /// The direct path between tabs (`net=auto|webrtc|channel|relay`; `relay`: none).
+    net: Links,
     device: Choice,
     relay: Option<String>,
 }
@@ -272,9 +273,12 @@ fn params() -> Result<Params> {
         }
     };
     let net = match q.get("net") {
-        None => LinkKind::WebRtc,
-        Some(o) => LinkKind::from_name(&o)
-            .ok_or_else(|| Error::Input(format!("net={o:?}: expected webrtc, channel or relay")))?,
+        None => Links::default(),
+        Some(o) => Links::from_name(&o).ok_or_else(|| {
+            Error::Input(format!(
+                "net={o:?}: expected auto, webrtc, channel or relay"
+            ))
+        })?,
     };
     let rank = match q.get("rank") {
         None => None,
@@ -328,7 +332,7 @@ fn share_link(p: &Params, room: &str, token: &str) -> String {
         p.world,
         enc(token)
     );
-    if p.net != LinkKind::WebRtc {
+    if p.net != Links::default() {
         s.push_str(&format!("&net={}", p.net.name()));
     }
     if let Some(r) = &p.relay {
@@ -559,7 +563,13 @@ fn render_ranks() {
         } else if link.is_empty() {
             "connected".to_string()
         } else {
-            format!("connected via {link}")
+            let path = match link.as_str() {
+                "channel" => "BroadcastChannel",
+                "webrtc" => "WebRTC",
+                "relay" => "the relay",
+                other => other,
+            };
+            format!("connected via {path}")
         };
         html.push_str(&format!(
             "<li class=\"rank{}{}\">rank {r}: {what}</li>",
@@ -1555,8 +1565,8 @@ fn go_to_room(room: &str, world: &str, token: Option<&str>, net: Option<&str>) {
     }
     for key in ["net", "device", "relay"] {
         let v = match (key, net) {
-            // WebRTC is the default: no parameter.
-            ("net", Some(n)) => Some(n.to_string()).filter(|n| n != "webrtc"),
+            // The default needs no parameter.
+            ("net", Some(n)) => Some(n.to_string()).filter(|n| n != Links::default().name()),
             _ => q.as_ref().and_then(|q| q.get(key)),
         };
         if let Some(v) = v {

@@ -1,6 +1,6 @@
 // End-to-end test of the web app: browser tabs as ranks, checked against the native in-process run.
 //
-//   node tests/browser/e2e.mjs --bin <distgrad binary> --dist <built web app> --net relay|webrtc|channel
+//   node tests/browser/e2e.mjs --bin <distgrad binary> --dist <built web app> --net relay|webrtc|channel|auto
 //
 // Starts `distgrad relay --static <dist>` on an ephemeral loopback port, opens 4 tabs of headless
 // Chromium (WebGPU on SwiftShader), and checks:
@@ -8,8 +8,10 @@
 //      `distgrad vjp <case> --json` (the native in-process run), and the dual the tabs ran is the same;
 //   2. the page's Run button (request -> rank 0 -> every rank) runs on every tab;
 //   3. a native `distgrad worker` and 3 tabs in one room (mixed group) give the native result
-//      (with --net webrtc or channel the tabs' pairs with the worker fall back to the relay and say
-//      so; channel: BroadcastChannels between the tabs of this browser);
+//      (with --net webrtc, channel or auto the tabs' pairs with the worker fall back to the relay and
+//      say so; channel: BroadcastChannels between the tabs of this browser; auto, the page's default:
+//      BroadcastChannels between these tabs, all in one browser, after which the worker's pairs try
+//      WebRTC);
 //   4. closing one tab mid-run makes every other tab show an error within 5 s.
 // Prints figures (not asserted): page load to ready, 4-tab all_reduce of 1 MiB forward + backward,
 // the .wasm size. --net webrtc must run inside a loopback-only network namespace (scripts/test-all.sh
@@ -28,8 +30,8 @@ const NET = args.net ?? 'relay';
 const OUT = args.out ?? 'target/browser-test-output';
 const CHROMIUM = process.env.CHROMIUM ?? '/usr/bin/chromium';
 const WORLD = 4;
-if (!BIN || !['relay', 'webrtc', 'channel'].includes(NET)) {
-  console.error('usage: e2e.mjs --bin <distgrad> --dist <dir> --net relay|webrtc|channel');
+if (!BIN || !['relay', 'webrtc', 'channel', 'auto'].includes(NET)) {
+  console.error('usage: e2e.mjs --bin <distgrad> --dist <dir> --net relay|webrtc|channel|auto');
   process.exit(2);
 }
 mkdirSync(OUT, { recursive: true });
@@ -40,8 +42,10 @@ const fail = (msg) => {
   console.log(`  FAIL ${msg}`);
 };
 const log = (msg) => console.log(`[e2e ${NET}] ${msg}`);
-// The page's URL parameter for this run's data path (WebRTC is the page's default).
-const NET_PARAM = NET === 'webrtc' ? '' : `&net=${NET}`;
+// The page's URL parameter for this run's data path (auto is the page's default), and the path
+// expected between two tabs (auto: all tabs are in this one browser).
+const NET_PARAM = NET === 'auto' ? '' : `&net=${NET}`;
+const TAB_LINK = NET === 'auto' ? 'channel' : NET;
 const withTimeout = (p, ms, what) =>
   Promise.race([p, sleep(ms).then(() => { throw new Error(`${what}: no answer within ${ms} ms`); })]);
 
@@ -165,7 +169,7 @@ async function main() {
     if (JSON.stringify(ranks) !== JSON.stringify([0, 1, 2, 3])) fail(`ranks ${ranks}`);
     for (const s of states) {
       const others = s.links.filter((l, r) => r !== s.rank);
-      const want = NET;
+      const want = TAB_LINK;
       if (!others.every((l) => l === want)) fail(`rank ${s.rank} links ${JSON.stringify(s.links)}, expected all ${want} (${s.fallbacks.join('; ')})`);
     }
     // Tab order != rank order: index pages by rank.
@@ -240,7 +244,7 @@ async function main() {
       if (NET !== 'relay') {
         for (const s of ms) {
           const tabs = s.links.filter((l, r) => r !== s.rank && r !== 3);
-          if (!tabs.every((l) => l === NET)) fail(`mixed: rank ${s.rank} should reach the other tabs over ${NET}: ${JSON.stringify(s.links)}`);
+          if (!tabs.every((l) => l === TAB_LINK)) fail(`mixed: rank ${s.rank} should reach the other tabs over ${TAB_LINK}: ${JSON.stringify(s.links)}`);
           if (s.links[3] !== 'relay' || !s.fallbacks.some((f) => f.startsWith('rank 3'))) fail(`mixed: rank ${s.rank} should say it fell back to the relay for the native rank 3: ${JSON.stringify(s)}`);
         }
         const text = await mpages[0].textContent('#links');

@@ -125,10 +125,16 @@ async function main() {
       watch(p, `tab ${i}`, errors);
       pages.push(p);
     }
-    // The lobby's data-path choice: BroadcastChannel goes into the room's URL.
+    // The lobby's data-path choice: the default (auto) needs no parameter; BroadcastChannel goes
+    // into the room's URL.
     await pages[0].goto(base);
     await waitFor([pages[0]], (s) => s.phase === 'lobby', 30000, 'lobby');
-    if (await pages[0].inputValue('#new-net') !== 'webrtc') fail('the lobby does not default to WebRTC');
+    if (await pages[0].inputValue('#new-net') !== 'auto') fail('the lobby does not default to the automatic choice');
+    await pages[0].click('#create-form button[type=submit]');
+    await pages[0].waitForURL(/room=/);
+    if (pages[0].url().includes('net=')) fail(`the lobby's default choice put a net parameter in ${pages[0].url()}`);
+    await pages[0].goto(base);
+    await waitFor([pages[0]], (s) => s.phase === 'lobby', 30000, 'lobby');
     await pages[0].selectOption('#new-net', 'channel');
     await pages[0].click('#create-form button[type=submit]');
     await pages[0].waitForURL(/room=/);
