@@ -138,7 +138,7 @@ pub async fn bench_all<C: Communicator>(
 pub fn table_header() -> String {
     format!(
         "{:>12} {:>12} {:>12} {:>10} {:>10} {:>12}",
-        "op", "size", "time(us)", "algbw", "busbw", "busbw/memcpy"
+        "op", "size", "time(us)", "algbw GB/s", "busbw GB/s", "busbw/memcpy"
     )
 }
 

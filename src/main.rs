@@ -50,15 +50,17 @@ mod cli {
         Vjp {
             /// A collective name (built-in example) or a case file path (`-` = stdin).
             what: String,
-            /// World size for the built-in example.
-            #[arg(long, default_value_t = 4)]
-            world: usize,
-            /// Reduce op for the built-in example (sum, avg, prod, min, max).
-            #[arg(long, default_value = "sum")]
-            op: String,
-            /// Root (group rank) for the built-in example.
-            #[arg(long, default_value_t = 0)]
-            root: usize,
+            /// World size for the built-in example, 1..=64 [default: 4].
+            #[arg(long)]
+            world: Option<usize>,
+            /// Reduce op for the built-in example of reduce, all_reduce or reduce_scatter (sum,
+            /// avg, prod, min, max) [default: sum].
+            #[arg(long)]
+            op: Option<String>,
+            /// Root (group rank) for the built-in example of broadcast, reduce, gather or scatter
+            /// [default: 0].
+            #[arg(long)]
+            root: Option<usize>,
             /// Subgroup for the built-in example, as comma-separated global ranks.
             #[arg(long, value_delimiter = ',')]
             group: Option<Vec<usize>>,
@@ -78,7 +80,7 @@ mod cli {
         Run {
             /// The lesson file.
             lesson: std::path::PathBuf,
-            /// World size (default: the lesson's, else 3).
+            /// World size, 1..=64 (default: the lesson's, else 3).
             #[arg(long)]
             world: Option<usize>,
             /// Print the trace as JSON.
@@ -90,7 +92,7 @@ mod cli {
         /// needs `--features native-nccl`; also runs under torchrun-style launchers: RANK,
         /// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
         Train {
-            /// Number of ranks.
+            /// Number of ranks (local: 1..=64; nccl: one per GPU).
             #[arg(long, default_value_t = 2)]
             world: usize,
             /// `local` (threads of this process) or `nccl` (one process per GPU).
@@ -120,7 +122,8 @@ mod cli {
             /// Serve this folder (the built web app) at `/`.
             #[arg(long = "static")]
             static_dir: Option<std::path::PathBuf>,
-            /// Largest data frame in bytes (clients split larger messages).
+            /// Largest data-frame payload in bytes, at least 1024 (members split larger messages;
+            /// the welcome tells them this limit).
             #[arg(long, default_value_t = 1 << 20)]
             max_frame: usize,
             /// Largest world size of a room.
@@ -186,6 +189,9 @@ mod cli {
             /// still trying WebRTC, need more than the default).
             #[arg(long, default_value_t = 10)]
             timeout_secs: u64,
+            /// Seconds to wait for the room to fill (the other ranks to join).
+            #[arg(long, default_value_t = 60)]
+            fill_timeout_secs: u64,
             /// Exchange data with the room's other native workers over direct TCP links,
             /// listening on this address (e.g. 127.0.0.1:0); the relay only introduces them.
             /// Pairs that cannot link (browser tabs, workers without this flag) use the relay.
@@ -269,8 +275,24 @@ mod cli {
         },
     }
 
+    /// For commands that only compute and print (no sockets): a closed stdout (`| head`) ends the
+    /// process quietly, as for other command-line tools, instead of a panic in `println!`. Not
+    /// for commands with sockets: there Rust's ignored SIGPIPE turns a peer's close into an error.
+    fn quiet_on_closed_stdout() {
+        #[cfg(unix)]
+        // SAFETY: sets the signal's disposition back to the default before any thread starts.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
+
     pub fn main() -> ExitCode {
         let cli = Cli::parse();
+        match &cli.cmd {
+            Cmd::Vjp { .. } | Cmd::Run { .. } => quiet_on_closed_stdout(),
+            Cmd::Train { backend, .. } if backend == "local" => quiet_on_closed_stdout(),
+            _ => {}
+        }
         let r = match cli.cmd {
             Cmd::Vjp {
                 what,
@@ -281,7 +303,7 @@ mod cli {
                 json,
                 print_case,
                 device,
-            } => run_vjp(&what, world, &op, root, group, json, print_case, &device),
+            } => run_vjp(&what, world, op, root, group, json, print_case, &device),
             Cmd::Run {
                 lesson,
                 world,
@@ -295,7 +317,33 @@ mod cli {
                 device,
                 data_path,
             } => run_train(world, &backend, steps, lr, &device, &data_path),
-            Cmd::Bench { what, .. } if what == "kernels" => run_kernel_bench(),
+            Cmd::Bench {
+                what,
+                transport,
+                world,
+                min_bytes,
+                max_bytes,
+                processes,
+                ..
+            } if what == "kernels" => {
+                // The kernels' sizes are fixed (16M f32 per input, the issue's figure).
+                if transport != "local"
+                    || world != 4
+                    || min_bytes != 4
+                    || max_bytes != 64 << 20
+                    || processes
+                {
+                    eprintln!(
+                        "distgrad: note: --transport, --world, --min-bytes, --max-bytes and \
+                         --processes apply to `bench collectives`; `bench kernels` uses 16M f32 \
+                         per input on this process's adapter"
+                    );
+                }
+                run_kernel_bench()
+            }
+            Cmd::Bench { what, .. } if what != "collectives" => Err(distgrad::Error::Input(
+                format!("unknown benchmark {what:?} (collectives or kernels)"),
+            )),
             Cmd::Bench {
                 what: _,
                 transport,
@@ -342,7 +390,7 @@ mod cli {
                     max_members,
                     max_rooms,
                     max_pending_bytes,
-                    idle_timeout: std::time::Duration::from_secs(idle_timeout_secs.max(1)),
+                    idle_timeout: std::time::Duration::from_secs(idle_timeout_secs),
                     allowed_origins: allowed_origin,
                     static_dir,
                     streams: !no_streams,
@@ -364,6 +412,7 @@ mod cli {
                 root,
                 json,
                 timeout_secs,
+                fill_timeout_secs,
                 direct,
                 no_stream,
             } => {
@@ -374,6 +423,7 @@ mod cli {
                     rank,
                     token,
                     timeout: std::time::Duration::from_secs(timeout_secs.max(1)),
+                    fill_timeout: std::time::Duration::from_secs(fill_timeout_secs.max(1)),
                     direct,
                     no_stream,
                 };
@@ -400,9 +450,9 @@ mod cli {
     #[allow(clippy::too_many_arguments)] // one per CLI flag
     fn run_vjp(
         what: &str,
-        world: usize,
-        op: &str,
-        root: usize,
+        world: Option<usize>,
+        op: Option<String>,
+        root: Option<usize>,
         group: Option<Vec<usize>>,
         json: bool,
         print_case: bool,
@@ -418,8 +468,29 @@ mod cli {
                 )));
             }
         };
+        let input = |e: String| distgrad::Error::Input(e);
         let case = if let Ok(which) = Which::parse(what) {
-            vjp::example_case(which, world, ReduceOp::parse(op)?, root, group)?
+            // Say so when a flag does not apply (scripts looping over collectives may pass both).
+            let name = which.name();
+            if op.is_some() && !which.uses_op() {
+                eprintln!(
+                    "distgrad: note: {name} takes no reduce op; --op ignored (it applies to \
+                     reduce, all_reduce and reduce_scatter)"
+                );
+            }
+            if root.is_some() && !which.uses_root() {
+                eprintln!(
+                    "distgrad: note: {name} has no root; --root ignored (it applies to \
+                     broadcast, reduce, gather and scatter)"
+                );
+            }
+            let op = ReduceOp::parse(op.as_deref().unwrap_or("sum"))?;
+            vjp::example_case(which, world.unwrap_or(4), op, root.unwrap_or(0), group)?
+        } else if world.is_some() || op.is_some() || root.is_some() || group.is_some() {
+            return Err(input(format!(
+                "--world, --op, --root and --group shape the built-in examples; the case {what:?} \
+                 sets its own (edit it, e.g. after --print-case)"
+            )));
         } else if what == "-" {
             let mut s = String::new();
             std::io::stdin()
@@ -430,15 +501,16 @@ mod cli {
             let s = std::fs::read_to_string(what)
                 .map_err(|e| distgrad::Error::Input(format!("reading {what}: {e}")))?;
             vjp::parse_case(&s)?
+        } else if what.contains(['/', '\\', '.']) {
+            // Looks like a path, not a collective's name.
+            return Err(input(format!("no such case file {what:?}")));
         } else {
             // Neither a collective nor a file: say both.
             let e = Which::parse(what)
                 .err()
                 .map(|e| e.to_string())
                 .unwrap_or_default();
-            return Err(distgrad::Error::Input(format!(
-                "{what:?} is not a file; {e}"
-            )));
+            return Err(input(format!("{what:?} is not a file; {e}")));
         };
         if print_case {
             println!(
@@ -501,12 +573,31 @@ mod cli {
         }
     }
 
+    /// Benchmarks of an unoptimized build mislead (the CPU baselines above all): say so.
+    fn warn_if_debug_build() {
+        if cfg!(debug_assertions) {
+            eprintln!(
+                "distgrad: note: this is a debug build, so its figures are not representative: \
+                 use `cargo run --release -- bench ...`"
+            );
+        }
+    }
+
     fn run_bench(a: BenchArgs) -> distgrad::Result<()> {
+        if a.child.is_none() {
+            warn_if_debug_build();
+        }
         let (transport, world, min, max) = (a.transport.as_str(), a.world, a.min, a.max);
         let algo = AllReduceAlgo::parse(&a.algo)?;
         if world == 0 || world > 64 {
             return Err(distgrad::Error::Input(format!(
                 "world must be 1..=64, got {world}"
+            )));
+        }
+        if max < 4 || min > max {
+            return Err(distgrad::Error::Input(format!(
+                "--min-bytes {min} .. --max-bytes {max} holds no payload size (sizes run from \
+                 --min-bytes, at least 4, times 4 each step, up to --max-bytes)"
             )));
         }
         if transport == "nccl" {
@@ -805,7 +896,27 @@ mod cli {
     ) -> distgrad::Result<()> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| distgrad::Error::Input(format!("reading {}: {e}", path.display())))?;
-        let lesson = distgrad::lesson::parse(&text)?;
+        let lesson = distgrad::lesson::parse(&text).map_err(|e| {
+            // The folder's index lists the lessons; it is not one.
+            match serde_json::from_str::<serde_json::Value>(&text) {
+                Ok(v) if v.get("lessons").is_some_and(|l| l.is_array()) => {
+                    let names: Vec<&str> = v["lessons"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|l| l["name"].as_str())
+                        .collect();
+                    distgrad::Error::Input(format!(
+                        "{} is the index of the lessons, not a lesson: run one of them, e.g. \
+                         {}; they are: {}",
+                        path.display(),
+                        path.with_file_name("all_reduce_sum.json").display(),
+                        names.join(", ")
+                    ))
+                }
+                _ => e,
+            }
+        })?;
         let world = world.or(lesson.world).unwrap_or(3);
         let trace = futures::executor::block_on(distgrad::lesson::run_simulated(
             &lesson,
@@ -833,6 +944,14 @@ mod cli {
         data_path: &str,
     ) -> distgrad::Result<()> {
         use distgrad::train::{TrainConfig, train};
+        if steps == 0 {
+            return Err(distgrad::Error::Input("--steps must be at least 1".into()));
+        }
+        if !(lr.is_finite() && lr > 0.0) {
+            return Err(distgrad::Error::Input(format!(
+                "--lr must be a positive number, got {lr}"
+            )));
+        }
         let cfg = TrainConfig {
             steps,
             lr,
@@ -1115,6 +1234,8 @@ mod cli {
     }
 
     fn run_relay(addr: &str, cfg: distgrad::relay::RelayConfig) -> distgrad::Result<()> {
+        cfg.check()
+            .map_err(|e| distgrad::Error::Input(format!("relay: {e}")))?;
         runtime(true)?.block_on(async {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
@@ -1144,8 +1265,25 @@ mod cli {
             if let Some(d) = &cfg.static_dir {
                 println!("serving {} at http://{local}/", d.display());
             }
+            // Ctrl-C or SIGTERM (kill, service managers): stop cleanly, which also removes the
+            // Unix-domain socket's directory.
             let shutdown = async {
-                let _ = tokio::signal::ctrl_c().await;
+                #[cfg(unix)]
+                let term = async {
+                    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    {
+                        Ok(mut s) => {
+                            s.recv().await;
+                        }
+                        Err(_) => std::future::pending::<()>().await,
+                    }
+                };
+                #[cfg(not(unix))]
+                let term = std::future::pending::<()>();
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term => {}
+                }
                 println!("distgrad relay: shutting down");
             };
             distgrad::relay::serve(listener, cfg, shutdown)
@@ -1161,6 +1299,7 @@ mod cli {
         rank: Option<u32>,
         token: Option<String>,
         timeout: std::time::Duration,
+        fill_timeout: std::time::Duration,
         direct: Option<std::net::SocketAddr>,
         no_stream: bool,
     }
@@ -1206,11 +1345,30 @@ mod cli {
         join.token = o.token.clone();
         join.direct = o.direct;
         join.stream = !o.no_stream;
+        join.ready_timeout = o.fill_timeout;
+        // Said as soon as the relay admits us: the others need the token to join.
+        let (room, created, fill) = (o.room.clone(), o.token.is_none(), o.fill_timeout);
+        join.on_welcome = Some(distgrad::transport::ws::OnWelcome(std::sync::Arc::new(
+            move |rank, token, members| {
+                if created {
+                    eprintln!(
+                        "room {room:?} created, token: {token} (the others join with \
+                         DISTGRAD_TOKEN={token}, or --token {token})"
+                    );
+                }
+                let waiting = world as usize - members.len().min(world as usize);
+                if waiting > 0 {
+                    eprintln!(
+                        "rank {rank} joined room {room:?}: {} of {world} ranks present, waiting \
+                         up to {}s for {waiting} more",
+                        members.len(),
+                        fill.as_secs()
+                    );
+                }
+            },
+        )));
         let result = runtime(false)?.block_on(async {
             let t = distgrad::transport::ws::WsTransport::connect(&o.relay, join).await?;
-            if o.token.is_none() {
-                eprintln!("room {:?} token: {}", o.room, t.token());
-            }
             eprintln!(
                 "rank {}: data through the relay on {}",
                 t.rank(),
@@ -1223,11 +1381,13 @@ mod cli {
                 }
             );
             if o.direct.is_some() {
-                eprintln!(
-                    "rank {}: direct links to ranks {:?}, the others through the relay",
-                    t.rank(),
-                    t.direct_peers()
-                );
+                let linked = t.direct_peers();
+                let rest = if linked.len() + 1 >= o.world {
+                    ""
+                } else {
+                    ", the others through the relay"
+                };
+                eprintln!("rank {}: direct links to ranks {linked:?}{rest}", t.rank());
             }
             let comm = distgrad::P2p::new(
                 t,
@@ -1516,6 +1676,7 @@ mod cli {
 
     #[cfg(feature = "wgpu")]
     fn run_kernel_bench() -> distgrad::Result<()> {
+        warn_if_debug_build();
         let gpu = futures::executor::block_on(distgrad::backend::gpu::Gpu::new())?;
         let n = 16 << 20;
         println!(

@@ -18,8 +18,9 @@
 //! List conventions: scatter, all_to_all and reduce_scatter take group-size lists; gather,
 //! all_gather and all_to_all return them. gather's and reduce's outputs exist only on the root,
 //! scatter's input only on the root. permute: one tensor in, one out; a rank receiving nothing gets
-//! zeros. NaN: JSON has no NaN, so inputs are finite numbers (`null` is rejected); a non-finite
-//! result is written as `null`.
+//! zeros. NaN: JSON has no NaN or infinity, so inputs are finite f32 numbers (`null` and numbers
+//! beyond ±3.4e38 are rejected); a non-finite result is written as `null` (the tables say `nan`,
+//! `inf` or `-inf`).
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -44,7 +45,8 @@ pub const MAX_WORLD: usize = 64;
 pub struct TensorJson {
     /// Shape.
     pub shape: Vec<usize>,
-    /// Row-major values (`null` in output = non-finite).
+    /// Row-major values. `null` in JSON = not finite: read as `None` (and refused as an input);
+    /// a result's NaN is `None`, its ±inf is kept (JSON writes it as `null`, tables as `inf`).
     pub data: Vec<Option<f32>>,
 }
 
@@ -54,18 +56,20 @@ impl TensorJson {
             .data
             .iter()
             .enumerate()
-            .map(|(i, x)| {
-                x.ok_or_else(|| {
-                    Error::Input(format!(
-                        "{what}: element {i} is null (JSON has no NaN; inputs must be finite)"
-                    ))
-                })
+            .map(|(i, x)| match x {
+                Some(v) if v.is_finite() => Ok(*v),
+                Some(_) => Err(Error::Input(format!(
+                    "{what}: element {i} is beyond the f32 range (±3.4e38; inputs must be finite)"
+                ))),
+                None => Err(Error::Input(format!(
+                    "{what}: element {i} is null (JSON has no NaN; inputs must be finite)"
+                ))),
             })
             .collect::<Result<Vec<f32>>>()?;
         Tensor::from_vec(data, &self.shape).map_err(|e| Error::Input(format!("{what}: {e}")))
     }
 
-    /// From a tensor (non-finite values become `null`); GPU tensors are read back.
+    /// From a tensor (NaN becomes `None`); GPU tensors are read back.
     pub fn from_tensor(t: &Tensor) -> Result<Self> {
         Ok(Self::from_values(t.shape(), t.try_to_vec()?))
     }
@@ -80,7 +84,7 @@ impl TensorJson {
             shape: shape.to_vec(),
             data: values
                 .into_iter()
-                .map(|x| x.is_finite().then_some(x))
+                .map(|x| (!x.is_nan()).then_some(x))
                 .collect(),
         }
     }
@@ -718,7 +722,7 @@ pub fn fmt_t(t: &TensorJson) -> String {
         .data
         .iter()
         .map(|x| match x {
-            Some(v) => format!("{v}"),
+            Some(v) => fmt_value(*v),
             None => "nan".into(),
         })
         .collect();
@@ -728,6 +732,17 @@ pub fn fmt_t(t: &TensorJson) -> String {
         format!("[{}]", vals.join(", "))
     } else {
         format!("{:?}:[{}]", t.shape, vals.join(", "))
+    }
+}
+
+/// A value as the tables print it: shortest round-trip decimal, in exponent form where that is
+/// shorter to read (|v| ≥ 1e7 or < 1e-4), `inf` / `-inf` for infinities.
+fn fmt_value(v: f32) -> String {
+    let a = v.abs();
+    if a.is_finite() && a != 0.0 && !(1e-4..1e7).contains(&a) {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
     }
 }
 

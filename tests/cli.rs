@@ -191,6 +191,10 @@ fn bad_input_is_a_clear_error_with_exit_code_2() {
             r#"{"collective":"all_reduce","world":2,"group":[0,0],"inputs":[[],[]]}"#,
             "ranks must be distinct",
         ),
+        (
+            r#"{"collective":"all_reduce","world":2,"inputs":[[{"shape":[1],"data":[1e39]}],[{"shape":[1],"data":[1]}]]}"#,
+            "beyond the f32 range",
+        ),
     ];
     for (input, want) in cases {
         let out = distgrad(&["vjp", "-"], Some(input));
@@ -202,6 +206,123 @@ fn bad_input_is_a_clear_error_with_exit_code_2() {
     let out = distgrad(&["vjp", "no-such-thing"], None);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not a file"));
+    let out = distgrad(&["vjp", "/nonexistent/case.json"], None);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no such case file"), "{err}");
+}
+
+/// Flags that do not apply are not silently dropped: with a case file they are refused (the file
+/// sets world, op and root); on a built-in example that does not use them, a note says so.
+#[test]
+fn flags_that_do_not_apply_are_refused_or_noted() {
+    let case = distgrad(&["vjp", "all_reduce", "--world", "2", "--print-case"], None);
+    let text = String::from_utf8_lossy(&case.stdout).to_string();
+    for flags in [&["--world", "5"][..], &["--op", "max"], &["--root", "1"]] {
+        let args: Vec<&str> = ["vjp", "-"]
+            .into_iter()
+            .chain(flags.iter().copied())
+            .collect();
+        let out = distgrad(&args, Some(&text));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flags:?}: {err}");
+        assert!(err.contains("built-in examples"), "{flags:?}: {err}");
+    }
+    let out = distgrad(&["vjp", "broadcast", "--op", "max", "--root", "1"], None);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("broadcast takes no reduce op; --op ignored"),
+        "{err}"
+    );
+    let out = distgrad(&["vjp", "all_gather", "--root", "1"], None);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("all_gather has no root; --root ignored"),
+        "{err}"
+    );
+}
+
+/// A result that overflows to infinity reads `inf` in the table (not `nan`) and `null` in JSON
+/// (which has no infinity); large values print in exponent form.
+#[test]
+fn infinities_print_as_inf() {
+    let case = json!({
+        "collective": "all_reduce",
+        "world": 2,
+        "inputs": [[{"shape": [2], "data": [3e38, -3e38]}], [{"shape": [2], "data": [3e38, -3e38]}]]
+    })
+    .to_string();
+    let out = distgrad(&["vjp", "-"], Some(&case));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("[inf, -inf]"), "{text}");
+    assert!(text.contains("[3e38, -3e38]"), "{text}");
+    let j = ok_json(&["vjp", "-", "--json"], Some(&case));
+    assert_eq!(j["outputs"][0][0]["data"], json!([null, null]), "{j}");
+}
+
+/// Other bad command lines: exit code 2 and a message naming the problem, no panic.
+#[test]
+fn bad_command_lines_say_what_is_wrong() {
+    for (args, want) in [
+        (&["bench", "foo"][..], "unknown benchmark \"foo\""),
+        (&["bench", "--max-bytes", "0"], "holds no payload size"),
+        (
+            &["bench", "--min-bytes", "2048", "--max-bytes", "1024"],
+            "holds no payload size",
+        ),
+        (&["train", "--steps", "0"], "--steps must be at least 1"),
+        (
+            &["run", "www/lessons/index.json"],
+            "the index of the lessons",
+        ),
+    ] {
+        let out = distgrad(args, None);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: expected {want:?} in {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+/// `distgrad run ... | head -1`: the reader goes away mid-output and the program ends quietly,
+/// killed by SIGPIPE like other command-line tools, not with a panic. (The trace of a 64-rank
+/// all_gather is far larger than a pipe's buffer, so the write after the close happens.)
+#[cfg(unix)]
+#[test]
+fn a_closed_stdout_ends_the_program_quietly() {
+    use std::io::Read as _;
+    use std::os::unix::process::ExitStatusExt as _;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_distgrad"))
+        .args(["run", "www/lessons/all_gather.json", "--world", "64"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn distgrad");
+    let mut first = [0u8; 64];
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_exact(&mut first)
+        .expect("the first bytes of the trace");
+    // The read end is closed here (dropped above).
+    let out = child.wait_with_output().expect("wait distgrad");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGPIPE),
+        "ended by SIGPIPE ({}): {err}",
+        out.status
+    );
 }
 
 #[test]

@@ -68,6 +68,43 @@ pub struct RelayConfig {
     pub local_streams: bool,
 }
 
+impl RelayConfig {
+    /// Smallest `max_frame` accepted (members fragment their messages to it).
+    pub const MIN_FRAME: usize = 1024;
+
+    /// Whether these limits can work; otherwise what is wrong (every join or frame would fail).
+    pub fn check(&self) -> std::result::Result<(), String> {
+        if self.max_frame < Self::MIN_FRAME {
+            return Err(format!(
+                "max_frame {} is below {} bytes",
+                self.max_frame,
+                Self::MIN_FRAME
+            ));
+        }
+        if self.max_members == 0 || self.max_rooms == 0 {
+            return Err(format!(
+                "max_members ({}) and max_rooms ({}) must be at least 1",
+                self.max_members, self.max_rooms
+            ));
+        }
+        if self.max_pending_bytes < self.max_frame + HEADER_LEN {
+            return Err(format!(
+                "max_pending_bytes {} cannot hold one frame of max_frame {} plus its {HEADER_LEN}-byte header",
+                self.max_pending_bytes, self.max_frame
+            ));
+        }
+        if self.idle_timeout.is_zero() || self.join_timeout.is_zero() {
+            return Err("idle_timeout and join_timeout must be above zero".into());
+        }
+        if let Some(d) = &self.static_dir
+            && !d.is_dir()
+        {
+            return Err(format!("static_dir {} is not a folder", d.display()));
+        }
+        Ok(())
+    }
+}
+
 impl Default for RelayConfig {
     fn default() -> Self {
         RelayConfig {
@@ -238,6 +275,12 @@ pub async fn serve(
     cfg: RelayConfig,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    cfg.check().map_err(|e| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("relay config: {e}"),
+        )
+    })?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let shutdown = async move {
         shutdown.await;
@@ -539,6 +582,7 @@ async fn join(
             .filter(|_| on_host)
             .and_then(|_| shared.local_path.get().cloned()),
         stream_key: key,
+        max_frame: Some(shared.cfg.max_frame),
     })));
     // A full room whose last data streams are still attaching announces `ready` shortly.
     if !ready_check(r) && members.len() as u32 != world {

@@ -28,6 +28,21 @@ use crate::wire::{
     StreamHello, fragments,
 };
 
+/// Called once when the relay admits this member, before the room is full (joining may then wait
+/// a while for the others): with this member's rank, the room token and the ranks present. A
+/// program that created the room tells its user the token here, so that the others can join.
+#[derive(Clone)]
+pub struct OnWelcome(pub Arc<WelcomeFn>);
+
+/// What [`OnWelcome`] calls: `(rank, token, members present)`.
+pub type WelcomeFn = dyn Fn(u32, &str, &[u32]) + Send + Sync;
+
+impl std::fmt::Debug for OnWelcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnWelcome(..)")
+    }
+}
+
 /// How to join a room.
 #[derive(Debug, Clone)]
 pub struct JoinOptions {
@@ -61,6 +76,8 @@ pub struct JoinOptions {
     /// was reached on a loopback address (default). If it cannot be reached the stream goes over
     /// TCP; if the relay refuses the hello there, the data goes on the WebSocket.
     pub local_stream: bool,
+    /// Hears the relay's welcome (see [`OnWelcome`]); none by default.
+    pub on_welcome: Option<OnWelcome>,
 }
 
 impl JoinOptions {
@@ -79,6 +96,7 @@ impl JoinOptions {
             direct_timeout: Duration::from_secs(5),
             stream: true,
             local_stream: true,
+            on_welcome: None,
         }
     }
 }
@@ -149,6 +167,7 @@ impl WsTransport {
 
         let mut welcome = None;
         let mut data_stream = None;
+        let mut relay_frame: Option<usize> = None;
         let wait = async {
             while let Some(msg) = stream.next().await {
                 let msg = msg.map_err(|e| relay_err(format!("while joining: {e}")))?;
@@ -157,10 +176,16 @@ impl WsTransport {
                     Ok(Control::Welcome {
                         rank,
                         token,
+                        members,
                         stream_key,
                         stream_path,
+                        max_frame,
                         ..
                     }) => {
+                        relay_frame = max_frame;
+                        if let Some(OnWelcome(f)) = &opts.on_welcome {
+                            f(rank, &token, &members);
+                        }
                         welcome = Some((rank, token));
                         // The relay announces the room ready only once our stream is attached
                         // or we said there is none.
@@ -353,7 +378,11 @@ impl WsTransport {
             token,
             mailbox,
             out: Some(tx),
-            max_payload: opts.max_payload.max(1),
+            // Fragments fit the relay's frame limit as well as ours.
+            max_payload: opts
+                .max_payload
+                .min(relay_frame.unwrap_or(usize::MAX))
+                .max(1),
             send_timeout: opts.send_timeout,
             reader: Some(reader),
             writer: Some(writer),

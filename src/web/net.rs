@@ -43,7 +43,8 @@ use crate::wire::{Control, HEADER_LEN, Header, LEFT_CLEANLY, Reassembler, fragme
 
 /// Largest WebRTC data-channel message Chromium accepts (`sctp.maxMessageSize`).
 pub const RTC_MAX_MESSAGE: usize = 256 * 1024;
-/// Largest frame payload sent through the relay (its default frame limit).
+/// Largest frame payload sent through the relay (its default frame limit; a relay whose welcome
+/// names a lower one gets that).
 pub const RELAY_MAX_PAYLOAD: usize = 1 << 20;
 /// Largest frame payload posted on a BroadcastChannel (no browser limit; bounds each copy).
 pub const CHANNEL_MAX_PAYLOAD: usize = 4 << 20;
@@ -198,6 +199,9 @@ struct Shared {
     signals: Vec<mpsc::UnboundedSender<serde_json::Value>>,
     listener: RefCell<Option<Listener>>,
     closed: RefCell<Option<String>>,
+    /// Largest frame payload sent through the relay: [`RELAY_MAX_PAYLOAD`], or less where the
+    /// relay's welcome says its limit is lower.
+    relay_payload: Cell<usize>,
 }
 
 impl Shared {
@@ -256,9 +260,13 @@ impl Shared {
                 rank,
                 ref members,
                 ref token,
+                max_frame,
                 ..
             } => {
                 self.rank.set(Some(rank as usize));
+                if let Some(m) = max_frame {
+                    self.relay_payload.set(m.clamp(1, RELAY_MAX_PAYLOAD));
+                }
                 *self.mailbox.borrow_mut() =
                     Some(Arc::new(Mailbox::new(rank as usize, self.world)));
                 self.emit(NetEvent::Joined {
@@ -389,6 +397,7 @@ impl BrowserTransport {
             signals: signal_tx,
             listener: RefCell::new(Some(on_event)),
             closed: RefCell::new(None),
+            relay_payload: Cell::new(RELAY_MAX_PAYLOAD),
         });
         let ws =
             WebSocket::new(&opts.url).map_err(|e| js_err(&format!("WebSocket {}", opts.url), e))?;
@@ -849,7 +858,7 @@ impl Transport for BrowserTransport {
         let max = match link {
             Some(Link::Rtc(_)) => RTC_MAX_MESSAGE - HEADER_LEN,
             Some(Link::Channel(_)) => CHANNEL_MAX_PAYLOAD,
-            None => RELAY_MAX_PAYLOAD,
+            None => self.shared.relay_payload.get(),
         };
         for frame in fragments(self.rank as u32, dst as u32, tag, &payload, max) {
             match &link {
