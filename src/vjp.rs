@@ -758,11 +758,21 @@ fn fmt_list(l: &[TensorJson]) -> String {
 pub fn render_table(case: &Case, out: &CaseOutput) -> String {
     let mut s = String::new();
     let mut head = format!("forward: {}", case.collective);
-    if let Some(op) = &case.op {
-        let _ = write!(head, " op={op}");
+    // The defaults a case may leave out are shown too, where the collective takes them.
+    let which = Which::parse(&case.collective).ok();
+    match &case.op {
+        Some(op) => {
+            let _ = write!(head, " op={op}");
+        }
+        None if which.is_some_and(Which::uses_op) => head.push_str(" op=sum"),
+        None => {}
     }
-    if let Some(r) = case.root {
-        let _ = write!(head, " root={r}");
+    match case.root {
+        Some(r) => {
+            let _ = write!(head, " root={r}");
+        }
+        None if which.is_some_and(Which::uses_root) => head.push_str(" root=0"),
+        None => {}
     }
     if let Some(p) = &case.perm {
         let _ = write!(head, " perm={p:?}");
