@@ -8,7 +8,7 @@
 //! Lesson JSON:
 //! ```text
 //! {"name": "all_gather", "title": "...", "why": "one or two sentences",
-//!  "kind": "collective" | "objectives" | "data_parallel" | "tensor_parallel",
+//!  "kind": "collective" | "objectives" | "data_parallel" | "tensor_parallel" | "pipeline_parallel",
 //!  "collective": "all_gather", "op": "max", "root": 1,      (kind collective; op/root where used;
 //!                                                           the last rank is root in smaller worlds)
 //!  "world": 3,                                              (default world of `distgrad run`)
@@ -24,6 +24,11 @@
 //!   hash of them (equal on every rank: the replicas stay identical).
 //! - `tensor_parallel`: `Y = X·W` with the rows of X and the columns of W sharded across ranks:
 //!   all_gather forward, and the backward pass runs reduce_scatter.
+//! - `pipeline_parallel`: rank r is stage r of a chain `h_r = tanh(w_r ⊙ h_{r−1})` (`h_{−1}` = x on
+//!   rank 0), each stage sending its activation on to the next; the last stage's loss is
+//!   `0.5·sum(h²)`. Backward goes stage by stage the other way: each send's dual is a recv of the
+//!   activation's gradient from the next stage, each recv's dual a send of the input's gradient
+//!   back to the previous one.
 
 use serde::{Deserialize, Serialize};
 
@@ -47,6 +52,8 @@ pub enum LessonKind {
     DataParallel,
     /// A linear layer sharded across ranks (all_gather forward, reduce_scatter backward).
     TensorParallel,
+    /// A chain of stages, one per rank (send forward, recv backward).
+    PipelineParallel,
 }
 
 /// A lesson file: see the module docs.
@@ -308,6 +315,7 @@ pub async fn run_rank<T: Transport>(
         LessonKind::Objectives => objectives(comm).await?,
         LessonKind::DataParallel => data_parallel(comm, lesson).await?,
         LessonKind::TensorParallel => tensor_parallel(comm).await?,
+        LessonKind::PipelineParallel => pipeline_parallel(comm).await?,
     };
     Ok(RankTrace { rank: me, steps })
 }
@@ -574,6 +582,184 @@ async fn tensor_parallel<T: Transport>(comm: &P2p<T>) -> Result<Vec<RankStep>> {
     );
     b.collective = dual;
     out.push(b);
+    Ok(out)
+}
+
+/// What this rank's communicator recorded since the last look, as one text (`send + recv`), or
+/// `None` when nothing ran.
+fn ran<T: Transport>(comm: &P2p<T>) -> Option<String> {
+    let calls: Vec<String> = comm
+        .take_calls()
+        .iter()
+        .map(|(_, s)| vjp::short_sig(s))
+        .collect();
+    (!calls.is_empty()).then(|| calls.join(" + "))
+}
+
+/// The pipeline lesson (see the module docs): one step per stage forward, the loss, one step per
+/// stage backward. Every rank reports the same names at a step; the rank whose stage it is fills
+/// them in (the others show `-`). The point-to-point calls each rank's communicator recorded are
+/// in its values (`ran`, `backward ran`), and the backward steps name what the backward pass ran.
+async fn pipeline_parallel<T: Transport>(comm: &P2p<T>) -> Result<Vec<RankStep>> {
+    let me = comm.rank();
+    let n = comm.world_size();
+    let last = n - 1;
+    let device = comm.options().device.clone();
+    let group = comm.world();
+    let rf = me as f32;
+    let x = Tensor::vector(&[1.0, -2.0]).to_device(&device)?;
+    let w = Tensor::vector(&[1.0 - 0.25 * rf, 0.5 + 0.25 * rf]).to_device(&device)?;
+    let tape = Tape::new();
+    let wv = tape.var(w.clone());
+    let input_name = |s: usize| {
+        if s == 0 {
+            "x".to_string()
+        } else {
+            format!("h{}", s - 1)
+        }
+    };
+    // A value shown only by the rank whose stage it is.
+    let blank = |name: &str| Named::tensors(name, Vec::new());
+    let mut out = vec![step(
+        format!(
+            "inputs: stage r (rank r) holds its weights w_r; the data x starts on stage 0; {n} stages"
+        ),
+        Phase::Input,
+        Vec::new(),
+        vec![
+            if me == 0 {
+                Named::tensors("x", vec![read(&x).await?])
+            } else {
+                blank("x")
+            },
+            Named::tensors("w_r", vec![read(&w).await?]),
+        ],
+    )];
+    // Forward: stage s receives its input (sent in the step before), computes, sends it on.
+    let mut mine = None;
+    for s in 0..n {
+        let received = format!("{} (received)", input_name(s));
+        let mut values = Vec::new();
+        if s == me {
+            let xin = if me == 0 {
+                tape.constant(x.clone())
+            } else {
+                dist::recv(comm, &tape, &[2], me - 1, &group)
+                    .await?
+                    .to_device(&device)?
+            };
+            let hv = wv.mul(&xin)?.tanh()?;
+            if me < last {
+                dist::send(comm, &hv, me + 1, &group).await?;
+            }
+            if me > 0 {
+                values.push(Named::tensors(&received, vec![read(&xin.value()).await?]));
+            }
+            values.push(Named::tensors(
+                &format!("h{s}"),
+                vec![read(&hv.value()).await?],
+            ));
+            values.push(match ran(comm) {
+                Some(r) => Named::text("ran", r),
+                None => blank("ran"),
+            });
+            mine = Some((xin, hv));
+        } else {
+            if s > 0 {
+                values.push(blank(&received));
+            }
+            values.extend([blank(&format!("h{s}")), blank("ran")]);
+        }
+        let label = if s < last {
+            format!(
+                "forward, stage {s}: h{s} = tanh(w{s} ⊙ {}), sent to stage {}",
+                input_name(s),
+                s + 1
+            )
+        } else {
+            format!("forward, stage {s}: h{s} = tanh(w{s} ⊙ {})", input_name(s))
+        };
+        let arrows = if s < last {
+            vec![(s, s + 1)]
+        } else {
+            Vec::new()
+        };
+        out.push(step(label, Phase::Forward, arrows, values));
+    }
+    let (input, h) =
+        mine.ok_or_else(|| Error::Input(format!("rank {me}: its stage did not run")))?;
+    let loss = h.square()?.sum()?.scale(0.5)?;
+    out.push(step(
+        format!("the loss, on the last stage: L = 0.5·sum(h{last}²)"),
+        Phase::Forward,
+        Vec::new(),
+        vec![if me == last {
+            Named::tensors("L", vec![read(&loss.value()).await?])
+        } else {
+            blank("L")
+        }],
+    ));
+    // Backward: the last stage starts from its loss; the others from nothing of their own (the
+    // duals of their sends bring their gradients in).
+    let grads = if me == last {
+        tape.backward(&loss, comm).await?
+    } else {
+        tape.backward_from(&[], comm).await?
+    };
+    let dual = duals(comm);
+    for s in (0..n).rev() {
+        let sent_back = format!("dL/d{} (sent back)", input_name(s));
+        let names = [format!("dL/dh{s}"), format!("dL/dw{s}")];
+        let mut values = Vec::new();
+        if s == me {
+            values.push(Named::tensors(
+                &names[0],
+                vec![read(&grads.wrt(&h)?).await?],
+            ));
+            values.push(Named::tensors(
+                &names[1],
+                vec![read(&grads.wrt(&wv)?).await?],
+            ));
+            if me > 0 {
+                values.push(Named::tensors(
+                    &sent_back,
+                    vec![read(&grads.wrt(&input)?).await?],
+                ));
+            }
+            values.push(Named::text(
+                "backward ran",
+                dual.clone().unwrap_or_default(),
+            ));
+        } else {
+            values.extend(names.iter().map(|n| blank(n)));
+            if s > 0 {
+                values.push(blank(&sent_back));
+            }
+            values.push(blank("backward ran"));
+        }
+        let p = s.saturating_sub(1);
+        let local = format!("dL/dw{s} = dL/dh{s} ⊙ (1 − h{s}²) ⊙ {}", input_name(s));
+        let label = match s {
+            s if s == last && s == 0 => format!("backward, stage 0: dL/dh0 = h0, {local}"),
+            s if s == last => format!(
+                "backward, stage {s}: dL/dh{s} = h{s}, {local}; dL/dh{p} = dL/dh{s} ⊙ (1 − h{s}²) ⊙ \
+                 w{s} goes back to stage {p} (the dual of its recv is a send)"
+            ),
+            0 => format!(
+                "backward, stage 0: dL/dh0 arrives from stage 1 (the dual of its send is a recv), \
+                 {local}"
+            ),
+            s => format!(
+                "backward, stage {s}: dL/dh{s} arrives from stage {} (recv), {local}; dL/dh{p} goes \
+                 back to stage {p} (send)",
+                s + 1
+            ),
+        };
+        let arrows = if s > 0 { vec![(s, p)] } else { Vec::new() };
+        let mut b = step(label, Phase::Backward, arrows, values);
+        b.collective = dual.clone();
+        out.push(b);
+    }
     Ok(out)
 }
 

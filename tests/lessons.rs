@@ -224,6 +224,92 @@ fn tensor_parallel_hand_derived_and_backward_is_reduce_scatter() {
 }
 
 #[test]
+fn pipeline_parallel_hand_derived_and_backward_runs_send_recv() {
+    // x = [1, -2]; stage r: w_r = [1 - r/4, 1/2 + r/4], h_r = tanh(w_r ⊙ h_{r-1}) (h_{-1} = x);
+    // L = ½|h_last|². Backward by hand: g_last = h_last; through stage r with input a_r:
+    // dL/dw_r = g_r ⊙ (1 - h_r²) ⊙ a_r, and g_{r-1} = g_r ⊙ (1 - h_r²) ⊙ w_r (sent back).
+    // Computed here in f64, independently of the tape.
+    let close = |got: &[f32], want: &[f64], what: &str| {
+        assert_eq!(got.len(), want.len(), "{what}");
+        for (g, w) in got.iter().zip(want) {
+            assert!(
+                (*g as f64 - w).abs() <= 1e-6 * (1.0 + w.abs()),
+                "{what}: got {got:?}, want {want:?}"
+            );
+        }
+    };
+    let l = load("pipeline_parallel");
+    for world in [1, 2, 3, 5] {
+        let t = simulate(&l, world);
+        let last = world - 1;
+        let w = |r: usize| [1.0 - 0.25 * r as f64, 0.5 + 0.25 * r as f64];
+        let mut a = vec![[1.0f64, -2.0]];
+        let mut h = Vec::new();
+        for r in 0..world {
+            let hr = [(w(r)[0] * a[r][0]).tanh(), (w(r)[1] * a[r][1]).tanh()];
+            h.push(hr);
+            a.push(hr);
+        }
+        let loss = 0.5 * (h[last][0].powi(2) + h[last][1].powi(2));
+        let mut g = vec![[0.0f64; 2]; world];
+        let mut dw = vec![[0.0f64; 2]; world];
+        let mut back = vec![[0.0f64; 2]; world];
+        g[last] = h[last];
+        for r in (0..world).rev() {
+            let d = |k: usize| g[r][k] * (1.0 - h[r][k] * h[r][k]);
+            dw[r] = [d(0) * a[r][0], d(1) * a[r][1]];
+            back[r] = [d(0) * w(r)[0], d(1) * w(r)[1]];
+            if r > 0 {
+                g[r - 1] = back[r];
+            }
+        }
+        // Steps: 0 inputs, 1 + s forward of stage s, 1 + world the loss, then backward from the
+        // last stage down to stage 0.
+        let fwd = |s: usize| 1 + s;
+        let bwd = |s: usize| 2 + world + (last - s);
+        assert_eq!(t.steps.len(), 2 + 2 * world, "world {world}");
+        for s in 0..world {
+            let ctx = format!("world {world} stage {s}");
+            close(&vals(&t, fwd(s), s, &format!("h{s}")), &h[s], &ctx);
+            close(&vals(&t, bwd(s), s, &format!("dL/dh{s}")), &g[s], &ctx);
+            close(&vals(&t, bwd(s), s, &format!("dL/dw{s}")), &dw[s], &ctx);
+            if s > 0 {
+                let sent = format!("dL/dh{} (sent back)", s - 1);
+                close(&vals(&t, bwd(s), s, &sent), &back[s], &ctx);
+                close(
+                    &vals(&t, bwd(s - 1), s - 1, &format!("dL/dh{}", s - 1)),
+                    &back[s],
+                    &ctx,
+                );
+            }
+            // Activations travel forward one stage per step, gradients back.
+            let (f, b) = (&t.steps[fwd(s)].arrows, &t.steps[bwd(s)].arrows);
+            assert_eq!(
+                f,
+                &if s < last { vec![(s, s + 1)] } else { vec![] },
+                "{ctx}"
+            );
+            assert_eq!(b, &if s > 0 { vec![(s, s - 1)] } else { vec![] }, "{ctx}");
+            // What this stage's backward ran, as its communicator recorded it: the dual of its
+            // send (a recv) and of its recv (a send), each a point-to-point call.
+            let calls = usize::from(s < last) + usize::from(s > 0);
+            let text = t.steps[bwd(s)].ranks[s]
+                .iter()
+                .find(|v| v.name == "backward ran")
+                .and_then(|v| v.text.clone())
+                .unwrap_or_default();
+            let want = if calls == 0 {
+                "nothing".to_string()
+            } else {
+                vec!["send/recv"; calls].join(" + ")
+            };
+            assert_eq!(text, want, "{ctx}");
+        }
+        close(&vals(&t, 1 + world, last, "L"), &[loss], "loss");
+    }
+}
+
+#[test]
 fn data_parallel_replicas_stay_identical_and_the_loss_falls() {
     let l = load("data_parallel");
     for n in [1, 3, 5] {
