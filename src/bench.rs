@@ -206,7 +206,10 @@ pub fn sizes(min: usize, max: usize) -> Vec<usize> {
     let mut s = min.max(4);
     while s <= max {
         v.push(s);
-        s *= 4;
+        match s.checked_mul(4) {
+            Some(next) => s = next,
+            None => break,
+        }
     }
     v
 }

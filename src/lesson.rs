@@ -272,16 +272,7 @@ async fn read(t: &Tensor) -> Result<TensorJson> {
 }
 
 fn duals<T: Transport>(comm: &P2p<T>) -> Option<String> {
-    let calls: Vec<String> = comm
-        .take_calls()
-        .iter()
-        .map(|(_, s)| vjp::short_sig(s))
-        .collect();
-    Some(if calls.is_empty() {
-        "nothing".into()
-    } else {
-        calls.join(" + ")
-    })
+    Some(ran(comm).unwrap_or_else(|| "nothing".into()))
 }
 
 /// The collective lesson's case for `world` ranks (`distgrad vjp`'s example).
@@ -706,64 +697,102 @@ async fn pipeline_parallel<T: Transport>(comm: &P2p<T>) -> Result<Vec<RankStep>>
     } else {
         tape.backward_from(&[], comm).await?
     };
-    let dual = duals(comm);
-    for s in (0..n).rev() {
-        let sent_back = format!("dL/d{} (sent back)", input_name(s));
-        let names = [format!("dL/dh{s}"), format!("dL/dw{s}")];
-        let mut values = Vec::new();
-        if s == me {
-            values.push(Named::tensors(
-                &names[0],
-                vec![read(&grads.wrt(&h)?).await?],
-            ));
-            values.push(Named::tensors(
-                &names[1],
-                vec![read(&grads.wrt(&wv)?).await?],
-            ));
-            if me > 0 {
-                values.push(Named::tensors(
-                    &sent_back,
-                    vec![read(&grads.wrt(&input)?).await?],
-                ));
-            }
-            values.push(Named::text(
-                "backward ran",
-                dual.clone().unwrap_or_default(),
-            ));
+    // What this rank's backward ran, in order: the dual of its send (a recv from the next stage,
+    // at boundary me+1), then the dual of its recv (a send to the previous one, at boundary me).
+    let calls: Vec<String> = comm
+        .take_calls()
+        .iter()
+        .map(|(_, s)| vjp::short_sig(s))
+        .collect();
+    let expected = usize::from(me < last) + usize::from(me > 0);
+    if calls.len() != expected {
+        return Err(Error::Input(format!(
+            "rank {me}: the backward pass ran {calls:?}, expected {expected} point-to-point calls"
+        )));
+    }
+    let ran_at = |boundary: usize| -> Option<String> {
+        if me < last && boundary == me + 1 {
+            calls.first().cloned()
+        } else if me > 0 && boundary == me {
+            calls.last().cloned()
         } else {
-            values.extend(names.iter().map(|n| blank(n)));
-            if s > 0 {
-                values.push(blank(&sent_back));
-            }
-            values.push(blank("backward ran"));
+            None
         }
-        let p = s.saturating_sub(1);
-        let local = format!("dL/dw{s} = dL/dh{s} ⊙ (1 − h{s}²) ⊙ {}", input_name(s));
-        let label = match s {
-            s if s == last && s == 0 => format!("backward, stage 0: dL/dh0 = h0, {local}"),
-            s if s == last => format!(
-                "backward, stage {s}: dL/dh{s} = h{s}, {local}; dL/dh{p} = dL/dh{s} ⊙ (1 − h{s}²) ⊙ \
-                 w{s} goes back to stage {p} (the dual of its recv is a send)"
-            ),
-            0 => format!(
-                "backward, stage 0: dL/dh0 arrives from stage 1 (the dual of its send is a recv), \
-                 {local}"
-            ),
-            s => format!(
-                "backward, stage {s}: dL/dh{s} arrives from stage {} (recv), {local}; dL/dh{p} goes \
-                 back to stage {p} (send)",
-                s + 1
-            ),
+    };
+    let dh = read(&grads.wrt(&h)?).await?;
+    let dw = read(&grads.wrt(&wv)?).await?;
+    let din = read(&grads.wrt(&input)?).await?;
+    if n == 1 {
+        let mut b = step(
+            "backward, stage 0 (the only one): dL/dh0 = h0, dL/dw0 = dL/dh0 ⊙ (1 − h0²) ⊙ x".into(),
+            Phase::Backward,
+            Vec::new(),
+            vec![
+                Named::tensors("dL/dh0", vec![dh]),
+                Named::tensors("dL/dw0", vec![dw]),
+            ],
+        );
+        b.collective = Some("nothing".into());
+        out.push(b);
+        return Ok(out);
+    }
+    // One step per boundary, from the last stage down: stage s computes its gradients and sends
+    // dL/dh_{s−1} back; stage s−1 receives it (and stage 0, the last to, finishes dL/dw0).
+    for s in (1..n).rev() {
+        let p = s - 1;
+        let (gs, ws, gp) = (
+            format!("dL/dh{s}"),
+            format!("dL/dw{s}"),
+            format!("dL/dh{p}"),
+        );
+        let own = |name: &str, t: &TensorJson, mine: bool| {
+            if mine {
+                Named::tensors(name, vec![t.clone()])
+            } else {
+                blank(name)
+            }
         };
-        let arrows = if s > 0 { vec![(s, p)] } else { Vec::new() };
-        let mut b = step(label, Phase::Backward, arrows, values);
-        b.collective = dual.clone();
+        let mut values = vec![
+            own(&gs, &dh, me == s),
+            own(&ws, &dw, me == s),
+            // Sent by stage s, received by stage s−1: the same numbers on both ends.
+            if me == s {
+                Named::tensors(&gp, vec![din.clone()])
+            } else {
+                own(&gp, &dh, me == p)
+            },
+        ];
+        if p == 0 {
+            values.push(own("dL/dw0", &dw, me == 0));
+        }
+        let ran = ran_at(s);
+        values.push(match &ran {
+            Some(c) => Named::text("backward ran", c.clone()),
+            None => blank("backward ran"),
+        });
+        let head = if s == last {
+            format!("dL/dh{s} = h{s} (from the loss)")
+        } else {
+            format!("dL/dh{s} came from stage {}", s + 1)
+        };
+        let mut label = format!(
+            "backward, stage {s} → {p}: {head}; dL/dw{s} = dL/dh{s} ⊙ (1 − h{s}²) ⊙ h{p}; \
+             dL/dh{p} = dL/dh{s} ⊙ (1 − h{s}²) ⊙ w{s} goes back: stage {s}'s recv runs its \
+             dual, a send, and stage {p}'s send its dual, a recv"
+        );
+        if p == 0 {
+            label.push_str("; stage 0 finishes dL/dw0 = dL/dh0 ⊙ (1 − h0²) ⊙ x");
+        }
+        let mut b = step(label, Phase::Backward, vec![(s, p)], values);
+        b.collective = ran;
         out.push(b);
     }
     Ok(out)
 }
 
-/// Put the ranks' traces (index = rank) together; every rank must have run the same steps.
+/// Put the ranks' traces (index = rank) together; every rank must have run the same steps. A step
+/// takes rank 0's label, arrows and collective (or, where rank 0 names none, the first rank's that
+/// does: in a pipeline only two stages take part in a step).
 pub fn assemble(lesson: &Lesson, traces: Vec<RankTrace>) -> Result<Trace> {
     let world = traces.len();
     let first = traces
@@ -790,6 +819,10 @@ pub fn assemble(lesson: &Lesson, traces: Vec<RankTrace>) -> Result<Trace> {
             )));
         }
         for (s, rs) in steps.iter_mut().zip(t.steps) {
+            // A step where only some ranks communicate names what the first of them recorded.
+            if s.collective.is_none() {
+                s.collective = rs.collective;
+            }
             s.ranks.push(rs.values);
         }
     }

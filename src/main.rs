@@ -486,7 +486,9 @@ mod cli {
             }
             let op = ReduceOp::parse(op.as_deref().unwrap_or("sum"))?;
             vjp::example_case(which, world.unwrap_or(4), op, root.unwrap_or(0), group)?
-        } else if world.is_some() || op.is_some() || root.is_some() || group.is_some() {
+        } else if (what == "-" || std::path::Path::new(what).exists())
+            && (world.is_some() || op.is_some() || root.is_some() || group.is_some())
+        {
             return Err(input(format!(
                 "--world, --op, --root and --group shape the built-in examples; the case {what:?} \
                  sets its own (edit it, e.g. after --print-case)"
@@ -1266,24 +1268,33 @@ mod cli {
                 println!("serving {} at http://{local}/", d.display());
             }
             // Ctrl-C or SIGTERM (kill, service managers): stop cleanly, which also removes the
-            // Unix-domain socket's directory.
-            let shutdown = async {
-                #[cfg(unix)]
-                let term = async {
-                    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                    {
-                        Ok(mut s) => {
-                            s.recv().await;
-                        }
-                        Err(_) => std::future::pending::<()>().await,
-                    }
+            // Unix-domain socket's directory. The handlers exist before anything is served: the
+            // shutdown future first runs inside `serve`, after the socket directory is made.
+            #[cfg(unix)]
+            let stop = {
+                use tokio::signal::unix::{SignalKind, signal};
+                let handler = |kind: SignalKind| {
+                    signal(kind).map_err(|e| {
+                        distgrad::Error::Input(format!("cannot handle a stop signal: {e}"))
+                    })
                 };
-                #[cfg(not(unix))]
-                let term = std::future::pending::<()>();
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term => {}
+                let (mut int, mut term) = (
+                    handler(SignalKind::interrupt())?,
+                    handler(SignalKind::terminate())?,
+                );
+                async move {
+                    tokio::select! {
+                        _ = int.recv() => {}
+                        _ = term.recv() => {}
+                    }
                 }
+            };
+            #[cfg(not(unix))]
+            let stop = async {
+                let _ = tokio::signal::ctrl_c().await;
+            };
+            let shutdown = async move {
+                stop.await;
                 println!("distgrad relay: shutting down");
             };
             distgrad::relay::serve(listener, cfg, shutdown)

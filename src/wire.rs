@@ -23,6 +23,10 @@ use crate::transport::{Channel, Tag};
 
 /// Header length in bytes.
 pub const HEADER_LEN: usize = 24;
+/// Smallest data-frame payload limit a relay may set (members fragment messages to its limit).
+pub const MIN_FRAME_PAYLOAD: usize = 1024;
+/// Largest data-frame payload limit a relay may set.
+pub const MAX_FRAME_PAYLOAD: usize = 1 << 30;
 /// First byte of every data frame.
 pub const MAGIC: u8 = 0xD6;
 /// Flag: more fragments of this message follow.

@@ -15,7 +15,11 @@ fn distgrad(args: &[&str], stdin: Option<&str>) -> Output {
         .spawn()
         .expect("spawn distgrad");
     if let Some(s) = stdin {
-        child.stdin.take().unwrap().write_all(s.as_bytes()).unwrap();
+        // The program may refuse its arguments and exit before reading: a closed pipe is fine.
+        match child.stdin.take().unwrap().write_all(s.as_bytes()) {
+            Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => panic!("writing stdin: {e}"),
+            _ => {}
+        }
     }
     drop(child.stdin.take());
     child.wait_with_output().expect("wait distgrad")
@@ -235,6 +239,11 @@ fn flags_that_do_not_apply_are_refused_or_noted() {
         err.contains("broadcast takes no reduce op; --op ignored"),
         "{err}"
     );
+    // A mistyped collective with flags is still an unknown collective, not a case file.
+    let out = distgrad(&["vjp", "allreduce", "--world", "2"], None);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("unknown collective"), "{err}");
     let out = distgrad(&["vjp", "all_gather", "--root", "1"], None);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
@@ -289,6 +298,16 @@ fn bad_command_lines_say_what_is_wrong() {
         assert!(err.contains(want), "{args:?}: expected {want:?} in {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
+}
+
+/// The bench's size ladder ends at the top of the range instead of overflowing (a huge
+/// --max-bytes looped forever, or panicked in a debug build).
+#[test]
+fn bench_sizes_stop_at_the_top_of_the_range() {
+    let top = distgrad::bench::sizes(usize::MAX / 2, usize::MAX);
+    assert_eq!(top, vec![usize::MAX / 2]);
+    assert_eq!(distgrad::bench::sizes(4, 64), vec![4, 16, 64]);
+    assert!(distgrad::bench::sizes(2048, 1024).is_empty());
 }
 
 /// `distgrad run ... | head -1`: the reader goes away mid-output and the program ends quietly,

@@ -263,47 +263,54 @@ fn pipeline_parallel_hand_derived_and_backward_runs_send_recv() {
                 g[r - 1] = back[r];
             }
         }
-        // Steps: 0 inputs, 1 + s forward of stage s, 1 + world the loss, then backward from the
-        // last stage down to stage 0.
+        // Steps: 0 inputs, 1 + s forward of stage s, 1 + world the loss, then one backward step
+        // per boundary s → s−1 from the last stage down (one local step with a single stage).
         let fwd = |s: usize| 1 + s;
         let bwd = |s: usize| 2 + world + (last - s);
-        assert_eq!(t.steps.len(), 2 + 2 * world, "world {world}");
-        for s in 0..world {
+        assert_eq!(
+            t.steps.len(),
+            3 + world.max(2) - 1 + world - 1,
+            "world {world}"
+        );
+        for (s, hs) in h.iter().enumerate() {
             let ctx = format!("world {world} stage {s}");
-            close(&vals(&t, fwd(s), s, &format!("h{s}")), &h[s], &ctx);
-            close(&vals(&t, bwd(s), s, &format!("dL/dh{s}")), &g[s], &ctx);
-            close(&vals(&t, bwd(s), s, &format!("dL/dw{s}")), &dw[s], &ctx);
-            if s > 0 {
-                let sent = format!("dL/dh{} (sent back)", s - 1);
-                close(&vals(&t, bwd(s), s, &sent), &back[s], &ctx);
-                close(
-                    &vals(&t, bwd(s - 1), s - 1, &format!("dL/dh{}", s - 1)),
-                    &back[s],
-                    &ctx,
-                );
-            }
-            // Activations travel forward one stage per step, gradients back.
-            let (f, b) = (&t.steps[fwd(s)].arrows, &t.steps[bwd(s)].arrows);
+            close(&vals(&t, fwd(s), s, &format!("h{s}")), hs, &ctx);
+            // Activations travel forward one stage per step.
+            let f = &t.steps[fwd(s)].arrows;
             assert_eq!(
                 f,
                 &if s < last { vec![(s, s + 1)] } else { vec![] },
                 "{ctx}"
             );
-            assert_eq!(b, &if s > 0 { vec![(s, s - 1)] } else { vec![] }, "{ctx}");
-            // What this stage's backward ran, as its communicator recorded it: the dual of its
-            // send (a recv) and of its recv (a send), each a point-to-point call.
-            let calls = usize::from(s < last) + usize::from(s > 0);
-            let text = t.steps[bwd(s)].ranks[s]
-                .iter()
-                .find(|v| v.name == "backward ran")
-                .and_then(|v| v.text.clone())
-                .unwrap_or_default();
-            let want = if calls == 0 {
-                "nothing".to_string()
-            } else {
-                vec!["send/recv"; calls].join(" + ")
-            };
-            assert_eq!(text, want, "{ctx}");
+        }
+        if world == 1 {
+            close(&vals(&t, 3, 0, "dL/dh0"), &g[0], "world 1");
+            close(&vals(&t, 3, 0, "dL/dw0"), &dw[0], "world 1");
+            assert_eq!(t.steps[3].collective.as_deref(), Some("nothing"));
+        }
+        for s in (1..world).rev() {
+            let (p, k) = (s - 1, bwd(s));
+            let ctx = format!("world {world} boundary {s} → {p}");
+            close(&vals(&t, k, s, &format!("dL/dh{s}")), &g[s], &ctx);
+            close(&vals(&t, k, s, &format!("dL/dw{s}")), &dw[s], &ctx);
+            // Sent by stage s, received by stage s−1: the same numbers at both ends.
+            close(&vals(&t, k, s, &format!("dL/dh{p}")), &back[s], &ctx);
+            close(&vals(&t, k, p, &format!("dL/dh{p}")), &g[p], &ctx);
+            if p == 0 {
+                close(&vals(&t, k, 0, "dL/dw0"), &dw[0], &ctx);
+            }
+            assert_eq!(t.steps[k].arrows, vec![(s, p)], "{ctx}");
+            // What the two stages' communicators recorded at this boundary: the dual of stage
+            // s's recv and of stage s−1's send, each a point-to-point call; nobody else's.
+            for r in 0..world {
+                let text = t.steps[k].ranks[r]
+                    .iter()
+                    .find(|v| v.name == "backward ran")
+                    .and_then(|v| v.text.clone());
+                let want = (r == s || r == p).then(|| "send/recv".to_string());
+                assert_eq!(text, want, "{ctx}: rank {r}");
+            }
+            assert_eq!(t.steps[k].collective.as_deref(), Some("send/recv"), "{ctx}");
         }
         close(&vals(&t, 1 + world, last, "L"), &[loss], "loss");
     }

@@ -30,7 +30,9 @@ use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
-use crate::wire::{Control, HEADER_LEN, Header, LEFT_CLEANLY};
+use crate::wire::{
+    Control, HEADER_LEN, Header, LEFT_CLEANLY, MAX_FRAME_PAYLOAD, MIN_FRAME_PAYLOAD,
+};
 
 mod stream;
 use stream::StreamOut;
@@ -69,16 +71,12 @@ pub struct RelayConfig {
 }
 
 impl RelayConfig {
-    /// Smallest `max_frame` accepted (members fragment their messages to it).
-    pub const MIN_FRAME: usize = 1024;
-
     /// Whether these limits can work; otherwise what is wrong (every join or frame would fail).
     pub fn check(&self) -> std::result::Result<(), String> {
-        if self.max_frame < Self::MIN_FRAME {
+        if !(MIN_FRAME_PAYLOAD..=MAX_FRAME_PAYLOAD).contains(&self.max_frame) {
             return Err(format!(
-                "max_frame {} is below {} bytes",
-                self.max_frame,
-                Self::MIN_FRAME
+                "max_frame {} is outside {MIN_FRAME_PAYLOAD}..={MAX_FRAME_PAYLOAD} bytes",
+                self.max_frame
             ));
         }
         if self.max_members == 0 || self.max_rooms == 0 {

@@ -24,8 +24,8 @@ use tokio_tungstenite::tungstenite::Message;
 use super::{Mailbox, Tag, Transport, direct};
 use crate::error::{Error, Result};
 use crate::wire::{
-    Control, HEADER_LEN, Header, LEFT_CLEANLY, MAX_STREAM_PAYLOAD, Reassembler, STREAM_CONTROL,
-    StreamHello, fragments,
+    Control, HEADER_LEN, Header, LEFT_CLEANLY, MAX_STREAM_PAYLOAD, MIN_FRAME_PAYLOAD, Reassembler,
+    STREAM_CONTROL, StreamHello, fragments,
 };
 
 /// Called once when the relay admits this member, before the room is full (joining may then wait
@@ -378,10 +378,11 @@ impl WsTransport {
             token,
             mailbox,
             out: Some(tx),
-            // Fragments fit the relay's frame limit as well as ours.
+            // Fragments fit the relay's frame limit as well as ours (a relay naming a limit
+            // below the protocol's floor is not believed: frames that big are refused loudly).
             max_payload: opts
                 .max_payload
-                .min(relay_frame.unwrap_or(usize::MAX))
+                .min(relay_frame.map_or(usize::MAX, |m| m.max(MIN_FRAME_PAYLOAD)))
                 .max(1),
             send_timeout: opts.send_timeout,
             reader: Some(reader),

@@ -39,7 +39,9 @@ use web_sys::{
 
 use crate::error::{Error, Result};
 use crate::transport::{Mailbox, Tag, Transport};
-use crate::wire::{Control, HEADER_LEN, Header, LEFT_CLEANLY, Reassembler, fragments};
+use crate::wire::{
+    Control, HEADER_LEN, Header, LEFT_CLEANLY, MIN_FRAME_PAYLOAD, Reassembler, fragments,
+};
 
 /// Largest WebRTC data-channel message Chromium accepts (`sctp.maxMessageSize`).
 pub const RTC_MAX_MESSAGE: usize = 256 * 1024;
@@ -265,7 +267,8 @@ impl Shared {
             } => {
                 self.rank.set(Some(rank as usize));
                 if let Some(m) = max_frame {
-                    self.relay_payload.set(m.clamp(1, RELAY_MAX_PAYLOAD));
+                    self.relay_payload
+                        .set(m.clamp(MIN_FRAME_PAYLOAD, RELAY_MAX_PAYLOAD));
                 }
                 *self.mailbox.borrow_mut() =
                     Some(Arc::new(Mailbox::new(rank as usize, self.world)));
