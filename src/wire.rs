@@ -243,8 +243,9 @@ pub enum Control {
         /// one): a member on the relay's host may attach its stream there instead of over TCP.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         stream_path: Option<String>,
-        /// The largest data-frame payload this relay takes on the WebSocket (its `max_frame`):
-        /// members fragment their messages to at most this (and their own limit).
+        /// The largest data-frame payload this relay takes on the WebSocket (its `max_frame`),
+        /// when it is not the default 1 MiB: members fragment their messages to at most this (and
+        /// their own limit).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         max_frame: Option<usize>,
     },

@@ -2675,6 +2675,39 @@ fn members_fragment_to_the_relays_frame_limit() {
     relay.shutdown(Duration::from_secs(5));
 }
 
+/// The welcome names the relay's frame limit only where it is not the default (so members of an
+/// earlier build, which refuse unknown fields, still join a default relay).
+#[test]
+fn the_welcome_names_only_a_non_default_frame_limit() {
+    for (max_frame, want) in [
+        (distgrad::relay::DEFAULT_MAX_FRAME, None),
+        (4096, Some(4096)),
+    ] {
+        let relay = TestRelay::start(RelayConfig {
+            max_frame,
+            ..RelayConfig::default()
+        });
+        let url = relay.url();
+        let got = rank_runtime().block_on(async {
+            let mut c = Raw::connect(&url).await;
+            c.send_control(&Control::Join {
+                room: "limit".into(),
+                token: Some("t".into()),
+                world: 2,
+                rank: Some(0),
+                stream: false,
+            })
+            .await;
+            match c.next_control().await {
+                Control::Welcome { max_frame, .. } => max_frame,
+                other => panic!("expected a welcome, got {other:?}"),
+            }
+        });
+        assert_eq!(got, want, "relay max_frame {max_frame}");
+        relay.shutdown(Duration::from_secs(5));
+    }
+}
+
 /// `distgrad relay` refuses limits under which no member could work, with exit code 2.
 #[test]
 fn the_relay_refuses_unusable_limits() {

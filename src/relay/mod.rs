@@ -103,10 +103,13 @@ impl RelayConfig {
     }
 }
 
+/// [`RelayConfig::max_frame`]'s default, the fragment size members use unless told otherwise.
+pub const DEFAULT_MAX_FRAME: usize = 1 << 20;
+
 impl Default for RelayConfig {
     fn default() -> Self {
         RelayConfig {
-            max_frame: 1 << 20,
+            max_frame: DEFAULT_MAX_FRAME,
             max_members: 64,
             max_rooms: 256,
             max_pending_bytes: 16 << 20,
@@ -580,7 +583,9 @@ async fn join(
             .filter(|_| on_host)
             .and_then(|_| shared.local_path.get().cloned()),
         stream_key: key,
-        max_frame: Some(shared.cfg.max_frame),
+        // Named only where it differs from the default, which every member assumes anyway: a
+        // member of an earlier build (which refuses unknown fields) still joins a default relay.
+        max_frame: (shared.cfg.max_frame != DEFAULT_MAX_FRAME).then_some(shared.cfg.max_frame),
     })));
     // A full room whose last data streams are still attaching announces `ready` shortly.
     if !ready_check(r) && members.len() as u32 != world {
