@@ -2063,23 +2063,33 @@ async fn raw_join_with_stream_path(
     world: u32,
     rank: u32,
 ) -> (Raw, String, Option<String>) {
+    match raw_join(url, room, world, rank, true).await {
+        (
+            c,
+            Control::Welcome {
+                stream_key: Some(key),
+                stream_path,
+                ..
+            },
+        ) => (c, key, stream_path),
+        (_, other) => panic!("expected a welcome with a stream key, got {other:?}"),
+    }
+}
+
+/// Join `room` (token "t") over a raw WebSocket, asking for a data stream or not; returns the
+/// client and the relay's first answer.
+async fn raw_join(url: &str, room: &str, world: u32, rank: u32, stream: bool) -> (Raw, Control) {
     let mut c = Raw::connect(url).await;
     c.send_control(&Control::Join {
         room: room.into(),
         token: Some("t".into()),
         world,
         rank: Some(rank),
-        stream: true,
+        stream,
     })
     .await;
-    match c.next_control().await {
-        Control::Welcome {
-            stream_key: Some(key),
-            stream_path,
-            ..
-        } => (c, key, stream_path),
-        other => panic!("expected a welcome with a stream key, got {other:?}"),
-    }
+    let answer = c.next_control().await;
+    (c, answer)
 }
 
 /// Open a TCP connection to the relay, send `hello` bytes, and return it with the relay's answer
@@ -2689,18 +2699,9 @@ fn the_welcome_names_only_a_non_default_frame_limit() {
         });
         let url = relay.url();
         let got = rank_runtime().block_on(async {
-            let mut c = Raw::connect(&url).await;
-            c.send_control(&Control::Join {
-                room: "limit".into(),
-                token: Some("t".into()),
-                world: 2,
-                rank: Some(0),
-                stream: false,
-            })
-            .await;
-            match c.next_control().await {
-                Control::Welcome { max_frame, .. } => max_frame,
-                other => panic!("expected a welcome, got {other:?}"),
+            match raw_join(&url, "limit", 2, 0, false).await {
+                (_, Control::Welcome { max_frame, .. }) => max_frame,
+                (_, other) => panic!("expected a welcome, got {other:?}"),
             }
         });
         assert_eq!(got, want, "relay max_frame {max_frame}");
