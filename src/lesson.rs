@@ -874,8 +874,19 @@ pub fn render(trace: &Trace) -> String {
     for (i, st) in trace.steps.iter().enumerate() {
         s.push_str(&format!("\nstep {i} [{:?}] {}\n", st.phase, st.label));
         if !st.arrows.is_empty() {
-            let a: Vec<String> = st.arrows.iter().map(|(x, y)| format!("{x}→{y}")).collect();
-            s.push_str(&format!("  messages: {}\n", a.join(" ")));
+            // Wrapped at about 100 columns (an all_to_all of 64 ranks has 4032 arrows).
+            let mut line = String::from("  messages:");
+            for (x, y) in &st.arrows {
+                let a = format!(" {x}→{y}");
+                if line.chars().count() + a.chars().count() > 100 {
+                    s.push_str(&line);
+                    s.push('\n');
+                    line = " ".repeat("  messages:".len());
+                }
+                line.push_str(&a);
+            }
+            s.push_str(&line);
+            s.push('\n');
         }
         for (r, vals) in st.ranks.iter().enumerate() {
             let v: Vec<String> = vals

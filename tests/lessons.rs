@@ -317,6 +317,27 @@ fn pipeline_parallel_hand_derived_and_backward_runs_send_recv() {
 }
 
 #[test]
+fn long_message_lists_wrap_in_the_terminal() {
+    // all_gather on 64 ranks: 4032 arrows per collective step, wrapped at 100 columns, none lost.
+    let t = simulate(&load("all_gather"), 64);
+    let text = lesson::render(&t);
+    let want: usize = t.steps.iter().map(|s| s.arrows.len()).sum();
+    assert!(want >= 2 * 64 * 63, "{want} arrows");
+    let lines: Vec<&str> = text.lines().filter(|l| l.contains('→')).collect();
+    assert_eq!(
+        lines.iter().map(|l| l.matches('→').count()).sum::<usize>(),
+        want
+    );
+    for l in &lines {
+        assert!(
+            l.chars().count() <= 100,
+            "{} columns: {l}",
+            l.chars().count()
+        );
+    }
+}
+
+#[test]
 fn data_parallel_replicas_stay_identical_and_the_loss_falls() {
     let l = load("data_parallel");
     for n in [1, 3, 5] {
