@@ -86,6 +86,10 @@ mod cli {
             /// Print the trace as JSON.
             #[arg(long)]
             json: bool,
+            /// Compute backend of the ranks: `cpu` (the reference, default), `gpu` (error if none)
+            /// or `auto` (a GPU when an adapter exists, else the CPU), as in the page.
+            #[arg(long, default_value = "cpu")]
+            device: String,
         },
         /// Data-parallel training of a small MLP with the gradients flowing through the collectives:
         /// on in-process ranks (`--backend local`) or one process per GPU over NCCL (`--backend nccl`,
@@ -308,7 +312,8 @@ mod cli {
                 lesson,
                 world,
                 json,
-            } => run_lesson(&lesson, world, json),
+                device,
+            } => run_lesson(&lesson, world, json, &device),
             Cmd::Train {
                 world,
                 backend,
@@ -895,7 +900,12 @@ mod cli {
         path: &std::path::Path,
         world: Option<usize>,
         json: bool,
+        device: &str,
     ) -> distgrad::Result<()> {
+        let device = match parse_choice(device)? {
+            distgrad::backend::Choice::Cpu => distgrad::backend::Device::Cpu,
+            choice => futures::executor::block_on(distgrad::backend::select(choice))?,
+        };
         let text = std::fs::read_to_string(path)
             .map_err(|e| distgrad::Error::Input(format!("reading {}: {e}", path.display())))?;
         let lesson = distgrad::lesson::parse(&text).map_err(|e| {
@@ -923,7 +933,7 @@ mod cli {
         let trace = futures::executor::block_on(distgrad::lesson::run_simulated(
             &lesson,
             world,
-            &distgrad::backend::Device::Cpu,
+            &device,
             &[],
         ))?;
         if json {

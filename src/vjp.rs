@@ -376,7 +376,16 @@ fn plan(case: &Case) -> Result<Plan> {
 
 /// Parse a case from JSON text.
 pub fn parse_case(json: &str) -> Result<Case> {
-    serde_json::from_str(json).map_err(|e| Error::Input(format!("case JSON: {e}")))
+    serde_json::from_str(json).map_err(|e| {
+        // A list, a number...: say what a case is rather than serde's "expected struct Case".
+        let hint = match serde_json::from_str::<serde_json::Value>(json) {
+            Ok(v) if !v.is_object() => {
+                " (a case is one JSON object: `distgrad vjp all_gather --print-case` prints one)"
+            }
+            _ => "",
+        };
+        Error::Input(format!("case JSON: {e}{hint}"))
+    })
 }
 
 /// A validated case, ready to run on any communicator.

@@ -199,6 +199,7 @@ fn bad_input_is_a_clear_error_with_exit_code_2() {
             r#"{"collective":"all_reduce","world":2,"inputs":[[{"shape":[1],"data":[1e39]}],[{"shape":[1],"data":[1]}]]}"#,
             "beyond the f32 range",
         ),
+        ("[1, 2]", "a case is one JSON object"),
     ];
     for (input, want) in cases {
         let out = distgrad(&["vjp", "-"], Some(input));
@@ -291,6 +292,10 @@ fn bad_command_lines_say_what_is_wrong() {
             &["run", "www/lessons/index.json"],
             "the index of the lessons",
         ),
+        (
+            &["run", "www/lessons/all_gather.json", "--device", "tpu"],
+            "expected cpu, gpu or auto",
+        ),
     ] {
         let out = distgrad(args, None);
         let err = String::from_utf8_lossy(&out.stderr);
@@ -381,6 +386,60 @@ fn the_gpu_backend_gives_the_same_answers() {
                 "{c} op={op}: GPU answer differs from the CPU reference"
             );
         }
+    }
+}
+
+/// `distgrad run --device gpu`: a lesson's trace on the GPU equals the CPU's where the lesson's
+/// ops are bit-exact on both (the reduce-into of all_reduce max, the copies of all_gather), and
+/// is within float tolerance for the pipeline (tanh differs in the last bits).
+#[test]
+fn lessons_run_on_the_gpu_too() {
+    let trace = |lesson: &str, device: &str| -> Option<Value> {
+        let path = format!("www/lessons/{lesson}.json");
+        let out = distgrad(&["run", &path, "--json", "--device", device], None);
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            if device == "gpu"
+                && err.contains("no GPU adapter")
+                && std::env::var("DISTGRAD_REQUIRE_GPU").as_deref() != Ok("1")
+            {
+                println!("skipped: no GPU adapter ({err})");
+                return None;
+            }
+            panic!("run {lesson} --device {device}: {err}");
+        }
+        Some(serde_json::from_slice(&out.stdout).expect("JSON trace"))
+    };
+    for lesson in ["all_reduce_max", "all_gather"] {
+        let Some(gpu) = trace(lesson, "gpu") else {
+            return;
+        };
+        assert_eq!(gpu, trace(lesson, "cpu").unwrap(), "{lesson}");
+    }
+    let (Some(gpu), Some(cpu)) = (
+        trace("pipeline_parallel", "gpu"),
+        trace("pipeline_parallel", "cpu"),
+    ) else {
+        return;
+    };
+    fn numbers(v: &Value, out: &mut Vec<f64>) {
+        match v {
+            Value::Number(n) => out.extend(n.as_f64()),
+            Value::Array(a) => a.iter().for_each(|x| numbers(x, out)),
+            Value::Object(o) => o.values().for_each(|x| numbers(x, out)),
+            _ => {}
+        }
+    }
+    let (mut g, mut c) = (Vec::new(), Vec::new());
+    numbers(&gpu, &mut g);
+    numbers(&cpu, &mut c);
+    assert_eq!(g.len(), c.len(), "the same trace shape");
+    assert!(!g.is_empty());
+    for (a, b) in g.iter().zip(&c) {
+        assert!(
+            (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+            "pipeline: GPU {a} vs CPU {b}"
+        );
     }
 }
 
