@@ -576,14 +576,17 @@ async fn tensor_parallel<T: Transport>(comm: &P2p<T>) -> Result<Vec<RankStep>> {
     Ok(out)
 }
 
-/// What this rank's communicator recorded since the last look, as one text (`send + recv`), or
-/// `None` when nothing ran.
-fn ran<T: Transport>(comm: &P2p<T>) -> Option<String> {
-    let calls: Vec<String> = comm
-        .take_calls()
+/// The calls this rank's communicator recorded since the last look, in order.
+fn recorded<T: Transport>(comm: &P2p<T>) -> Vec<String> {
+    comm.take_calls()
         .iter()
         .map(|(_, s)| vjp::short_sig(s))
-        .collect();
+        .collect()
+}
+
+/// [`recorded`] as one text (`send/recv + send/recv`), or `None` when nothing ran.
+fn ran<T: Transport>(comm: &P2p<T>) -> Option<String> {
+    let calls = recorded(comm);
     (!calls.is_empty()).then(|| calls.join(" + "))
 }
 
@@ -699,11 +702,7 @@ async fn pipeline_parallel<T: Transport>(comm: &P2p<T>) -> Result<Vec<RankStep>>
     };
     // What this rank's backward ran, in order: the dual of its send (a recv from the next stage,
     // at boundary me+1), then the dual of its recv (a send to the previous one, at boundary me).
-    let calls: Vec<String> = comm
-        .take_calls()
-        .iter()
-        .map(|(_, s)| vjp::short_sig(s))
-        .collect();
+    let calls = recorded(comm);
     let expected = usize::from(me < last) + usize::from(me > 0);
     if calls.len() != expected {
         return Err(Error::Input(format!(

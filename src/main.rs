@@ -463,16 +463,7 @@ mod cli {
         print_case: bool,
         device: &str,
     ) -> distgrad::Result<()> {
-        let choice = match device {
-            "cpu" => distgrad::backend::Choice::Cpu,
-            "gpu" => distgrad::backend::Choice::Gpu,
-            "auto" => distgrad::backend::Choice::Auto,
-            other => {
-                return Err(distgrad::Error::Input(format!(
-                    "unknown device {other:?} (cpu, gpu or auto)"
-                )));
-            }
-        };
+        let choice = parse_choice(device)?;
         let input = |e: String| distgrad::Error::Input(e);
         let case = if let Ok(which) = Which::parse(what) {
             // Say so when a flag does not apply (scripts looping over collectives may pass both).
@@ -527,12 +518,7 @@ mod cli {
             );
             return Ok(());
         }
-        let device = if choice == distgrad::backend::Choice::Cpu {
-            distgrad::backend::Device::Cpu
-        } else {
-            futures::executor::block_on(distgrad::backend::select(choice))?
-        };
-        let out = vjp::run_case_on(&case, &device)?;
+        let out = vjp::run_case_on(&case, &device_for(choice)?)?;
         print_answer(&case, &out, json)
     }
 
@@ -902,10 +888,7 @@ mod cli {
         json: bool,
         device: &str,
     ) -> distgrad::Result<()> {
-        let device = match parse_choice(device)? {
-            distgrad::backend::Choice::Cpu => distgrad::backend::Device::Cpu,
-            choice => futures::executor::block_on(distgrad::backend::select(choice))?,
-        };
+        let device = device_for(parse_choice(device)?)?;
         let text = std::fs::read_to_string(path)
             .map_err(|e| distgrad::Error::Input(format!("reading {}: {e}", path.display())))?;
         let lesson = distgrad::lesson::parse(&text).map_err(|e| {
@@ -1028,6 +1011,17 @@ mod cli {
             Ok(())
         } else {
             Err(distgrad::Error::Input("replicas diverged".into()))
+        }
+    }
+
+    /// The device `choice` names: the CPU as it is (no adapter search, no log line), else the
+    /// backend selection's pick.
+    fn device_for(
+        choice: distgrad::backend::Choice,
+    ) -> distgrad::Result<distgrad::backend::Device> {
+        match choice {
+            distgrad::backend::Choice::Cpu => Ok(distgrad::backend::Device::Cpu),
+            choice => futures::executor::block_on(distgrad::backend::select(choice)),
         }
     }
 

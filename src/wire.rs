@@ -23,6 +23,9 @@ use crate::transport::{Channel, Tag};
 
 /// Header length in bytes.
 pub const HEADER_LEN: usize = 24;
+/// A relay's data-frame payload limit unless it is configured otherwise, and the fragment size
+/// members use unless its welcome names another (it names only a different one).
+pub const DEFAULT_FRAME_PAYLOAD: usize = 1 << 20;
 /// Smallest data-frame payload limit a relay may set (members fragment messages to its limit).
 pub const MIN_FRAME_PAYLOAD: usize = 1024;
 /// Largest data-frame payload limit a relay may set.

@@ -2690,7 +2690,7 @@ fn members_fragment_to_the_relays_frame_limit() {
 #[test]
 fn the_welcome_names_only_a_non_default_frame_limit() {
     for (max_frame, want) in [
-        (distgrad::relay::DEFAULT_MAX_FRAME, None),
+        (distgrad::wire::DEFAULT_FRAME_PAYLOAD, None),
         (4096, Some(4096)),
     ] {
         let relay = TestRelay::start(RelayConfig {

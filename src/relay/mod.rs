@@ -31,7 +31,8 @@ use futures::{SinkExt, StreamExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use crate::wire::{
-    Control, HEADER_LEN, Header, LEFT_CLEANLY, MAX_FRAME_PAYLOAD, MIN_FRAME_PAYLOAD,
+    Control, DEFAULT_FRAME_PAYLOAD, HEADER_LEN, Header, LEFT_CLEANLY, MAX_FRAME_PAYLOAD,
+    MIN_FRAME_PAYLOAD,
 };
 
 mod stream;
@@ -103,13 +104,10 @@ impl RelayConfig {
     }
 }
 
-/// [`RelayConfig::max_frame`]'s default, the fragment size members use unless told otherwise.
-pub const DEFAULT_MAX_FRAME: usize = 1 << 20;
-
 impl Default for RelayConfig {
     fn default() -> Self {
         RelayConfig {
-            max_frame: DEFAULT_MAX_FRAME,
+            max_frame: DEFAULT_FRAME_PAYLOAD,
             max_members: 64,
             max_rooms: 256,
             max_pending_bytes: 16 << 20,
@@ -585,7 +583,7 @@ async fn join(
         stream_key: key,
         // Named only where it differs from the default, which every member assumes anyway: a
         // member of an earlier build (which refuses unknown fields) still joins a default relay.
-        max_frame: (shared.cfg.max_frame != DEFAULT_MAX_FRAME).then_some(shared.cfg.max_frame),
+        max_frame: (shared.cfg.max_frame != DEFAULT_FRAME_PAYLOAD).then_some(shared.cfg.max_frame),
     })));
     // A full room whose last data streams are still attaching announces `ready` shortly.
     if !ready_check(r) && members.len() as u32 != world {

@@ -24,8 +24,8 @@ use tokio_tungstenite::tungstenite::Message;
 use super::{Mailbox, Tag, Transport, direct};
 use crate::error::{Error, Result};
 use crate::wire::{
-    Control, HEADER_LEN, Header, LEFT_CLEANLY, MAX_STREAM_PAYLOAD, MIN_FRAME_PAYLOAD, Reassembler,
-    STREAM_CONTROL, StreamHello, fragments,
+    Control, DEFAULT_FRAME_PAYLOAD, HEADER_LEN, Header, LEFT_CLEANLY, MAX_STREAM_PAYLOAD,
+    MIN_FRAME_PAYLOAD, Reassembler, STREAM_CONTROL, StreamHello, fragments,
 };
 
 /// Called once when the relay admits this member, before the room is full (joining may then wait
@@ -89,7 +89,7 @@ impl JoinOptions {
             world,
             rank: None,
             ready_timeout: Duration::from_secs(60),
-            max_payload: 1 << 20,
+            max_payload: DEFAULT_FRAME_PAYLOAD,
             max_message: 1 << 30,
             send_timeout: Duration::from_secs(60),
             direct: None,

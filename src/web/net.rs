@@ -47,7 +47,7 @@ use crate::wire::{
 pub const RTC_MAX_MESSAGE: usize = 256 * 1024;
 /// Largest frame payload sent through the relay (its default frame limit; a relay whose welcome
 /// names a lower one gets that).
-pub const RELAY_MAX_PAYLOAD: usize = 1 << 20;
+pub const RELAY_MAX_PAYLOAD: usize = crate::wire::DEFAULT_FRAME_PAYLOAD;
 /// Largest frame payload posted on a BroadcastChannel (no browser limit; bounds each copy).
 pub const CHANNEL_MAX_PAYLOAD: usize = 4 << 20;
 const WS_HIGH_WATER: u32 = 8 << 20;
