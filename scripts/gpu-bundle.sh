@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build, on this machine, everything scripts/gpu-check.sh runs on a GPU machine that has no Rust
 # toolchain and no network (the lent device machine): the release `distgrad` binary and the test
-# programs of tests/nccl.rs, tests/gpu_kernels.rs and tests/gpu_export.rs, built with
+# programs of tests/nccl.rs, gpu_kernels.rs, gpu_export.rs, gpu_tensor.rs and the gradient
+# suites (grad_hand.rs, grad_adjoint.rs, grad_fd.rs), built with
 # --features native-nccl and stripped, plus the Vulkan loader package (libvulkan1), into
 # .gpu-bundle/ (git-ignored). gpu-check.sh uses the bundle when `cargo` is missing or
 # GPU_CHECK_PREBUILT=1. The bundle must stay under the device tool's 64 MiB working-tree limit:
@@ -20,7 +21,8 @@ cargo build --release --locked --features native-nccl
 cp "$CARGO_TARGET_DIR/release/distgrad" "$out/bin/distgrad"
 # The test programs: cargo names them <test>-<hash>; ask it which files it built.
 cargo test --release --locked --features native-nccl --no-run \
-  --test nccl --test gpu_kernels --test gpu_export --message-format=json 2>/dev/null \
+  --test nccl --test gpu_kernels --test gpu_export --test gpu_tensor \
+  --test grad_hand --test grad_adjoint --test grad_fd --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -33,10 +35,16 @@ for line in sys.stdin:
 ' | while read -r name exe; do
   cp "$exe" "$out/bin/test-$name"
 done
-for t in nccl gpu_kernels gpu_export; do
+for t in nccl gpu_kernels gpu_export gpu_tensor grad_hand grad_adjoint grad_fd; do
   [ -x "$out/bin/test-$t" ] || { echo "gpu-bundle: test program $t was not built" >&2; exit 1; }
 done
 strip "$out"/bin/*
+
+if [ "${GPU_BUNDLE_LOCAL:-0}" = 1 ]; then
+  git rev-parse HEAD > "$out/commit" 2>/dev/null || echo unknown > "$out/commit"
+  echo "gpu-bundle: built for this machine (GPU_BUNDLE_LOCAL=1: no loader package, no size limit)"
+  exit 0
+fi
 
 echo "gpu-bundle: the Vulkan loader (the device machine may lack it)"
 (cd "$out/deb" && apt-get download -qq libvulkan1 2>/dev/null) \

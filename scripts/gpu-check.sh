@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# GPU check on a machine with an NVIDIA GPU: the WGSL backend (Vulkan) and the NCCL target.
-# Runs the kernel tests on the real adapter, the NCCL tests (every collective forward + backward on
-# NCCL vs the in-process group; mismatch detection with 2+ GPUs; staging and the shared Vulkan/CUDA
-# data path), `distgrad train --backend nccl` on every GPU (up to 8; host tensors, then wgpu
-# tensors over the shared path), the NCCL all_reduce benchmark (1 KiB .. 1 GiB, CUDA buffers vs
-# host-staged vs shared, beside the device copy bandwidth) and the kernel benchmark, printing
-# figures. Sized to finish in a few minutes.
+# GPU check on a machine with an NVIDIA GPU: the WGSL backend (Vulkan) and the NCCL target, in
+# order of what matters most (each step under its own time limit, so a hang costs one step):
+#   1. the NCCL tests (every collective forward + backward on NCCL vs the in-process group; bad
+#      calls; mismatch detection with 2+ GPUs; staging and the shared Vulkan/CUDA data path);
+#   2. the WGSL kernel, tensor and exported-memory tests on the real adapter;
+#   3. `distgrad bench kernels` at 16M and 256M f32 (GB/s and the ratio to the device's own copy);
+#   4. the in-process 4-rank all_reduce with tensors on the GPU beside the CPU figure, with the
+#      bytes each call reads back;
+#   5. the NCCL all_reduce benchmark (1 KiB .. 1 GiB: CUDA buffers, host staging, shared wgpu
+#      memory, beside the device copy) and torch.distributed's NCCL all_reduce on the same GPU
+#      (scripts/nccl-baseline.py), with the ratios;
+#   6. `distgrad train --backend nccl` (host tensors, then wgpu tensors over the shared path) and
+#      the in-process reference;
+#   7. the collective gradient suites (grad_hand, grad_fd, grad_adjoint) on the GPU backend.
+# Sized to finish in about six minutes on one H200.
 #
 #   scripts/gpu-check.sh            # from the repository root
 #
@@ -13,10 +21,10 @@
 # carry [".gpu-bundle"] and the command
 #   set -o pipefail; scripts/gpu-check.sh 2>&1 | tee $OUT/gpu-check.log
 #
-# Build: with cargo, it builds here (release, --features native-nccl). Without cargo (the lent
-# device machine has no Rust and no network), or with GPU_CHECK_PREBUILT=1, it runs the programs
-# of .gpu-bundle/, made beforehand by scripts/gpu-bundle.sh on a machine with Rust and carried
-# along (it holds the Vulkan loader package too).
+# Build: it runs the programs of .gpu-bundle/ (scripts/gpu-bundle.sh). With cargo (and without
+# GPU_CHECK_PREBUILT=1) it builds that bundle here first; the lent device machine has no Rust and
+# no network, so there the bundle is made beforehand on a machine with Rust and carried along (it
+# holds the Vulkan loader package too).
 # NCCL: cudarc loads libnccl.so; NCCL ships libnccl.so.2 (for example in the pip wheel
 # nvidia-nccl-cu13: site-packages/nvidia/nccl/lib). This script finds such a folder through python3
 # when none is on the loader path and adds a libnccl.so symlink next to a copy of it.
@@ -30,20 +38,17 @@ bundle=.gpu-bundle
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
-if [ "${GPU_CHECK_PREBUILT:-0}" = 1 ] || ! command -v cargo >/dev/null; then
-  if [ ! -x "$bundle/bin/distgrad" ]; then
-    echo "gpu-check: no cargo here and no $bundle: run scripts/gpu-bundle.sh on a machine with Rust and bring $bundle along" >&2
-    exit 1
-  fi
-  echo "gpu-check: prebuilt programs of commit $(cat "$bundle/commit" 2>/dev/null) (this tree: $(git rev-parse HEAD 2>/dev/null || echo unknown))"
-  dg="$bundle/bin/distgrad"
-  run_test() { local t=$1; shift; "$bundle/bin/test-$t" "$@"; }
-else
-  echo "== build (release, --features native-nccl)"
-  cargo build --release --locked --features native-nccl || exit 1
-  dg="$CARGO_TARGET_DIR/release/distgrad"
-  run_test() { local t=$1; shift; cargo test --release --locked --features native-nccl --test "$t" -- "$@"; }
+if [ "${GPU_CHECK_PREBUILT:-0}" != 1 ] && command -v cargo >/dev/null; then
+  echo "== build the bundle here (release, --features native-nccl)"
+  GPU_BUNDLE_LOCAL=1 scripts/gpu-bundle.sh || exit 1
 fi
+if [ ! -x "$bundle/bin/distgrad" ]; then
+  echo "gpu-check: no cargo here and no $bundle: run scripts/gpu-bundle.sh on a machine with Rust and bring $bundle along" >&2
+  exit 1
+fi
+echo "gpu-check: programs of commit $(cat "$bundle/commit" 2>/dev/null) (this tree: $(git rev-parse HEAD 2>/dev/null || echo unknown))"
+dg="$bundle/bin/distgrad"
+tb() { printf '%s\n' "$bundle/bin/test-$1"; }
 
 has_vulkan() { ldconfig -p 2>/dev/null | grep -q 'libvulkan.so.1 '; }
 if ! has_vulkan && ls "$bundle"/deb/*.deb >/dev/null 2>&1; then
@@ -76,35 +81,76 @@ PY
   fi
 fi
 
-echo "== NCCL tests"
-run_test nccl --nocapture --test-threads 1 2>&1 \
-  | grep -E "skipped|NCCL .*==|shared path|^test |test result|panicked|expected" || status=1
-
-gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-world=$(( gpus < 1 ? 1 : (gpus > 8 ? 8 : gpus) ))
-echo "== distgrad train --backend nccl --world $world"
-"$dg" train --backend nccl --world "$world" --steps 200 || status=1
-if has_vulkan; then
-  echo "== the same with wgpu tensors and the shared data path (Vulkan memory imported into CUDA)"
-  "$dg" train --backend nccl --data-path shared --world "$world" --steps 200 || status=1
+step() { printf '\n== %s (%s)\n' "$1" "$(date +%H:%M:%S)"; }
+# Run a step's command under a time limit; a failure or a timeout marks the check failed.
+limit() {
+  local secs=$1; shift
+  timeout --kill-after=5 "$secs" "$@"
+  local rc=$?
+  [ $rc -eq 124 ] && echo "gpu-check: timed out after ${secs} s: $*"
+  [ $rc -ne 0 ] && status=1
+  return 0
+}
+# GPU_CHECK_QUICK=1: small sizes everywhere, to try this script itself on a machine without a GPU
+# (lavapipe) before spending device time.
+if [ "${GPU_CHECK_QUICK:-0}" = 1 ]; then
+  kernel_elems=64K,1M coll_max=1048576 nccl_max=4194304 steps=20
+else
+  kernel_elems=16M,256M coll_max=67108864 nccl_max=1073741824 steps=200
 fi
-echo "== the same on in-process ranks (reference)"
-"$dg" train --backend local --world "$world" --steps 200 | tail -2
-echo "== NCCL all_reduce 1 KiB .. 1 GiB: CUDA buffers vs host staging vs shared wgpu memory, beside the device copy"
-path=staging
-has_vulkan && path=shared
-"$dg" bench --transport nccl --world "$world" --data-path "$path" \
-  --min-bytes 1024 --max-bytes 1073741824 || status=1
+tmp=${TMPDIR:-/tmp}/distgrad-gpu-check
+mkdir -p "$tmp"
+
+step "1. NCCL tests"
+limit 180 "$(tb nccl)" --nocapture --test-threads 1 > "$tmp/nccl.log" 2>&1
+grep -E "skipped|NCCL|shared path|^test |test result|panicked|expected|error" "$tmp/nccl.log"
 
 if has_vulkan; then
-  echo "== WGSL kernel and shared-memory tests on the real adapter"
-  for t in gpu_kernels gpu_export; do
-    DISTGRAD_REQUIRE_GPU=1 run_test "$t" --nocapture --test-threads 1 2>&1 \
-      | grep -E "adapter:|^test |test result|panicked" || status=1
+  step "2. WGSL kernel, tensor and exported-memory tests on the real adapter"
+  for t in gpu_kernels gpu_tensor gpu_export; do
+    DISTGRAD_REQUIRE_GPU=1 limit 90 "$(tb "$t")" --nocapture --test-threads 2 > "$tmp/$t.log" 2>&1
+    grep -E "adapter:|^test .*(FAILED|ignored)|test result|panicked" "$tmp/$t.log"
   done
-  echo "== kernel benchmark"
-  "$dg" bench kernels || status=1
+  step "3. kernel benchmark ($kernel_elems f32 per input)"
+  limit 120 "$dg" bench kernels --elements "$kernel_elems"
+  step "4. in-process all_reduce, 4 ranks: tensors on the GPU, then on the CPU"
+  limit 90 "$dg" bench --world 4 --ops all_reduce --min-bytes 1024 --max-bytes "$coll_max" --device gpu
+  limit 60 "$dg" bench --world 4 --ops all_reduce --min-bytes 1024 --max-bytes "$coll_max"
 else
   echo "gpu-check: no Vulkan loader (libvulkan.so.1): WGSL checks skipped; install libvulkan1"
 fi
+
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+world=$(( gpus < 1 ? 1 : (gpus > 8 ? 8 : gpus) ))
+step "5. NCCL all_reduce 1 KiB .. 1 GiB (world $world): CUDA buffers vs host staging vs shared wgpu memory, beside the device copy; then torch.distributed"
+path=staging
+has_vulkan && path=shared
+limit 180 "$dg" bench --transport nccl --world "$world" --data-path "$path" \
+  --min-bytes 1024 --max-bytes "$nccl_max" > "$tmp/nccl-bench.txt" 2>&1
+cat "$tmp/nccl-bench.txt"
+if python3 -c "import torch.distributed" 2>/dev/null; then
+  PYTHONUNBUFFERED=1 limit 150 python3 scripts/nccl-baseline.py --world "$world" \
+    --min-bytes 1024 --max-bytes "$nccl_max" --distgrad "$tmp/nccl-bench.txt"
+else
+  echo "gpu-check: no torch here: the torch.distributed baseline is skipped"
+fi
+
+step "6. distgrad train --backend nccl --world $world"
+limit 90 "$dg" train --backend nccl --world "$world" --steps "$steps"
+if has_vulkan; then
+  echo "-- the same with wgpu tensors and the shared data path (Vulkan memory imported into CUDA)"
+  limit 90 "$dg" train --backend nccl --data-path shared --world "$world" --steps "$steps"
+fi
+echo "-- the same on in-process ranks (reference)"
+limit 60 "$dg" train --backend local --world "$world" --steps "$steps" > "$tmp/train-local.txt" 2>&1
+tail -3 "$tmp/train-local.txt"
+
+if has_vulkan; then
+  step "7. collective gradient suites on the GPU backend (the ::gpu tests)"
+  for t in grad_hand grad_adjoint grad_fd; do
+    DISTGRAD_REQUIRE_GPU=1 limit 120 "$(tb "$t")" ::gpu --test-threads 2 > "$tmp/$t.log" 2>&1
+    grep -E "^test .*(FAILED|ignored)|test result|panicked" "$tmp/$t.log"
+  done
+fi
+step "done: status $status"
 exit $status

@@ -9,6 +9,7 @@
 use std::time::{Duration, Instant};
 
 use crate::autograd::Tape;
+use crate::backend::Device;
 use crate::collective::{Communicator, Group, ReduceOp};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -70,6 +71,9 @@ pub struct Row {
     pub algbw: f64,
     /// Bus bandwidth, GB/s.
     pub busbw: f64,
+    /// With tensors on a GPU: bytes read back from the device per call and rank (all ranks of
+    /// the process share one device; the counter is [`crate::backend::gpu::Gpu::bytes_read_back`]).
+    pub read_back: Option<f64>,
 }
 
 /// Iterations for a payload: enough to amortize timer noise, bounded for big sizes.
@@ -87,15 +91,17 @@ async fn run_op<C: Communicator>(comm: &C, op: BenchOp, x: &Tensor, g: &Group) -
     Ok(())
 }
 
-/// Benchmark every op at every size (bytes per rank) on this rank of `comm`'s world. Every rank
-/// must call it with the same arguments. Time per call = this rank's time between two barriers
-/// around `iters` calls, after one warm-up call. With `print`, rows are printed as they finish.
+/// Benchmark every op at every size (bytes per rank) on this rank of `comm`'s world, with the
+/// tensors on `device`. Every rank must call it with the same arguments. Time per call = this
+/// rank's time between two barriers around `iters` calls, after one warm-up call. With `print`,
+/// rows are printed as they finish.
 pub async fn bench_all<C: Communicator>(
     comm: &C,
     ops: &[BenchOp],
     sizes: &[usize],
     memcpy_gbps: f64,
     print: bool,
+    device: &Device,
 ) -> Result<Vec<Row>> {
     let g = comm.world();
     let world = comm.world_size();
@@ -104,8 +110,11 @@ pub async fn bench_all<C: Communicator>(
         for &bytes_per_rank in sizes {
             let numel = (bytes_per_rank / 4).max(1);
             let iters = iters_for(numel * 4);
-            let x = Tensor::full(&[numel], comm.rank() as f32 + 1.0);
+            let x = Tensor::full(&[numel], comm.rank() as f32 + 1.0).to_device(device)?;
             run_op(comm, op, &x, &g).await?;
+            comm.barrier(&g).await?;
+            // Every rank is past its warm-up here and none has started the timed calls.
+            let read_before = read_back(device);
             comm.barrier(&g).await?;
             let t0 = Instant::now();
             for _ in 0..iters {
@@ -113,6 +122,9 @@ pub async fn bench_all<C: Communicator>(
             }
             comm.barrier(&g).await?;
             let time = t0.elapsed() / iters as u32;
+            let read_back = read_before
+                .zip(read_back(device))
+                .map(|(a, b)| b.saturating_sub(a) as f64 / (iters * world) as f64);
             let bytes = match op {
                 BenchOp::AllGather => numel * 4 * world,
                 _ => numel * 4,
@@ -124,6 +136,7 @@ pub async fn bench_all<C: Communicator>(
                 time,
                 algbw,
                 busbw: algbw * op.bus_factor(world),
+                read_back,
             };
             if print {
                 println!("{}", format_row(&row, memcpy_gbps));
@@ -134,17 +147,31 @@ pub async fn bench_all<C: Communicator>(
     Ok(rows)
 }
 
-/// Header of the table [`format_row`] prints.
-pub fn table_header() -> String {
-    format!(
+/// Bytes read back from `device` so far, where it is a GPU.
+fn read_back(device: &Device) -> Option<u64> {
+    match device {
+        Device::Cpu => None,
+        #[cfg(feature = "wgpu")]
+        Device::Gpu(g) => Some(g.bytes_read_back()),
+    }
+}
+
+/// Header of the table [`format_row`] prints; `read_back` adds the column of bytes read back
+/// from the GPU per call and rank.
+pub fn table_header(read_back: bool) -> String {
+    let mut h = format!(
         "{:>12} {:>12} {:>12} {:>10} {:>10} {:>12}",
         "op", "size", "time(us)", "algbw GB/s", "busbw GB/s", "busbw/memcpy"
-    )
+    );
+    if read_back {
+        h += &format!(" {:>14}", "read back/call");
+    }
+    h
 }
 
 /// One table row.
 pub fn format_row(r: &Row, memcpy_gbps: f64) -> String {
-    format!(
+    let mut line = format!(
         "{:>12} {:>12} {:>12.1} {:>10.3} {:>10.3} {:>12.2}",
         r.op.name(),
         fmt_bytes(r.bytes),
@@ -152,7 +179,11 @@ pub fn format_row(r: &Row, memcpy_gbps: f64) -> String {
         r.algbw,
         r.busbw,
         r.busbw / memcpy_gbps
-    )
+    );
+    if let Some(b) = r.read_back {
+        line += &format!(" {:>14}", fmt_bytes(b.round() as usize));
+    }
+    line
 }
 
 /// Per-call latency of a 16-byte all_reduce on this rank: `(p50, p99)` over `iters` calls.
@@ -245,10 +276,47 @@ pub fn tape_overhead(ops: usize) -> Result<(f64, f64)> {
 pub struct KernelRow {
     /// What was measured.
     pub name: &'static str,
-    /// GB/s on the GPU (bytes read + written per second).
+    /// GB/s on the GPU: bytes the kernel reads and writes in device memory, per second.
     pub gpu_gbps: f64,
-    /// GB/s of the same work as a 1-thread CPU loop, same run.
-    pub cpu_gbps: f64,
+    /// GB/s of the same work as a 1-thread CPU loop, same run (`None` where it was not measured).
+    pub cpu_gbps: Option<f64>,
+}
+
+/// The kernel benchmark at one size: the device's own buffer-to-buffer copy (the copy engine, no
+/// shader) measured in the same run as the baseline, and each kernel's figure.
+#[derive(Debug, Clone)]
+pub struct KernelBench {
+    /// f32 elements per input.
+    pub n: usize,
+    /// GB/s of the device's buffer-to-buffer copy, bytes read + written.
+    pub device_copy_gbps: f64,
+    /// One row per kernel.
+    pub rows: Vec<KernelRow>,
+}
+
+/// Best seconds per call of `f` on the GPU: after one warm-up call, `reps` batches of `batch`
+/// calls each with one wait at the end (so the wait and the submissions overlap the device's
+/// work instead of being counted once per call).
+#[cfg(feature = "wgpu")]
+fn gpu_time(
+    gpu: &crate::backend::gpu::Gpu,
+    reps: usize,
+    batch: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    f()?;
+    gpu.sync()?;
+    let batch = batch.max(1);
+    let mut best = f64::INFINITY;
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        for _ in 0..batch {
+            f()?;
+        }
+        gpu.sync()?;
+        best = best.min(t0.elapsed().as_secs_f64() / batch as f64);
+    }
+    Ok(best)
 }
 
 /// Time `f` (best of `reps` after one warm-up) in seconds.
@@ -264,111 +332,121 @@ fn best_of(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(best)
 }
 
-/// GB/s of the WGSL kernels on `gpu` for `n` f32 per input: reduce-into of 4 inputs (acc ⊕= x
-/// three times; then the same with the three folded in one pass on both sides), a flat copy, and
-/// sum-to-scalar; each beside the same work as a 1-thread CPU loop.
+/// GB/s of the WGSL kernels on `gpu` for `n` f32 per input, each counted as the bytes it reads
+/// and writes in device memory, beside the device's own buffer-to-buffer copy measured in the same
+/// run: reduce-into of 1 input (`acc ⊕= x`: 12 bytes per element), of 4 inputs as three passes
+/// (36) and in one pass (20; with the adapter's thread layout, then each layout), and
+/// sum-to-scalar (4). With `with_cpu`, each beside the same work as a 1-thread CPU loop.
 #[cfg(feature = "wgpu")]
-pub fn kernels(gpu: &crate::backend::gpu::Gpu, n: usize) -> Result<Vec<KernelRow>> {
-    use crate::backend::gpu::{At, Vec4Layout};
+pub fn kernels(gpu: &crate::backend::gpu::Gpu, n: usize, with_cpu: bool) -> Result<KernelBench> {
+    use crate::backend::gpu::Vec4Layout;
     use crate::backend::{BinaryOp, cpu};
+    let n = n.max(4);
     let xs: Vec<Vec<f32>> = (0..4)
         .map(|k| (0..n).map(|i| ((i * 7 + k) % 13) as f32 - 6.0).collect())
         .collect();
     let g: Vec<_> = xs.iter().map(|x| gpu.upload(x)).collect::<Result<_>>()?;
     let acc = gpu.upload(&xs[0])?;
-    let reduce_bytes = 3.0 * 12.0 * n as f64;
-    let t_gpu = best_of(3, || {
+    let dst = gpu.alloc(n)?;
+    // Enough calls per wait that one batch moves about 4 GB (at least one call).
+    let batch = |bytes: f64| ((4e9 / bytes).ceil() as usize).clamp(1, 64);
+    let gbps = |bytes: f64, s: f64| bytes / s / 1e9;
+    let on_cpu = |bytes: f64, f: &mut dyn FnMut()| -> Result<Option<f64>> {
+        if !with_cpu {
+            return Ok(None);
+        }
+        let s = best_of(3, || {
+            f();
+            Ok(())
+        })?;
+        Ok(Some(gbps(bytes, s)))
+    };
+    let mut cacc = xs[0].clone();
+    let mut rows = Vec::new();
+
+    let copy_bytes = 8.0 * n as f64;
+    let t = gpu_time(gpu, 3, batch(copy_bytes), || {
+        gpu.copy_range(&g[1], 0, &dst, 0, n)
+    })?;
+    let device_copy_gbps = gbps(copy_bytes, t);
+    let mut cdst = vec![0.0f32; n];
+    rows.push(KernelRow {
+        name: "device copy (baseline)",
+        gpu_gbps: device_copy_gbps,
+        cpu_gbps: on_cpu(copy_bytes, &mut || {
+            cdst.copy_from_slice(&xs[1]);
+            std::hint::black_box(&cdst);
+        })?,
+    });
+
+    let one = 12.0 * n as f64;
+    let t = gpu_time(gpu, 3, batch(one), || {
+        gpu.reduce_into(BinaryOp::Add, &acc, &g[1])
+    })?;
+    rows.push(KernelRow {
+        name: "reduce-into, 1 input",
+        gpu_gbps: gbps(one, t),
+        cpu_gbps: on_cpu(one, &mut || {
+            cpu::reduce_into(BinaryOp::Add, &mut cacc, &xs[1]);
+            std::hint::black_box(&cacc);
+        })?,
+    });
+
+    let three = 3.0 * one;
+    let t = gpu_time(gpu, 3, batch(three), || {
         for x in &g[1..] {
             gpu.reduce_into(BinaryOp::Add, &acc, x)?;
         }
-        gpu.sync()
-    })?;
-    let mut cacc = xs[0].clone();
-    let t_cpu = best_of(3, || {
-        for x in &xs[1..] {
-            cpu::reduce_into(BinaryOp::Add, &mut cacc, x);
-        }
-        std::hint::black_box(&cacc);
-        Ok(())
-    })?;
-    let mut rows = vec![KernelRow {
-        name: "reduce-into (4 inputs)",
-        gpu_gbps: reduce_bytes / t_gpu / 1e9,
-        cpu_gbps: reduce_bytes / t_cpu / 1e9,
-    }];
-    // The same job with the three inputs folded in one pass on both sides (GPU: one dispatch;
-    // CPU: the blocked in-place fold); GB/s counted as above, so the rows compare.
-    let refs: Vec<&crate::backend::gpu::GpuBuf> = g[1..].iter().collect();
-    let t_gpu = best_of(3, || {
-        gpu.reduce_into_many(BinaryOp::Add, &acc, &refs)?;
-        gpu.sync()
-    })?;
-    let inputs: Vec<&[f32]> = xs[1..].iter().map(Vec::as_slice).collect();
-    let t_cpu = best_of(3, || {
-        cpu::reduce_into_many(BinaryOp::Add, &mut cacc, &inputs);
-        std::hint::black_box(&cacc);
         Ok(())
     })?;
     rows.push(KernelRow {
-        name: "reduce-into, one pass",
-        gpu_gbps: reduce_bytes / t_gpu / 1e9,
-        cpu_gbps: reduce_bytes / t_cpu / 1e9,
+        name: "reduce-into, 4 inputs",
+        gpu_gbps: gbps(three, t),
+        cpu_gbps: on_cpu(three, &mut || {
+            for x in &xs[1..] {
+                cpu::reduce_into(BinaryOp::Add, &mut cacc, x);
+            }
+            std::hint::black_box(&cacc);
+        })?,
     });
-    // Both thread layouts of the kernel (the row above uses the one chosen for this adapter).
+
+    let refs: Vec<&crate::backend::gpu::GpuBuf> = g[1..].iter().collect();
+    let inputs: Vec<&[f32]> = xs[1..].iter().map(Vec::as_slice).collect();
+    let pass = 20.0 * n as f64;
+    let mut cpu_pass = None;
     for (name, layout) in [
-        ("  one pass, grid-stride", Vec4Layout::GridStride),
-        ("  one pass, runs", Vec4Layout::Runs),
+        ("reduce-into, 4 in 1 pass", Vec4Layout::Auto),
+        ("  1 pass, grid-stride", Vec4Layout::GridStride),
+        ("  1 pass, runs", Vec4Layout::Runs),
     ] {
-        let t = best_of(3, || {
-            gpu.reduce_into_many_in(layout, BinaryOp::Add, &acc, &refs)?;
-            gpu.sync()
+        let t = gpu_time(gpu, 3, batch(pass), || {
+            gpu.reduce_into_many_in(layout, BinaryOp::Add, &acc, &refs)
         })?;
+        if layout == Vec4Layout::Auto {
+            cpu_pass = on_cpu(pass, &mut || {
+                cpu::reduce_into_many(BinaryOp::Add, &mut cacc, &inputs);
+                std::hint::black_box(&cacc);
+            })?;
+        }
         rows.push(KernelRow {
             name,
-            gpu_gbps: reduce_bytes / t / 1e9,
-            cpu_gbps: reduce_bytes / t_cpu / 1e9,
+            gpu_gbps: gbps(pass, t),
+            cpu_gbps: cpu_pass,
         });
     }
-    let dst = gpu.alloc(n)?;
-    let t_gpu = best_of(3, || {
-        gpu.copy_strided(
-            &g[1],
-            At {
-                offset: 0,
-                strides: &[1],
-            },
-            &dst,
-            At {
-                offset: 0,
-                strides: &[1],
-            },
-            &[n],
-        )?;
-        gpu.sync()
-    })?;
-    let mut cdst = vec![0.0f32; n];
-    let t_cpu = best_of(3, || {
-        cdst.copy_from_slice(&xs[1]);
-        std::hint::black_box(&cdst);
-        Ok(())
-    })?;
-    rows.push(KernelRow {
-        name: "copy",
-        gpu_gbps: 8.0 * n as f64 / t_gpu / 1e9,
-        cpu_gbps: 8.0 * n as f64 / t_cpu / 1e9,
-    });
-    let t_gpu = best_of(3, || {
-        gpu.sum_all(&g[2])?;
-        gpu.sync()
-    })?;
-    let t_cpu = best_of(3, || {
-        std::hint::black_box(cpu::sum_all(&xs[2]));
-        Ok(())
-    })?;
+
+    let sum = 4.0 * n as f64;
+    let t = gpu_time(gpu, 3, batch(sum), || gpu.sum_all(&g[2]).map(drop))?;
     rows.push(KernelRow {
         name: "sum-to-scalar",
-        gpu_gbps: 4.0 * n as f64 / t_gpu / 1e9,
-        cpu_gbps: 4.0 * n as f64 / t_cpu / 1e9,
+        gpu_gbps: gbps(sum, t),
+        cpu_gbps: on_cpu(sum, &mut || {
+            std::hint::black_box(cpu::sum_all(&xs[2]));
+        })?,
     });
-    Ok(rows)
+    Ok(KernelBench {
+        n,
+        device_copy_gbps,
+        rows,
+    })
 }

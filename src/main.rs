@@ -272,6 +272,15 @@ mod cli {
             /// stays in this process).
             #[arg(long)]
             processes: bool,
+            /// Where the tensors of `bench collectives` live: `cpu` (default) or `gpu` (wgpu
+            /// tensors, in-process ranks only; the table then says how many bytes each call read
+            /// back from the device).
+            #[arg(long, default_value = "cpu")]
+            device: String,
+            /// `bench kernels`: f32 elements per input, comma-separated; a suffix K, M or G
+            /// multiplies by 2^10, 2^20 or 2^30 (e.g. `16M,256M`).
+            #[arg(long, value_delimiter = ',', default_value = "16M")]
+            elements: Vec<String>,
             /// Internal: run as one rank of a `--processes` bench (relay URL, rank, the parent's
             /// memcpy GB/s; the room token comes in DISTGRAD_TOKEN).
             #[arg(long, hide = true, num_args = 3, value_names = ["URL", "RANK", "MEMCPY"])]
@@ -329,22 +338,28 @@ mod cli {
                 min_bytes,
                 max_bytes,
                 processes,
+                device,
+                elements,
                 ..
             } if what == "kernels" => {
-                // The kernels' sizes are fixed (16M f32 per input, the issue's figure).
                 if transport != "local"
                     || world != 4
                     || min_bytes != 4
                     || max_bytes != 64 << 20
                     || processes
+                    || device != "cpu"
                 {
                     eprintln!(
-                        "distgrad: note: --transport, --world, --min-bytes, --max-bytes and \
-                         --processes apply to `bench collectives`; `bench kernels` uses 16M f32 \
-                         per input on this process's adapter"
+                        "distgrad: note: --transport, --world, --min-bytes, --max-bytes, \
+                         --processes and --device apply to `bench collectives`; `bench kernels` \
+                         runs on this process's GPU adapter with --elements per input"
                     );
                 }
-                run_kernel_bench()
+                elements
+                    .iter()
+                    .map(|e| parse_count(e))
+                    .collect::<distgrad::Result<Vec<_>>>()
+                    .and_then(|sizes| run_kernel_bench(&sizes))
             }
             Cmd::Bench { what, .. } if what != "collectives" => Err(distgrad::Error::Input(
                 format!("unknown benchmark {what:?} (collectives or kernels)"),
@@ -359,6 +374,8 @@ mod cli {
                 algo,
                 data_path,
                 processes,
+                device,
+                elements: _,
                 bench_rank,
             } => bench_rank
                 .as_deref()
@@ -374,6 +391,7 @@ mod cli {
                         algo,
                         data_path,
                         processes,
+                        device,
                         child,
                     })
                 }),
@@ -532,6 +550,8 @@ mod cli {
         algo: String,
         data_path: String,
         processes: bool,
+        /// `--device`: where the tensors live (`cpu` or `gpu`).
+        device: String,
         /// Set when this process is one rank of a `--processes` run.
         child: Option<BenchChild>,
     }
@@ -642,6 +662,15 @@ mod cli {
                 "--processes needs a transport through a relay (relay, relay-tcp, relay-ws, relay-buffered or direct)".into(),
             ));
         }
+        let choice = parse_choice(&a.device)?;
+        if !local && choice != distgrad::backend::Choice::Cpu {
+            return Err(distgrad::Error::Input(format!(
+                "--device {} is for in-process ranks (--transport local); the relay transports \
+                 bench host tensors",
+                a.device
+            )));
+        }
+        let device = device_for(choice)?;
         let base = if local {
             CommOptions::default()
         } else {
@@ -689,21 +718,34 @@ mod cli {
             "# all_reduce: direct exchange below {} per rank, {resolved} from there",
             bench::fmt_bytes(opts.ring_threshold)
         );
-        println!("{}", bench::table_header());
+        #[cfg(feature = "wgpu")]
+        if let distgrad::backend::Device::Gpu(g) = &device {
+            println!(
+                "# tensors on {} (read back/call: bytes each call read back from the device, per rank)",
+                g.describe()
+            );
+        }
+        println!(
+            "{}",
+            bench::table_header(device != distgrad::backend::Device::Cpu)
+        );
         if a.processes {
             bench_processes(&a, relay_cfg, memcpy)?;
         } else {
             let results = match route {
                 None => distgrad::run_local(world, opts, |comm| {
-                    let (ops, sizes) = (&ops, &sizes);
-                    async move { rank_bench(&comm, ops, sizes, memcpy).await }
+                    let (ops, sizes, device) = (&ops, &sizes, &device);
+                    async move { rank_bench(&comm, ops, sizes, memcpy, device).await }
                 }),
                 Some(route) => distgrad::run::run_over_relay_via(
                     world,
                     relay_cfg,
                     opts,
                     route,
-                    async |comm| rank_bench(comm, &ops, &sizes, memcpy).await,
+                    async |comm| {
+                        rank_bench(comm, &ops, &sizes, memcpy, &distgrad::backend::Device::Cpu)
+                            .await
+                    },
                 )?,
             };
             let mut rank0 = None;
@@ -739,8 +781,17 @@ mod cli {
                     all_reduce: a,
                     ..CommOptions::default()
                 };
+                let device = &device;
                 let rows = distgrad::run_local(world, opts, |comm| async move {
-                    bench::bench_all(&comm, &[BenchOp::AllReduce], &[bytes], memcpy, false).await
+                    bench::bench_all(
+                        &comm,
+                        &[BenchOp::AllReduce],
+                        &[bytes],
+                        memcpy,
+                        false,
+                        device,
+                    )
+                    .await
                 });
                 let row = rows
                     .into_iter()
@@ -847,7 +898,14 @@ mod cli {
             join.max_payload = relay_cfg.max_frame;
             let t = distgrad::transport::ws::WsTransport::connect(&child.relay, join).await?;
             let comm = distgrad::P2p::new(t, opts);
-            let r = rank_bench(&comm, ops, sizes, child.memcpy).await;
+            let r = rank_bench(
+                &comm,
+                ops,
+                sizes,
+                child.memcpy,
+                &distgrad::backend::Device::Cpu,
+            )
+            .await;
             comm.into_transport().close().await;
             r
         })?;
@@ -865,8 +923,9 @@ mod cli {
         ops: &[BenchOp],
         sizes: &[usize],
         memcpy: f64,
+        device: &distgrad::backend::Device,
     ) -> distgrad::Result<RankBench> {
-        let rows = bench::bench_all(comm, ops, sizes, memcpy, comm.rank() == 0).await?;
+        let rows = bench::bench_all(comm, ops, sizes, memcpy, comm.rank() == 0, device).await?;
         let lat = bench::latency_16b(comm, 2000).await?;
         Ok((rows, lat))
     }
@@ -1023,6 +1082,27 @@ mod cli {
             distgrad::backend::Choice::Cpu => Ok(distgrad::backend::Device::Cpu),
             choice => futures::executor::block_on(distgrad::backend::select(choice)),
         }
+    }
+
+    /// A count such as `1024`, `16M` or `1G` (suffixes K, M, G: times 2^10, 2^20, 2^30).
+    fn parse_count(s: &str) -> distgrad::Result<usize> {
+        let t = s.trim();
+        let (digits, shift) = match t.char_indices().last() {
+            Some((i, 'k' | 'K')) => (&t[..i], 10),
+            Some((i, 'm' | 'M')) => (&t[..i], 20),
+            Some((i, 'g' | 'G')) => (&t[..i], 30),
+            _ => (t, 0),
+        };
+        digits
+            .parse::<usize>()
+            .ok()
+            .and_then(|v| v.checked_mul(1usize << shift))
+            .filter(|&v| v > 0)
+            .ok_or_else(|| {
+                distgrad::Error::Input(format!(
+                    "--elements {s:?}: expected a positive count such as 1024, 16M or 1G"
+                ))
+            })
     }
 
     fn parse_choice(s: &str) -> distgrad::Result<distgrad::backend::Choice> {
@@ -1690,35 +1770,53 @@ mod cli {
     }
 
     #[cfg(feature = "wgpu")]
-    fn run_kernel_bench() -> distgrad::Result<()> {
+    fn run_kernel_bench(sizes: &[usize]) -> distgrad::Result<()> {
         warn_if_debug_build();
         let gpu = futures::executor::block_on(distgrad::backend::gpu::Gpu::new())?;
-        let n = 16 << 20;
+        println!("# distgrad bench kernels: adapter {}", gpu.describe());
         println!(
-            "# distgrad bench kernels: adapter {}, {} f32 per input",
-            gpu.describe(),
-            n
+            "# GB/s: bytes each kernel reads + writes in device memory per second; x copy: ratio \
+             to the device's own buffer-to-buffer copy measured in the same run; the 1-thread CPU \
+             loop up to {} elements",
+            CPU_KERNEL_MAX
         );
-        let memcpy = bench::memcpy_gbps(n * 4);
-        println!("# memcpy (1 thread, same run): {memcpy:.2} GB/s copied");
-        println!(
-            "{:>24} {:>10} {:>14} {:>10}",
-            "kernel", "GPU GB/s", "1-thread CPU", "ratio"
-        );
-        for r in bench::kernels(&gpu, n)? {
+        for &n in sizes {
+            let with_cpu = n <= CPU_KERNEL_MAX;
+            let b = bench::kernels(&gpu, n, with_cpu)?;
             println!(
-                "{:>24} {:>10.2} {:>14.2} {:>10.2}",
-                r.name,
-                r.gpu_gbps,
-                r.cpu_gbps,
-                r.gpu_gbps / r.cpu_gbps
+                "## {} f32 per input ({} per buffer)",
+                b.n,
+                bench::fmt_bytes(b.n * 4)
             );
+            println!(
+                "{:>26} {:>10} {:>8} {:>14} {:>8}",
+                "kernel", "GPU GB/s", "x copy", "1-thread CPU", "GPU/CPU"
+            );
+            for r in &b.rows {
+                let (cpu, ratio) = match r.cpu_gbps {
+                    Some(c) => (format!("{c:.2}"), format!("{:.2}", r.gpu_gbps / c)),
+                    None => ("-".into(), "-".into()),
+                };
+                println!(
+                    "{:>26} {:>10.2} {:>8.2} {:>14} {:>8}",
+                    r.name,
+                    r.gpu_gbps,
+                    r.gpu_gbps / b.device_copy_gbps,
+                    cpu,
+                    ratio
+                );
+            }
         }
         Ok(())
     }
 
+    /// Largest size at which `bench kernels` also times the 1-thread CPU loop (16M f32: larger
+    /// ones would spend seconds per row on the host).
+    #[cfg(feature = "wgpu")]
+    const CPU_KERNEL_MAX: usize = 16 << 20;
+
     #[cfg(not(feature = "wgpu"))]
-    fn run_kernel_bench() -> distgrad::Result<()> {
+    fn run_kernel_bench(_: &[usize]) -> distgrad::Result<()> {
         Err(distgrad::Error::Input(
             "this build has no WGSL backend (build with the `wgpu` feature)".into(),
         ))

@@ -296,6 +296,19 @@ fn bad_command_lines_say_what_is_wrong() {
             &["run", "www/lessons/all_gather.json", "--device", "tpu"],
             "expected cpu, gpu or auto",
         ),
+        (
+            &["bench", "kernels", "--elements", "0"],
+            "expected a positive count such as 1024, 16M or 1G",
+        ),
+        (
+            &["bench", "kernels", "--elements", "12Q"],
+            "expected a positive count",
+        ),
+        (
+            &["bench", "--transport", "relay", "--device", "gpu"],
+            "--device gpu is for in-process ranks",
+        ),
+        (&["bench", "--device", "tpu"], "expected cpu, gpu or auto"),
     ] {
         let out = distgrad(args, None);
         let err = String::from_utf8_lossy(&out.stderr);
@@ -518,4 +531,115 @@ fn bench_runs_its_ranks_as_processes_through_a_relay() {
         String::from_utf8_lossy(&out.stderr)
             .contains("--processes needs a transport through a relay")
     );
+}
+
+/// True when a command failed only for want of a GPU adapter and the run does not require one
+/// (then the test says it skipped); false when it succeeded.
+fn skipped_without_gpu(out: &Output, what: &str) -> bool {
+    if out.status.success() {
+        return false;
+    }
+    let err = String::from_utf8_lossy(&out.stderr);
+    if err.contains("no GPU adapter") && std::env::var("DISTGRAD_REQUIRE_GPU").as_deref() != Ok("1")
+    {
+        println!("skipped: no GPU adapter ({err})");
+        return true;
+    }
+    panic!("{what} failed: {err}");
+}
+
+/// `bench kernels --elements`: one table per size, each row a kernel with its GB/s, its ratio to
+/// the device's own copy measured in the same run, and the CPU loop's figures at small sizes.
+#[test]
+fn the_kernel_bench_prints_a_table_per_size() {
+    let out = distgrad(&["bench", "kernels", "--elements", "4K,8k"], None);
+    if skipped_without_gpu(&out, "bench kernels") {
+        return;
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for size in ["## 4096 f32 per input (16 KiB per buffer)", "## 8192 f32"] {
+        assert!(stdout.contains(size), "{size:?} in {stdout}");
+    }
+    let names = [
+        "device copy (baseline)",
+        "reduce-into, 1 input",
+        "reduce-into, 4 inputs",
+        "reduce-into, 4 in 1 pass",
+        "1 pass, grid-stride",
+        "1 pass, runs",
+        "sum-to-scalar",
+    ];
+    for name in names {
+        let n = stdout
+            .lines()
+            .filter(|l| l.trim_start().starts_with(name))
+            .count();
+        assert_eq!(n, 2, "{name:?}: one row per size in {stdout}");
+    }
+    for line in stdout
+        .lines()
+        .filter(|l| names.iter().any(|n| l.trim_start().starts_with(n)))
+    {
+        // The last four columns: GPU GB/s, x copy, CPU GB/s, GPU/CPU (CPU measured at 4K).
+        let f: Vec<f64> = line
+            .split_whitespace()
+            .rev()
+            .take(4)
+            .map(|x| x.parse().unwrap_or_else(|_| panic!("a number in {line:?}")))
+            .collect();
+        assert!(f.iter().all(|v| v.is_finite() && *v > 0.0), "{line}");
+    }
+    let copy = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("device copy"))
+        .expect("copy row");
+    assert_eq!(
+        copy.split_whitespace().nth(4),
+        Some("1.00"),
+        "the baseline is 1.00x itself: {copy}"
+    );
+}
+
+/// `bench --device gpu`: the in-process all_reduce with the tensors on the GPU says how many
+/// bytes each call read back from the device.
+#[test]
+fn the_collective_bench_runs_with_tensors_on_the_gpu() {
+    let args = [
+        "bench",
+        "--world",
+        "3",
+        "--ops",
+        "all_reduce",
+        "--min-bytes",
+        "1024",
+        "--max-bytes",
+        "4096",
+        "--device",
+        "gpu",
+    ];
+    let out = distgrad(&args, None);
+    if skipped_without_gpu(&out, "bench --device gpu") {
+        return;
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("# tensors on "), "{stdout}");
+    assert!(stdout.contains("read back/call"), "{stdout}");
+    let rows: Vec<_> = bench_rows(&stdout)
+        .into_iter()
+        .filter(|r| r.0 == "all_reduce")
+        .collect();
+    let sizes: Vec<&str> = rows.iter().map(|r| r.1.as_str()).collect();
+    assert_eq!(sizes, ["1 KiB", "4 KiB"], "{stdout}");
+    // Each row ends with the bytes read back per call: a size such as "0 B" or "1 KiB".
+    for line in stdout
+        .lines()
+        .filter(|l| l.trim_start().starts_with("all_reduce"))
+    {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let unit = f[f.len() - 1];
+        assert!(
+            matches!(unit, "B" | "KiB" | "MiB") && f[f.len() - 2].parse::<u64>().is_ok(),
+            "{line}"
+        );
+    }
 }

@@ -66,7 +66,9 @@ fn a_missing_driver_or_nccl_is_an_error_not_a_panic() {
     }
 }
 
-/// Every collective forward + backward with fixed inputs; returns each output and gradient.
+/// Every collective forward + backward with fixed inputs (every reduce op of all_reduce; broadcast,
+/// all_gather, reduce_scatter, all_to_all, permute, reduce MAX, gather, scatter and
+/// all_to_all_single, roots ≠ 0 where the world allows); returns each output and gradient.
 /// The inputs live on `dev`.
 async fn program<C: Communicator>(comm: &C, dev: &Device) -> distgrad::Result<Vec<Vec<f32>>> {
     let g = comm.world();
@@ -93,13 +95,21 @@ async fn program<C: Communicator>(comm: &C, dev: &Device) -> distgrad::Result<Ve
     let p = dist::permute(comm, &rs, &perm, &g).await?;
     let red = dist::reduce(comm, &p, 0, ReduceOp::Max, &g).await?;
     let gat = dist::gather(comm, &a2a[0], 0, &g).await?;
+    let root_parts = (comm.rank() == n - 1).then_some(&parts[..]);
+    let sc = dist::scatter(comm, x.tape(), root_parts, n - 1, &g).await?;
+    let single = dist::all_to_all_single(comm, &cat, &vec![3; n], &vec![3; n], &g).await?;
     let mut loss = cat.square()?.sum()?.add(&p.sum()?)?;
+    loss = loss
+        .add(&sc.mul(&sc)?.sum()?)?
+        .add(&single.square()?.sum()?)?;
     for v in red.into_iter().chain(gat.unwrap_or_default()) {
         loss = loss.add(&v.square()?.sum()?)?;
     }
     let gr = tape.backward(&loss, comm).await?;
     out.push(cat.value().to_vec());
     out.push(p.value().to_vec());
+    out.push(sc.value().to_vec());
+    out.push(single.value().to_vec());
     out.push(gr.wrt(&x)?.to_vec());
     Ok(out)
 }
@@ -253,7 +263,34 @@ fn the_program_compared_on_nccl_runs_in_process_on_1_to_4_ranks() {
             program(&c, &Device::Cpu).await
         }) {
             let v = r.unwrap();
-            assert_eq!(v.len(), 2 * ReduceOp::ALL.len() + 3);
+            assert_eq!(v.len(), 2 * ReduceOp::ALL.len() + 5);
         }
     }
+}
+
+/// Bad calls on one GPU are clear errors, raised before anything reaches NCCL, and the
+/// communicator stays usable after them.
+#[test]
+fn bad_calls_are_errors_and_the_communicator_goes_on() {
+    if let Err(why) = gpus() {
+        return eprintln!("skipped: {why}");
+    }
+    let comm = NcclComm::from_launch(&env(0, 1, free_port()), NcclOptions::default()).unwrap();
+    let g = comm.world();
+    let x = Tensor::vector(&[1.0, 2.0, 3.0]);
+    let root = futures::executor::block_on(comm.broadcast(&x, 1, &g))
+        .unwrap_err()
+        .to_string();
+    assert!(root.contains("root") || root.contains('1'), "{root}");
+    let parts = futures::executor::block_on(comm.all_to_all(&[x.clone(), x.clone()], &g))
+        .unwrap_err()
+        .to_string();
+    assert!(parts.contains('2') && parts.contains('1'), "{parts}");
+    let splits = futures::executor::block_on(comm.all_to_all_single(&x, &[2], &[3], &g))
+        .unwrap_err()
+        .to_string();
+    assert!(!splits.is_empty(), "{splits}");
+    let y = futures::executor::block_on(comm.all_reduce(&x, ReduceOp::Sum, &g)).unwrap();
+    assert_eq!(y.to_vec(), vec![1.0, 2.0, 3.0]);
+    eprintln!("NCCL bad calls: {root} | {parts} | {splits}");
 }
