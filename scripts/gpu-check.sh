@@ -50,16 +50,36 @@ echo "gpu-check: programs of commit $(cat "$bundle/commit" 2>/dev/null) (this tr
 dg="$bundle/bin/distgrad"
 tb() { printf '%s\n' "$bundle/bin/test-$1"; }
 
-has_vulkan() { ldconfig -p 2>/dev/null | grep -q 'libvulkan.so.1 '; }
-if ! has_vulkan && ls "$bundle"/deb/*.deb >/dev/null 2>&1; then
-  echo "gpu-check: installing the bundled Vulkan loader"
-  for f in "$bundle"/deb/*.deb; do dpkg -x "$f" /; done
-  ldconfig
-fi
+# Vulkan: the loader (libvulkan1) and, for the NVIDIA ICD (libGLX_nvidia), libglvnd's libraries;
+# the bundle carries their packages for a machine that lacks them.
+for pkg in "libvulkan.so.1:libvulkan1" "libGLdispatch.so.0:libglvnd0" "libEGL.so.1:libegl1" \
+  "libGLX.so.0:libglx0" "libGL.so.1:libgl1" "libOpenGL.so.0:libopengl0" "libGLESv2.so.2:libgles2"; do
+  so=${pkg%%:*} deb=${pkg#*:}
+  if ! ldconfig -p 2>/dev/null | grep -q "$so "; then
+    for f in "$bundle"/deb/"${deb}"_*.deb; do
+      [ -f "$f" ] && { echo "gpu-check: installing the bundled $deb"; dpkg -x "$f" /; }
+    done
+  fi
+done
+ldconfig 2>/dev/null
 nv_icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 if [ -z "${VK_DRIVER_FILES:-}" ] && [ -f "$nv_icd" ]; then
   export VK_DRIVER_FILES="$nv_icd"
 fi
+nv_egl=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
+[ -f "$nv_egl" ] && export __EGL_VENDOR_LIBRARY_FILENAMES="$nv_egl"
+# Whether wgpu finds an adapter: a tiny kernel benchmark; when it does not, the loader says why.
+if "$dg" bench kernels --elements 1K >/dev/null 2>&1; then
+  vulkan_ok=1
+  echo "gpu-check: Vulkan adapter: $("$dg" bench kernels --elements 1K 2>/dev/null | head -1)"
+else
+  vulkan_ok=0
+  echo "gpu-check: no Vulkan adapter for wgpu; the loader's account (VK_DRIVER_FILES=${VK_DRIVER_FILES:-unset}):"
+  ls -l /usr/local/nvidia/share/vulkan/icd.d/ 2>&1 | head -5
+  cat "$nv_icd" 2>/dev/null | head -20
+  VK_LOADER_DEBUG=error,warn,driver "$dg" bench kernels --elements 1K 2>&1 | head -40
+fi
+has_vulkan() { [ "$vulkan_ok" = 1 ]; }
 
 if ! ldconfig -p 2>/dev/null | grep -q 'libnccl.so '; then
   lib=$(python3 - <<'PY' 2>/dev/null
@@ -81,6 +101,9 @@ PY
   fi
 fi
 
+# GPU_CHECK_STEPS: the steps to run (digits, default all: 1234567), e.g. 3 for the kernel
+# benchmark alone on a rerun.
+want() { case "${GPU_CHECK_STEPS:-1234567}" in *"$1"*) return 0 ;; esac; return 1; }
 step() { printf '\n== %s (%s)\n' "$1" "$(date +%H:%M:%S)"; }
 # Run a step's command under a time limit; a failure or a timeout marks the check failed.
 limit() {
@@ -96,32 +119,40 @@ limit() {
 if [ "${GPU_CHECK_QUICK:-0}" = 1 ]; then
   kernel_elems=64K,1M coll_max=1048576 nccl_max=4194304 steps=20
 else
-  kernel_elems=16M,256M coll_max=67108864 nccl_max=1073741824 steps=200
+  kernel_elems=16M,64M,256M coll_max=67108864 nccl_max=1073741824 steps=200
 fi
 tmp=${TMPDIR:-/tmp}/distgrad-gpu-check
 mkdir -p "$tmp"
 
-step "1. NCCL tests"
-limit 180 "$(tb nccl)" --nocapture --test-threads 1 > "$tmp/nccl.log" 2>&1
-grep -E "skipped|NCCL|shared path|^test |test result|panicked|expected|error" "$tmp/nccl.log"
+if want 1; then
+  step "1. NCCL tests"
+  limit 180 "$(tb nccl)" --nocapture --test-threads 1 > "$tmp/nccl.log" 2>&1
+  grep -E "skipped|NCCL|shared path|^test |test result|panicked|expected|error" "$tmp/nccl.log"
+fi
 
-if has_vulkan; then
+if ! has_vulkan; then
+  echo "gpu-check: no Vulkan adapter: the WGSL steps (2, 3, 4, 7) are skipped"
+fi
+if has_vulkan && want 2; then
   step "2. WGSL kernel, tensor and exported-memory tests on the real adapter"
   for t in gpu_kernels gpu_tensor gpu_export; do
     DISTGRAD_REQUIRE_GPU=1 limit 90 "$(tb "$t")" --nocapture --test-threads 2 > "$tmp/$t.log" 2>&1
     grep -E "adapter:|^test .*(FAILED|ignored)|test result|panicked" "$tmp/$t.log"
   done
+fi
+if has_vulkan && want 3; then
   step "3. kernel benchmark ($kernel_elems f32 per input)"
   limit 120 "$dg" bench kernels --elements "$kernel_elems"
+fi
+if has_vulkan && want 4; then
   step "4. in-process all_reduce, 4 ranks: tensors on the GPU, then on the CPU"
   limit 90 "$dg" bench --world 4 --ops all_reduce --min-bytes 1024 --max-bytes "$coll_max" --device gpu
   limit 60 "$dg" bench --world 4 --ops all_reduce --min-bytes 1024 --max-bytes "$coll_max"
-else
-  echo "gpu-check: no Vulkan loader (libvulkan.so.1): WGSL checks skipped; install libvulkan1"
 fi
 
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 world=$(( gpus < 1 ? 1 : (gpus > 8 ? 8 : gpus) ))
+if want 5; then
 step "5. NCCL all_reduce 1 KiB .. 1 GiB (world $world): CUDA buffers vs host staging vs shared wgpu memory, beside the device copy; then torch.distributed"
 path=staging
 has_vulkan && path=shared
@@ -135,6 +166,9 @@ else
   echo "gpu-check: no torch here: the torch.distributed baseline is skipped"
 fi
 
+fi
+
+if want 6; then
 step "6. distgrad train --backend nccl --world $world"
 limit 90 "$dg" train --backend nccl --world "$world" --steps "$steps"
 if has_vulkan; then
@@ -145,7 +179,9 @@ echo "-- the same on in-process ranks (reference)"
 limit 60 "$dg" train --backend local --world "$world" --steps "$steps" > "$tmp/train-local.txt" 2>&1
 tail -3 "$tmp/train-local.txt"
 
-if has_vulkan; then
+fi
+
+if has_vulkan && want 7; then
   step "7. collective gradient suites on the GPU backend (the ::gpu tests)"
   for t in grad_hand grad_adjoint grad_fd; do
     DISTGRAD_REQUIRE_GPU=1 limit 120 "$(tb "$t")" ::gpu --test-threads 2 > "$tmp/$t.log" 2>&1

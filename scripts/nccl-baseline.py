@@ -10,7 +10,7 @@ bytes / time). torch's all_reduce works in place; distgrad's "device" column is 
         [--distgrad FILE]
 
 With --distgrad, FILE holds the output of `distgrad bench --transport nccl` from the same run:
-each of its columns is then printed as a ratio to torch's time at the same size
+each of its columns is then printed as a ratio to torch's out-of-place time at the same size
 (torch time / distgrad time: above 1 means distgrad is faster).
 """
 
@@ -59,7 +59,18 @@ def rank_main(rank, world, port, lo, hi, q):
             dist.all_reduce(x)
         torch.cuda.synchronize()
         t = (time.perf_counter() - t0) / iters
-        rows.append((n * 4, t))
+        # Out of place, as distgrad's API returns a new tensor: a copy, then the in-place call.
+        y = torch.empty_like(x)
+        y.copy_(x)
+        dist.all_reduce(y)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            y.copy_(x)
+            dist.all_reduce(y)
+        torch.cuda.synchronize()
+        to = (time.perf_counter() - t0) / iters
+        rows.append((n * 4, t, to))
     if rank == 0:
         q.put((torch.__version__, torch.cuda.nccl.version(), torch.cuda.get_device_name(0), rows))
     dist.destroy_process_group()
@@ -112,20 +123,21 @@ def main():
             raise SystemExit(f"a torch rank failed (exit code {p.exitcode})")
 
     print(f"# torch.distributed NCCL baseline: torch {version}, NCCL {nccl}, {gpu}, world {a.world}")
-    print("# all_reduce in place (torch's API); algbw = bytes / time")
+    print("# torch: all_reduce in place (torch's API); copy+ar: a copy into a fresh buffer, then")
+    print("# all_reduce on it (an out-of-place result, as distgrad's API gives); algbw = bytes / time")
     dg = parse_distgrad(a.distgrad) if a.distgrad else {}
-    head = f"{'size':>10} {'torch(us)':>12} {'algbw':>10}"
+    head = f"{'size':>10} {'torch(us)':>12} {'algbw':>10} {'copy+ar(us)':>12} {'algbw':>10}"
     if dg:
         head += f" {'device x':>9} {'staged x':>9} {'shared x':>9}"
-        print("# x: torch time / distgrad time at the same size (above 1: distgrad faster)")
+        print("# x: torch's copy+ar time / distgrad's time at the same size (above 1: distgrad faster)")
     print(head)
-    for b, t in rows:
-        line = f"{fmt(b):>10} {t * 1e6:>12.1} {b / t / 1e9:>10.2f}"
+    for b, t, to in rows:
+        line = f"{fmt(b):>10} {t * 1e6:>12.1f} {b / t / 1e9:>10.2f} {to * 1e6:>12.1f} {b / to / 1e9:>10.2f}"
         if dg:
             d = dg.get(fmt(b), {})
             for col in ("device", "staged", "shared"):
                 v = d.get(col)
-                line += f" {t / v:>9.3f}" if v else f" {'-':>9}"
+                line += f" {to / v:>9.3f}" if v else f" {'-':>9}"
         print(line)
     if a.distgrad and not dg:
         print(f"# no distgrad rows could be read from {a.distgrad}")

@@ -292,6 +292,11 @@ pub struct KernelBench {
     pub device_copy_gbps: f64,
     /// One row per kernel.
     pub rows: Vec<KernelRow>,
+    /// Microseconds from submitting a one-element kernel to its end seen by the host (median of
+    /// 20): what every wait on the device costs.
+    pub sync_us: f64,
+    /// Microseconds to read one f32 back to the host (median of 20): the floor of every readback.
+    pub readback_us: f64,
 }
 
 /// Best seconds per call of `f` on the GPU: after one warm-up call, `reps` batches of `batch`
@@ -348,8 +353,9 @@ pub fn kernels(gpu: &crate::backend::gpu::Gpu, n: usize, with_cpu: bool) -> Resu
     let g: Vec<_> = xs.iter().map(|x| gpu.upload(x)).collect::<Result<_>>()?;
     let acc = gpu.upload(&xs[0])?;
     let dst = gpu.alloc(n)?;
-    // Enough calls per wait that one batch moves about 4 GB (at least one call).
-    let batch = |bytes: f64| ((4e9 / bytes).ceil() as usize).clamp(1, 64);
+    // Enough calls per wait that one batch moves about 32 GB (milliseconds on a data-centre GPU),
+    // so that the wait itself (see `sync_us`) is a small part of the time.
+    let batch = |bytes: f64| ((32e9 / bytes).ceil() as usize).clamp(1, 256);
     let gbps = |bytes: f64, s: f64| bytes / s / 1e9;
     let on_cpu = |bytes: f64, f: &mut dyn FnMut()| -> Result<Option<f64>> {
         if !with_cpu {
@@ -444,9 +450,27 @@ pub fn kernels(gpu: &crate::backend::gpu::Gpu, n: usize, with_cpu: bool) -> Resu
             std::hint::black_box(cpu::sum_all(&xs[2]));
         })?,
     });
+    let (one_elem, other) = (gpu.upload(&[1.0])?, gpu.upload(&[0.0])?);
+    let median_us = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        let mut t = Vec::with_capacity(20);
+        for _ in 0..20 {
+            let t0 = Instant::now();
+            f()?;
+            t.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+        t.sort_by(f64::total_cmp);
+        Ok(t[t.len() / 2])
+    };
+    let sync_us = median_us(&mut || {
+        gpu.reduce_into(BinaryOp::Add, &one_elem, &other)?;
+        gpu.sync()
+    })?;
+    let readback_us = median_us(&mut || gpu.read_blocking(&one_elem).map(drop))?;
     Ok(KernelBench {
         n,
         device_copy_gbps,
         rows,
+        sync_us,
+        readback_us,
     })
 }

@@ -1780,34 +1780,69 @@ mod cli {
              loop up to {} elements",
             CPU_KERNEL_MAX
         );
+        let limits = gpu.limits();
+        println!(
+            "# limits: largest buffer {} bytes, storage binding {} bytes",
+            limits.max_buffer_size, limits.max_storage_buffer_binding_size
+        );
         for &n in sizes {
             let with_cpu = n <= CPU_KERNEL_MAX;
             let b = bench::kernels(&gpu, n, with_cpu)?;
+            let cuda = cuda_copy_gbps(b.n * 4);
             println!(
-                "## {} f32 per input ({} per buffer)",
+                "## {} f32 per input ({} per buffer); a wait on the device {:.1} us, a 4-byte \
+                 readback {:.1} us (medians)",
                 b.n,
-                bench::fmt_bytes(b.n * 4)
+                bench::fmt_bytes(b.n * 4),
+                b.sync_us,
+                b.readback_us
             );
+            match &cuda {
+                Some(Ok(c)) => println!(
+                    "# CUDA device-to-device copy of the same size, same run: {c:.2} GB/s (x CUDA: \
+                     ratio to it)"
+                ),
+                Some(Err(e)) => println!("# CUDA copy not measured: {e}"),
+                None => {}
+            }
+            let cuda = cuda.and_then(|c| c.ok());
             println!(
-                "{:>26} {:>10} {:>8} {:>14} {:>8}",
-                "kernel", "GPU GB/s", "x copy", "1-thread CPU", "GPU/CPU"
+                "{:>26} {:>10} {:>8} {:>8} {:>14} {:>8}",
+                "kernel", "GPU GB/s", "x copy", "x CUDA", "1-thread CPU", "GPU/CPU"
             );
             for r in &b.rows {
                 let (cpu, ratio) = match r.cpu_gbps {
                     Some(c) => (format!("{c:.2}"), format!("{:.2}", r.gpu_gbps / c)),
                     None => ("-".into(), "-".into()),
                 };
+                let x_cuda = cuda.map_or("-".into(), |c| format!("{:.2}", r.gpu_gbps / c));
                 println!(
-                    "{:>26} {:>10.2} {:>8.2} {:>14} {:>8}",
+                    "{:>26} {:>10.2} {:>8.2} {:>8} {:>14} {:>8}",
                     r.name,
                     r.gpu_gbps,
                     r.gpu_gbps / b.device_copy_gbps,
+                    x_cuda,
                     cpu,
                     ratio
                 );
             }
         }
         Ok(())
+    }
+
+    /// CUDA's own device-to-device copy for `bench kernels` (the NCCL build, where CUDA loads):
+    /// `None` when this build has no CUDA or the machine has no CUDA device.
+    #[cfg(feature = "native-nccl")]
+    fn cuda_copy_gbps(bytes: usize) -> Option<distgrad::Result<f64>> {
+        match distgrad::nccl::device_count() {
+            Ok(n) if n > 0 => Some(distgrad::nccl::cuda_copy_gbps(0, bytes)),
+            _ => None,
+        }
+    }
+
+    #[cfg(all(feature = "wgpu", not(feature = "native-nccl")))]
+    fn cuda_copy_gbps(_: usize) -> Option<distgrad::Result<f64>> {
+        None
     }
 
     /// Largest size at which `bench kernels` also times the 1-thread CPU loop (16M f32: larger

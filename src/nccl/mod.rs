@@ -94,6 +94,41 @@ pub fn device_count() -> Result<usize> {
     Ok(usize::try_from(n).unwrap_or(0))
 }
 
+/// GB/s, counting bytes read and written, of CUDA's device-to-device copy between two buffers of
+/// `bytes` on CUDA device `ordinal`: the device's own copy, which `distgrad bench kernels` puts
+/// beside the WGSL kernels (wgpu's buffer-to-buffer copy may take another route). Best of three
+/// batches, each long enough that the stream synchronization is a small part of it.
+pub fn cuda_copy_gbps(ordinal: usize, bytes: usize) -> Result<f64> {
+    let n = device_count()?;
+    if ordinal >= n {
+        return Err(Error::Nccl {
+            op: "copy",
+            rank: None,
+            detail: format!("CUDA device {ordinal} asked for, this machine has {n}"),
+        });
+    }
+    let err = |e: cudarc::driver::DriverError| nccl_err("copy", 0, e);
+    let ctx = CudaContext::new(ordinal).map_err(err)?;
+    let stream = ctx.default_stream();
+    let elems = (bytes / 4).max(1);
+    let src = stream.alloc_zeros::<f32>(elems).map_err(err)?;
+    let mut dst = stream.alloc_zeros::<f32>(elems).map_err(err)?;
+    let moved = 8.0 * elems as f64;
+    let batch = ((32e9 / moved).ceil() as usize).clamp(1, 256);
+    stream.memcpy_dtod(&src, &mut dst).map_err(err)?;
+    stream.synchronize().map_err(err)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t0 = std::time::Instant::now();
+        for _ in 0..batch {
+            stream.memcpy_dtod(&src, &mut dst).map_err(err)?;
+        }
+        stream.synchronize().map_err(err)?;
+        best = best.min(t0.elapsed().as_secs_f64() / batch as f64);
+    }
+    Ok(moved / best / 1e9)
+}
+
 /// Options of the NCCL communicator.
 #[derive(Debug, Clone)]
 pub struct NcclOptions {
