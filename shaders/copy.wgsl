@@ -24,3 +24,16 @@ fn copy_strided(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_work
     }
     dst[d] = src[s];
 }
+
+// Flat copy: dst[dst_off + i] = src[src_off + i] for i < n, as a grid-stride loop (neighbouring
+// invocations copy neighbouring elements). params: [n, src_off, dst_off, total invocations]
+@compute @workgroup_size(256)
+fn copy_flat(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let n = params[0];
+    let s = params[1];
+    let d = params[2];
+    let stride = params[3];
+    for (var i = linear_index(gid, nwg, 256u); i < n; i += stride) {
+        dst[d + i] = src[s + i];
+    }
+}

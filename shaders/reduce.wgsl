@@ -20,8 +20,12 @@ fn reduce_into(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workg
     }
 }
 
-// Sum of x[0..n] into acc[group]: each thread sums a contiguous run of `per` elements serially,
-// then the workgroup adds its 256 partial sums as a tree. params: [n, per, groups]
+// Sum of x[0..n] into acc[group]: workgroup `group` covers elements [group·256·per, +256·per);
+// each thread adds `per` of them serially, then the workgroup adds its 256 partial sums as a
+// tree. Thread t's elements: a run of `per` consecutive ones (params[3] = 0: one SIMD lane per
+// invocation on a CPU rasterizer reads ahead in its own run), or every 256th from t
+// (params[3] = 1: neighbouring invocations read neighbouring elements, coalesced on a GPU).
+// params: [n, per, groups, interleave]
 var<workgroup> partial: array<f32, 256>;
 
 @compute @workgroup_size(256)
@@ -36,10 +40,15 @@ fn sum_partials(
     // A 2-D grid may have more workgroups than partial sums: the extra ones do nothing (the test is
     // uniform across the workgroup, so the barriers below stay in uniform control flow).
     if (group >= params[2]) { return; }
-    let start = (group * 256u + lid.x) * per;
+    var start = (group * 256u + lid.x) * per;
+    var step = 1u;
+    if (params[3] == 1u) {
+        start = group * 256u * per + lid.x;
+        step = 256u;
+    }
     var s = 0.0;
     for (var k = 0u; k < per; k++) {
-        let i = start + k;
+        let i = start + k * step;
         if (i < n) { s += x[i]; }
     }
     partial[lid.x] = s;

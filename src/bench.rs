@@ -339,12 +339,12 @@ fn best_of(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 
 /// GB/s of the WGSL kernels on `gpu` for `n` f32 per input, each counted as the bytes it reads
 /// and writes in device memory, beside the device's own buffer-to-buffer copy measured in the same
-/// run: reduce-into of 1 input (`acc ⊕= x`: 12 bytes per element), of 4 inputs as three passes
-/// (36) and in one pass (20; with the adapter's thread layout, then each layout), and
-/// sum-to-scalar (4). With `with_cpu`, each beside the same work as a 1-thread CPU loop.
+/// run: the copy kernel (8 bytes per element), reduce-into of 1 input (`acc ⊕= x`: 12), of 4
+/// inputs as three passes (36) and in one pass (20; with the adapter's thread layout, then each
+/// layout), and sum-to-scalar (4; the adapter's layout, then each). With `with_cpu`, each beside the same work as a 1-thread CPU loop.
 #[cfg(feature = "wgpu")]
 pub fn kernels(gpu: &crate::backend::gpu::Gpu, n: usize, with_cpu: bool) -> Result<KernelBench> {
-    use crate::backend::gpu::Vec4Layout;
+    use crate::backend::gpu::{CopyPath, Vec4Layout};
     use crate::backend::{BinaryOp, cpu};
     let n = n.max(4);
     let xs: Vec<Vec<f32>> = (0..4)
@@ -372,17 +372,26 @@ pub fn kernels(gpu: &crate::backend::gpu::Gpu, n: usize, with_cpu: bool) -> Resu
 
     let copy_bytes = 8.0 * n as f64;
     let t = gpu_time(gpu, 3, batch(copy_bytes), || {
-        gpu.copy_range(&g[1], 0, &dst, 0, n)
+        gpu.copy_range_in(CopyPath::Engine, &g[1], 0, &dst, 0, n)
     })?;
     let device_copy_gbps = gbps(copy_bytes, t);
     let mut cdst = vec![0.0f32; n];
+    let cpu_copy = on_cpu(copy_bytes, &mut || {
+        cdst.copy_from_slice(&xs[1]);
+        std::hint::black_box(&cdst);
+    })?;
     rows.push(KernelRow {
         name: "device copy (baseline)",
         gpu_gbps: device_copy_gbps,
-        cpu_gbps: on_cpu(copy_bytes, &mut || {
-            cdst.copy_from_slice(&xs[1]);
-            std::hint::black_box(&cdst);
-        })?,
+        cpu_gbps: cpu_copy,
+    });
+    let t = gpu_time(gpu, 3, batch(copy_bytes), || {
+        gpu.copy_range_in(CopyPath::Kernel, &g[1], 0, &dst, 0, n)
+    })?;
+    rows.push(KernelRow {
+        name: "copy kernel",
+        gpu_gbps: gbps(copy_bytes, t),
+        cpu_gbps: cpu_copy,
     });
 
     let one = 12.0 * n as f64;
@@ -442,14 +451,23 @@ pub fn kernels(gpu: &crate::backend::gpu::Gpu, n: usize, with_cpu: bool) -> Resu
     }
 
     let sum = 4.0 * n as f64;
-    let t = gpu_time(gpu, 3, batch(sum), || gpu.sum_all(&g[2]).map(drop))?;
-    rows.push(KernelRow {
-        name: "sum-to-scalar",
-        gpu_gbps: gbps(sum, t),
-        cpu_gbps: on_cpu(sum, &mut || {
-            std::hint::black_box(cpu::sum_all(&xs[2]));
-        })?,
-    });
+    let cpu_sum = on_cpu(sum, &mut || {
+        std::hint::black_box(cpu::sum_all(&xs[2]));
+    })?;
+    for (name, layout) in [
+        ("sum-to-scalar", Vec4Layout::Auto),
+        ("  sum, interleaved", Vec4Layout::GridStride),
+        ("  sum, runs", Vec4Layout::Runs),
+    ] {
+        let t = gpu_time(gpu, 3, batch(sum), || {
+            gpu.sum_all_in(layout, &g[2]).map(drop)
+        })?;
+        rows.push(KernelRow {
+            name,
+            gpu_gbps: gbps(sum, t),
+            cpu_gbps: cpu_sum,
+        });
+    }
     let (one_elem, other) = (gpu.upload(&[1.0])?, gpu.upload(&[0.0])?);
     let median_us = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
         let mut t = Vec::with_capacity(20);

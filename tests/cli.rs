@@ -562,12 +562,15 @@ fn the_kernel_bench_prints_a_table_per_size() {
     }
     let names = [
         "device copy (baseline)",
+        "copy kernel",
         "reduce-into, 1 input",
         "reduce-into, 4 inputs",
         "reduce-into, 4 in 1 pass",
         "1 pass, grid-stride",
         "1 pass, runs",
         "sum-to-scalar",
+        "sum, interleaved",
+        "sum, runs",
     ];
     for name in names {
         let n = stdout
@@ -580,14 +583,16 @@ fn the_kernel_bench_prints_a_table_per_size() {
         .lines()
         .filter(|l| names.iter().any(|n| l.trim_start().starts_with(n)))
     {
-        // The last four columns: GPU GB/s, x copy, CPU GB/s, GPU/CPU (CPU measured at 4K).
-        let f: Vec<f64> = line
-            .split_whitespace()
-            .rev()
-            .take(4)
-            .map(|x| x.parse().unwrap_or_else(|_| panic!("a number in {line:?}")))
-            .collect();
-        assert!(f.iter().all(|v| v.is_finite() && *v > 0.0), "{line}");
+        // The last five columns: GPU GB/s, x copy, x CUDA ("-" without CUDA), CPU GB/s,
+        // GPU/CPU (the CPU is measured at 4K).
+        let f: Vec<&str> = line.split_whitespace().rev().take(5).collect();
+        for (i, x) in f.iter().enumerate() {
+            if i == 2 && *x == "-" {
+                continue;
+            }
+            let v: f64 = x.parse().unwrap_or_else(|_| panic!("a number in {line:?}"));
+            assert!(v.is_finite() && v > 0.0, "{line}");
+        }
     }
     let copy = stdout
         .lines()

@@ -8,7 +8,7 @@
 //! missing adapter is a failure.
 #![cfg(feature = "wgpu")]
 
-use distgrad::backend::gpu::{At, Gpu, Vec4Layout};
+use distgrad::backend::gpu::{At, CopyPath, Gpu, Vec4Layout};
 use distgrad::backend::{BinaryOp, UnaryOp, cpu};
 
 mod common_gpu;
@@ -194,12 +194,13 @@ fn reduce_into_many_is_bit_exact_with_one_input_at_a_time() {
     }
 }
 
+/// Every layout of the sum (the adapter's, interleaved, runs) within the summation-order bound.
 #[test]
 fn sums_within_tolerance() {
     let Some(g) = gpu() else { return };
     for &n in &SIZES {
         let a = vals(8, n);
-        let got = read(g, &g.sum_all(&g.upload(&a).unwrap()).unwrap());
+        let ga = g.upload(&a).unwrap();
         let want = cpu::sum_all(&a);
         // Different association order: bound by n * eps * sum|a|.
         let bound = 2.0
@@ -207,10 +208,29 @@ fn sums_within_tolerance() {
             * f32::EPSILON
             * a.iter().map(|x| x.abs()).sum::<f32>()
             + 1e-6;
+        for layout in [Vec4Layout::Auto, Vec4Layout::GridStride, Vec4Layout::Runs] {
+            let got = read(g, &g.sum_all_in(layout, &ga).unwrap());
+            assert!(
+                (got[0] - want).abs() <= bound,
+                "sum {layout:?} n = {n}: {} vs {want} (bound {bound})",
+                got[0]
+            );
+        }
+        // sum_all is the adapter's layout.
+        let auto = read(g, &g.sum_all(&ga).unwrap());
+        let same = read(g, &g.sum_all_in(Vec4Layout::Auto, &ga).unwrap());
+        assert_eq!(bits(&auto), bits(&same), "sum_all n = {n}");
+    }
+    // A sum whose order matters: 2^24 and 512 ones in f32, where a one added to 2^24 alone is
+    // lost (rounded to even) and ones added together first are not. Any order gives an even
+    // integer between 2^24 (every one lost) and 2^24 + 512 (none lost); garbage does not.
+    let mut a = vec![1.0f32; 513];
+    a[0] = 16_777_216.0;
+    for layout in [Vec4Layout::GridStride, Vec4Layout::Runs] {
+        let got = read(g, &g.sum_all_in(layout, &g.upload(&a).unwrap()).unwrap())[0];
         assert!(
-            (got[0] - want).abs() <= bound,
-            "sum n = {n}: {} vs {want} (bound {bound})",
-            got[0]
+            got % 2.0 == 0.0 && (16_777_216.0..=16_777_728.0).contains(&got),
+            "{layout:?}: {got}"
         );
     }
     // sum_to: [4,3,5] -> [3,1] and -> [5]
@@ -269,6 +289,53 @@ fn strided_copies_slice_transpose_concat() {
     g.copy_strided(&gbig, at(7, &[1]), &out, at(0, &[1]), &[n])
         .unwrap();
     assert_eq!(bits(&read(g, &out)), bits(&big[7..7 + n]));
+}
+
+/// Flat copies by both paths (copy engine, kernel) are bit-exact, at aligned and unaligned
+/// offsets, lengths that are not multiples of 4 or of the workgroup, and a 2-D-sized one; a copy
+/// within one buffer and one out of range are errors.
+#[test]
+fn flat_copies_by_both_paths_are_bit_exact() {
+    let Some(g) = gpu() else { return };
+    let n = 65_536 * 256 + 37;
+    let a = vals(30, n);
+    let ga = g.upload(&a).unwrap();
+    for path in [CopyPath::Auto, CopyPath::Engine, CopyPath::Kernel] {
+        for (from, to, len) in [
+            (0, 0, 1),
+            (0, 0, 1000),
+            (1, 3, 7),
+            (5, 0, 257),
+            (3, 11, n - 3),
+            (0, 1, n - 1),
+        ] {
+            let background = vals(31, len + to + 5);
+            let dst = g.upload(&background).unwrap();
+            g.copy_range_in(path, &ga, from, &dst, to, len).unwrap();
+            let mut want = background.clone();
+            want[to..to + len].copy_from_slice(&a[from..from + len]);
+            assert!(
+                bits(&read(g, &dst)) == bits(&want),
+                "{path:?}: {len} from {from} to {to}"
+            );
+        }
+        // Within one buffer: a clear error (WebGPU copies between two buffers), the buffer as
+        // it was.
+        let one = g.upload(&a[..1000]).unwrap();
+        let e = g
+            .copy_range_in(path, &one, 0, &one, 500, 400)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the same buffer"), "{e}");
+        assert_eq!(bits(&read(g, &one)), bits(&a[..1000]), "{path:?} untouched");
+        // Out of range: an error, whatever the path.
+        let small = g.alloc(10).unwrap();
+        let e = g
+            .copy_range_in(path, &ga, 0, &small, 5, 6)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("6 elements from 0"), "{e}");
+    }
 }
 
 #[test]
@@ -360,6 +427,19 @@ fn buffers_above_the_binding_limit_work_window_by_window() {
     g.copy_strided(&ga, at(3, &[1]), &out, at(0, &[1]), &[n - 3])
         .unwrap();
     assert!(bits(&read(g, &out)) == bits(&a[3..]), "big contiguous copy");
+    // The same two copies by the copy kernel, chunk by chunk across the window boundary.
+    let out = g.alloc(1000).unwrap();
+    g.copy_range_in(CopyPath::Kernel, &ga, w - 5, &out, 0, 1000)
+        .unwrap();
+    assert_eq!(bits(&read(g, &out)), bits(&a[w - 5..w + 995]));
+    let out = g.alloc(n - 1).unwrap();
+    g.copy_range_in(CopyPath::Kernel, &ga, 3, &out, 2, n - 3)
+        .unwrap();
+    let got = read(g, &out);
+    assert!(
+        bits(&got[2..]) == bits(&a[3..]),
+        "big contiguous kernel copy"
+    );
     // A strided region past the first window (its span fits one binding): 3 rows of 7 with a
     // row stride of 300, starting beyond the first window; and into a big destination.
     let out = g.alloc(21).unwrap();
@@ -400,14 +480,16 @@ fn buffers_above_the_binding_limit_work_window_by_window() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("binding limit"), "{e}");
-    // sum of everything, within the summation-order bound
-    let got = read(g, &g.sum_all(&ga).unwrap())[0];
+    // sum of everything, within the summation-order bound, in every layout
     let want = cpu::sum_all(&a);
     let bound = 2.0 * (n as f32).log2() * f32::EPSILON * a.iter().map(|x| x.abs()).sum::<f32>();
-    assert!(
-        (got - want).abs() <= bound,
-        "sum {got} vs {want} (bound {bound})"
-    );
+    for layout in [Vec4Layout::Auto, Vec4Layout::GridStride, Vec4Layout::Runs] {
+        let got = read(g, &g.sum_all_in(layout, &ga).unwrap())[0];
+        assert!(
+            (got - want).abs() <= bound,
+            "sum {layout:?} {got} vs {want} (bound {bound})"
+        );
+    }
     // Kernels that bind whole buffers say so instead of failing inside the driver.
     let e = g
         .matmul(&ga, &g.upload(&[1.0]).unwrap(), n, 1, 1)

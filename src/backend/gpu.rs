@@ -54,8 +54,9 @@ struct Ctx {
     read_back: std::sync::atomic::AtomicU64,
 }
 
-/// How the vec4 reduce-into kernels spread their work over invocations (the same operations on
-/// every element either way, so the results are identical).
+/// How the vec4 reduce-into kernels and the sum spread their work over invocations (reduce-into:
+/// the same operations on every element either way, so the results are identical; the sum adds in
+/// a different order, within its stated tolerance).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Vec4Layout {
     /// `Runs` on a CPU adapter (lavapipe), `GridStride` on any other.
@@ -64,6 +65,19 @@ pub enum Vec4Layout {
     GridStride,
     /// Each invocation folds its own run of consecutive vec4s (fast on a CPU rasterizer).
     Runs,
+}
+
+/// How a contiguous device-to-device copy runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyPath {
+    /// `Kernel` on a discrete GPU, `Engine` on any other adapter. On an NVIDIA H200 (Vulkan,
+    /// driver 580) the buffer-to-buffer copy moved 0.1-0.2x of CUDA's device copy bandwidth and
+    /// the kernel about 0.9x (`distgrad bench kernels`, results/h200-2026-12-04).
+    Auto,
+    /// The queue's buffer-to-buffer copy (no shader, no binding limit).
+    Engine,
+    /// A copy kernel, in chunks that fit one storage binding.
+    Kernel,
 }
 
 /// A wgpu device ready to run distgrad's kernels. Cheap to clone (shared).
@@ -140,6 +154,7 @@ enum Kernel {
     SumPartials,
     SumTo,
     CopyStrided,
+    CopyFlat,
     Matmul,
 }
 
@@ -154,6 +169,7 @@ impl Kernel {
             Kernel::SumPartials => "sum_partials",
             Kernel::SumTo => "sum_to",
             Kernel::CopyStrided => "copy_strided",
+            Kernel::CopyFlat => "copy_flat",
             Kernel::Matmul => "matmul",
         }
     }
@@ -171,7 +187,9 @@ impl Kernel {
             | Kernel::FoldInto4
             | Kernel::SumPartials
             | Kernel::SumTo => ("reduce.wgsl", include_str!("../../shaders/reduce.wgsl")),
-            Kernel::CopyStrided => ("copy.wgsl", include_str!("../../shaders/copy.wgsl")),
+            Kernel::CopyStrided | Kernel::CopyFlat => {
+                ("copy.wgsl", include_str!("../../shaders/copy.wgsl"))
+            }
             Kernel::Matmul => ("matmul.wgsl", include_str!("../../shaders/matmul.wgsl")),
         };
         (file, format!("{common}\n{src}"))
@@ -428,9 +446,23 @@ impl Gpu {
     }
 
     /// Copy `n` elements of `src` starting at `src_start` into `dst` at `dst_start`, on the device
-    /// (a transfer, no kernel; queued like the kernels, so ordered with them).
+    /// (queued like the kernels, so ordered with them; [`CopyPath::Auto`] picks how).
     pub fn copy_range(
         &self,
+        src: &GpuBuf,
+        src_start: usize,
+        dst: &GpuBuf,
+        dst_start: usize,
+        n: usize,
+    ) -> Result<()> {
+        self.copy_range_in(CopyPath::Auto, src, src_start, dst, dst_start, n)
+    }
+
+    /// [`Gpu::copy_range`] by the given path (tests and `distgrad bench kernels` compare them;
+    /// the bytes are the same either way). Source and destination must be two buffers.
+    pub fn copy_range_in(
+        &self,
+        path: CopyPath,
         src: &GpuBuf,
         src_start: usize,
         dst: &GpuBuf,
@@ -447,7 +479,13 @@ impl Gpu {
                 ),
             ));
         }
-        self.copy_contiguous(src, src_start, dst, dst_start, n);
+        if Arc::ptr_eq(&src.buf, &dst.buf) {
+            return Err(gpu_err(
+                "copy_range",
+                "source and destination are the same buffer (WebGPU copies between two buffers)",
+            ));
+        }
+        self.copy_contiguous(path, src, src_start, dst, dst_start, n)?;
         self.check("copy_range")
     }
 
@@ -816,20 +854,35 @@ impl Gpu {
         }
     }
 
-    /// Sum of all elements (serial runs per thread, then a tree per workgroup, repeated).
+    /// Sum of all elements: each invocation adds its share serially, then a tree per workgroup,
+    /// repeated down to one value. The share is interleaved within the workgroup's block on a GPU
+    /// (neighbouring invocations read neighbouring elements) and a run of consecutive elements on
+    /// a CPU adapter ([`Vec4Layout::Auto`], as for reduce-into).
     pub fn sum_all(&self, x: &GpuBuf) -> Result<GpuBuf> {
+        self.sum_all_in(Vec4Layout::Auto, x)
+    }
+
+    /// [`Gpu::sum_all`] with the share of each invocation chosen by the caller (`GridStride`:
+    /// interleaved, `Runs`: consecutive); tests and `distgrad bench kernels` compare them. The
+    /// sums differ only in the order of the additions.
+    pub fn sum_all_in(&self, layout: Vec4Layout, x: &GpuBuf) -> Result<GpuBuf> {
+        let interleave = match layout {
+            Vec4Layout::Auto => self.0.info.device_type != wgpu::DeviceType::Cpu,
+            Vec4Layout::GridStride => true,
+            Vec4Layout::Runs => false,
+        };
         let wins = self.windows(x.len);
         if wins.len() > 1 {
             // Above the binding limit: each window's sum, then the sum of those.
             let sums = self.alloc(wins.len())?;
             for (i, &(st, len)) in wins.iter().enumerate() {
                 let w = self.alloc(len)?;
-                self.copy_contiguous(x, st, &w, 0, len);
-                let s = self.sum_all(&w)?;
-                self.copy_contiguous(&s, 0, &sums, i, 1);
+                self.copy_contiguous(CopyPath::Auto, x, st, &w, 0, len)?;
+                let s = self.sum_all_in(layout, &w)?;
+                self.copy_contiguous(CopyPath::Auto, &s, 0, &sums, i, 1)?;
             }
             self.check("sum")?;
-            return self.sum_all(&sums);
+            return self.sum_all_in(layout, &sums);
         }
         let mut cur = x.clone();
         loop {
@@ -838,7 +891,7 @@ impl Gpu {
             let per = n.div_ceil(WG as usize * 64).clamp(1, 256);
             let groups = n.div_ceil(per * WG as usize).max(1);
             let out = self.storage("sum", groups)?;
-            let m = self.meta(&[n as u32, per as u32, groups as u32]);
+            let m = self.meta(&[n as u32, per as u32, groups as u32, u32::from(interleave)]);
             self.run(
                 Kernel::SumPartials,
                 &[
@@ -944,9 +997,9 @@ impl Gpu {
         }
         let dense = super::cpu::strides(shape);
         if src_strides == dense && dst_strides == dense {
-            // A contiguous block on both sides: the copy engine does it (no shader, no binding
-            // limit).
-            self.copy_contiguous(src, src_off, dst, dst_off, n);
+            // A contiguous block on both sides: a flat copy, by the path this adapter copies
+            // fastest with, in chunks where it is a kernel (no binding limit either way).
+            self.copy_contiguous(CopyPath::Auto, src, src_off, dst, dst_off, n)?;
             return self.check("copy");
         }
         // Bind only the span each side touches, so a region of a buffer above the binding limit
@@ -986,17 +1039,27 @@ impl Gpu {
         )
     }
 
-    /// Copy `n` contiguous elements with the copy engine (no binding limit).
+    /// Copy `n` contiguous elements (checked to fit by the caller) by `path`; no binding limit
+    /// (the kernel copies chunk by chunk).
     fn copy_contiguous(
         &self,
+        path: CopyPath,
         src: &GpuBuf,
         src_off: usize,
         dst: &GpuBuf,
         dst_off: usize,
         n: usize,
-    ) {
+    ) -> Result<()> {
         if n == 0 {
-            return;
+            return Ok(());
+        }
+        let kernel = match path {
+            CopyPath::Auto => self.0.info.device_type == wgpu::DeviceType::DiscreteGpu,
+            CopyPath::Engine => false,
+            CopyPath::Kernel => true,
+        };
+        if kernel {
+            return self.copy_flat(src, src_off, dst, dst_off, n);
         }
         let mut enc = self.0.device.create_command_encoder(&Default::default());
         enc.copy_buffer_to_buffer(
@@ -1007,6 +1070,47 @@ impl Gpu {
             (n * 4) as u64,
         );
         self.0.queue.submit([enc.finish()]);
+        Ok(())
+    }
+
+    /// The copy kernel: `dst[dst_off + i] = src[src_off + i]` for `i < n`, in chunks whose spans
+    /// fit one storage binding on both sides (each binding starts at an aligned offset below its
+    /// chunk); a grid-stride loop over each chunk.
+    fn copy_flat(
+        &self,
+        src: &GpuBuf,
+        src_off: usize,
+        dst: &GpuBuf,
+        dst_off: usize,
+        n: usize,
+    ) -> Result<()> {
+        let align = (self.0.limits.min_storage_buffer_offset_alignment.max(16) / 4) as usize;
+        // A chunk plus the misalignment of its start must fit one binding.
+        let chunk = self.window_elems().saturating_sub(align).max(align);
+        let mut done = 0;
+        while done < n {
+            let len = chunk.min(n - done);
+            let (s, d) = (src_off + done, dst_off + done);
+            let (s_lo, d_lo) = (s / align * align, d / align * align);
+            let groups = Self::groups(len, 1).min(1024);
+            let m = self.meta(&[
+                len as u32,
+                (s - s_lo) as u32,
+                (d - d_lo) as u32,
+                groups * WG,
+            ]);
+            self.run(
+                Kernel::CopyFlat,
+                &[
+                    (0, part(src, s_lo, s + len - s_lo)),
+                    (1, part(dst, d_lo, d + len - d_lo)),
+                    (2, m.as_entire_binding()),
+                ],
+                groups,
+            )?;
+            done += len;
+        }
+        Ok(())
     }
 
     /// The aligned window `(start, len)` of `buf` holding every element of a non-empty strided
