@@ -3,7 +3,7 @@
 # toolchain and no network (the lent device machine): the release `distgrad` binary and the test
 # programs of tests/nccl.rs, gpu_kernels.rs, gpu_export.rs, gpu_tensor.rs and the gradient
 # suites (grad_hand.rs, grad_adjoint.rs, grad_fd.rs), built with
-# --features native-nccl and stripped, plus the Vulkan loader package (libvulkan1), into
+# --features native-nccl and stripped, plus the Vulkan loader and libglvnd packages, into
 # .gpu-bundle/ (git-ignored). gpu-check.sh uses the bundle when `cargo` is missing or
 # GPU_CHECK_PREBUILT=1. The bundle must stay under the device tool's 64 MiB working-tree limit:
 # the sizes are printed.
@@ -46,9 +46,12 @@ if [ "${GPU_BUNDLE_LOCAL:-0}" = 1 ]; then
   exit 0
 fi
 
-echo "gpu-bundle: the Vulkan loader (the device machine may lack it)"
-(cd "$out/deb" && apt-get download -qq libvulkan1 2>/dev/null) \
-  || echo "gpu-bundle: could not download libvulkan1 (apt); the bundle has no loader"
+# The Vulkan loader and libglvnd's libraries, which the NVIDIA Vulkan driver (libGLX_nvidia)
+# loads: the lent machine has neither (seen 2026-12-04: without libglvnd, no Vulkan adapter).
+echo "gpu-bundle: the Vulkan loader and libglvnd (the device machine may lack them)"
+(cd "$out/deb" && apt-get download -qq libvulkan1 libglvnd0 libegl1 libgl1 libglx0 libopengl0 \
+  libgles2 2>/dev/null) \
+  || echo "gpu-bundle: could not download the loader packages (apt); the bundle may lack them"
 
 git rev-parse HEAD > "$out/commit"
 du -ah "$out" | sort -h | tail -8
