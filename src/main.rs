@@ -1164,7 +1164,11 @@ mod cli {
         let factor = 2.0 * (n - 1.0) / n;
         let copy = comm.copy_gbps(max.clamp(1 << 20, 1 << 30))?;
         if env.rank == 0 {
-            println!("# distgrad bench: transport=nccl, world={}", env.world);
+            println!(
+                "# distgrad bench: transport=nccl, world={}, NCCL {}",
+                env.world,
+                distgrad::nccl::version().unwrap_or_else(|e| format!("version unknown ({e})"))
+            );
             if data_path == DataPath::Shared {
                 println!("# shared data path on {}", comm.device().describe());
             }

@@ -94,6 +94,18 @@ pub fn device_count() -> Result<usize> {
     Ok(usize::try_from(n).unwrap_or(0))
 }
 
+/// The version of the NCCL library loaded (`2.28.9`), after [`check_libraries`].
+pub fn version() -> Result<String> {
+    check_libraries()?;
+    let v = cudarc::nccl::result::get_nccl_version().map_err(|e| Error::Nccl {
+        op: "version",
+        rank: None,
+        detail: format!("{e:?}"),
+    })?;
+    // NCCL_VERSION_CODE: major * 10000 + minor * 100 + patch since NCCL 2.9.
+    Ok(format!("{}.{}.{}", v / 10000, v / 100 % 100, v % 100))
+}
+
 /// GB/s, counting bytes read and written, of CUDA's device-to-device copy between two buffers of
 /// `bytes` on CUDA device `ordinal`: the device's own copy, which `distgrad bench kernels` puts
 /// beside the WGSL kernels (wgpu's buffer-to-buffer copy may take another route). Best of three
