@@ -153,32 +153,30 @@ fi
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 world=$(( gpus < 1 ? 1 : (gpus > 8 ? 8 : gpus) ))
 if want 5; then
-step "5. NCCL all_reduce 1 KiB .. 1 GiB (world $world): CUDA buffers vs host staging vs shared wgpu memory, beside the device copy; then torch.distributed"
-path=staging
-has_vulkan && path=shared
-limit 180 "$dg" bench --transport nccl --world "$world" --data-path "$path" \
-  --min-bytes 1024 --max-bytes "$nccl_max" > "$tmp/nccl-bench.txt" 2>&1
-cat "$tmp/nccl-bench.txt"
-if python3 -c "import torch.distributed" 2>/dev/null; then
-  PYTHONUNBUFFERED=1 limit 150 python3 scripts/nccl-baseline.py --world "$world" \
-    --min-bytes 1024 --max-bytes "$nccl_max" --distgrad "$tmp/nccl-bench.txt"
-else
-  echo "gpu-check: no torch here: the torch.distributed baseline is skipped"
-fi
-
+  step "5. NCCL all_reduce 1 KiB .. 1 GiB (world $world): CUDA buffers vs host staging vs shared wgpu memory, beside the device copy; then torch.distributed"
+  path=staging
+  has_vulkan && path=shared
+  limit 180 "$dg" bench --transport nccl --world "$world" --data-path "$path" \
+    --min-bytes 1024 --max-bytes "$nccl_max" > "$tmp/nccl-bench.txt" 2>&1
+  cat "$tmp/nccl-bench.txt"
+  if python3 -c "import torch.distributed" 2>/dev/null; then
+    PYTHONUNBUFFERED=1 limit 150 python3 scripts/nccl-baseline.py --world "$world" \
+      --min-bytes 1024 --max-bytes "$nccl_max" --distgrad "$tmp/nccl-bench.txt"
+  else
+    echo "gpu-check: no torch here: the torch.distributed baseline is skipped"
+  fi
 fi
 
 if want 6; then
-step "6. distgrad train --backend nccl --world $world"
-limit 90 "$dg" train --backend nccl --world "$world" --steps "$steps"
-if has_vulkan; then
-  echo "-- the same with wgpu tensors and the shared data path (Vulkan memory imported into CUDA)"
-  limit 90 "$dg" train --backend nccl --data-path shared --world "$world" --steps "$steps"
-fi
-echo "-- the same on in-process ranks (reference)"
-limit 60 "$dg" train --backend local --world "$world" --steps "$steps" > "$tmp/train-local.txt" 2>&1
-tail -3 "$tmp/train-local.txt"
-
+  step "6. distgrad train --backend nccl --world $world"
+  limit 90 "$dg" train --backend nccl --world "$world" --steps "$steps"
+  if has_vulkan; then
+    echo "-- the same with wgpu tensors and the shared data path (Vulkan memory imported into CUDA)"
+    limit 90 "$dg" train --backend nccl --data-path shared --world "$world" --steps "$steps"
+  fi
+  echo "-- the same on in-process ranks (reference)"
+  limit 60 "$dg" train --backend local --world "$world" --steps "$steps" > "$tmp/train-local.txt" 2>&1
+  tail -3 "$tmp/train-local.txt"
 fi
 
 if has_vulkan && want 7; then
