@@ -12,7 +12,8 @@
 #      (scripts/nccl-baseline.py), with the ratios;
 #   6. `distgrad train --backend nccl` (host tensors, then wgpu tensors over the shared path) and
 #      the in-process reference;
-#   7. the collective gradient suites (grad_hand, grad_fd, grad_adjoint) on the GPU backend.
+#   7. the collective gradient suites (grad_hand, grad_fd, grad_adjoint) on the GPU backend;
+#   8. the program with no subcommand (its demo: NCCL training on every GPU).
 # Sized to finish in about six minutes on one H200.
 #
 #   scripts/gpu-check.sh            # from the repository root
@@ -101,9 +102,9 @@ PY
   fi
 fi
 
-# GPU_CHECK_STEPS: the steps to run (digits, default all: 1234567), e.g. 3 for the kernel
+# GPU_CHECK_STEPS: the steps to run (digits, default all: 12345678), e.g. 3 for the kernel
 # benchmark alone on a rerun.
-want() { case "${GPU_CHECK_STEPS:-1234567}" in *"$1"*) return 0 ;; esac; return 1; }
+want() { case "${GPU_CHECK_STEPS:-12345678}" in *"$1"*) return 0 ;; esac; return 1; }
 step() { printf '\n== %s (%s)\n' "$1" "$(date +%H:%M:%S)"; }
 # Run a step's command under a time limit; a failure or a timeout marks the check failed.
 limit() {
@@ -185,6 +186,10 @@ if has_vulkan && want 7; then
     DISTGRAD_REQUIRE_GPU=1 limit 120 "$(tb "$t")" ::gpu --test-threads 2 > "$tmp/$t.log" 2>&1
     grep -E "^test .*(FAILED|ignored)|test result|panicked" "$tmp/$t.log"
   done
+fi
+if want 8; then
+  step "8. the bare program (\`cargo run --release --features native-nccl\` with no subcommand)"
+  limit 90 "$dg"
 fi
 step "done: status $status"
 exit $status

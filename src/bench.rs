@@ -26,6 +26,9 @@ pub enum BenchOp {
 }
 
 impl BenchOp {
+    /// Every benchmarked collective.
+    pub const ALL: [BenchOp; 3] = [BenchOp::AllReduce, BenchOp::AllGather, BenchOp::Broadcast];
+
     /// Name.
     pub fn name(self) -> &'static str {
         match self {
@@ -37,7 +40,7 @@ impl BenchOp {
 
     /// Parse a name.
     pub fn parse(s: &str) -> Result<Self> {
-        [BenchOp::AllReduce, BenchOp::AllGather, BenchOp::Broadcast]
+        BenchOp::ALL
             .into_iter()
             .find(|o| o.name() == s)
             .ok_or_else(|| {
@@ -302,7 +305,7 @@ pub struct KernelBench {
 /// Best seconds per call of `f` on the GPU: after one warm-up call, `reps` batches of `batch`
 /// calls each with one wait at the end (so the wait and the submissions overlap the device's
 /// work instead of being counted once per call).
-#[cfg(feature = "wgpu")]
+#[cfg(all(feature = "wgpu", not(target_arch = "wasm32")))]
 fn gpu_time(
     gpu: &crate::backend::gpu::Gpu,
     reps: usize,
@@ -325,7 +328,7 @@ fn gpu_time(
 }
 
 /// Time `f` (best of `reps` after one warm-up) in seconds.
-#[cfg(feature = "wgpu")]
+#[cfg(all(feature = "wgpu", not(target_arch = "wasm32")))]
 fn best_of(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     f()?;
     let mut best = f64::INFINITY;
@@ -341,8 +344,9 @@ fn best_of(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 /// and writes in device memory, beside the device's own buffer-to-buffer copy measured in the same
 /// run: the copy kernel (8 bytes per element), reduce-into of 1 input (`acc ⊕= x`: 12), of 4
 /// inputs as three passes (36) and in one pass (20; with the adapter's thread layout, then each
-/// layout), and sum-to-scalar (4; the adapter's layout, then each). With `with_cpu`, each beside the same work as a 1-thread CPU loop.
-#[cfg(feature = "wgpu")]
+/// layout), and sum-to-scalar (4; the adapter's layout, then each). With `with_cpu`, each beside
+/// the same work as a 1-thread CPU loop. Native only: a browser cannot wait for the device.
+#[cfg(all(feature = "wgpu", not(target_arch = "wasm32")))]
 pub fn kernels(gpu: &crate::backend::gpu::Gpu, n: usize, with_cpu: bool) -> Result<KernelBench> {
     use crate::backend::gpu::{CopyPath, Vec4Layout};
     use crate::backend::{BinaryOp, cpu};

@@ -281,7 +281,7 @@ fn infinities_print_as_inf() {
 #[test]
 fn bad_command_lines_say_what_is_wrong() {
     for (args, want) in [
-        (&["bench", "foo"][..], "unknown benchmark \"foo\""),
+        (&["bench", "foo"][..], "invalid value 'foo' for '[WHAT]'"),
         (&["bench", "--max-bytes", "0"], "holds no payload size"),
         (
             &["bench", "--min-bytes", "2048", "--max-bytes", "1024"],
@@ -294,11 +294,11 @@ fn bad_command_lines_say_what_is_wrong() {
         ),
         (
             &["run", "www/lessons/all_gather.json", "--device", "tpu"],
-            "expected cpu, gpu or auto",
+            "[possible values: cpu, gpu, auto]",
         ),
         (
             &["bench", "kernels", "--elements", "0"],
-            "expected a positive count such as 1024, 16M or 1G",
+            "expected a positive count such as 1024, 16M or 1G, got \"0\"",
         ),
         (
             &["bench", "kernels", "--elements", "12Q"],
@@ -308,7 +308,43 @@ fn bad_command_lines_say_what_is_wrong() {
             &["bench", "--transport", "relay", "--device", "gpu"],
             "--device gpu is for in-process ranks",
         ),
-        (&["bench", "--device", "tpu"], "expected cpu, gpu or auto"),
+        (
+            &["bench", "--device", "tpu"],
+            "[possible values: cpu, gpu, auto]",
+        ),
+        // Every choice flag is checked by clap, which lists the choices.
+        (
+            &["bench", "--transport", "relay-udp"],
+            "[possible values: local, relay, relay-tcp, relay-ws, relay-buffered, direct, nccl]",
+        ),
+        (
+            &["bench", "--ops", "all_reduce,allgather"],
+            "[possible values: all_reduce, all_gather, broadcast]",
+        ),
+        (
+            &["bench", "--algo", "tree"],
+            "[possible values: auto, ring, pairwise, shared]",
+        ),
+        (
+            &["train", "--backend", "mpi"],
+            "[possible values: local, nccl]",
+        ),
+        (
+            &["train", "--data-path", "zero-copy"],
+            "[possible values: staging, shared]",
+        ),
+        (
+            &["vjp", "all_reduce", "--op", "mean"],
+            "[possible values: sum, avg, prod, min, max]",
+        ),
+        (
+            &["demo", "--collective", "allreduce"],
+            "[possible values: broadcast, reduce, gather, scatter, all_gather",
+        ),
+        (
+            &["demo", "--transport", "mpi"],
+            "[possible values: relay, direct, local]",
+        ),
     ] {
         let out = distgrad(args, None);
         let err = String::from_utf8_lossy(&out.stderr);
@@ -591,7 +627,8 @@ fn the_kernel_bench_prints_a_table_per_size() {
                 continue;
             }
             let v: f64 = x.parse().unwrap_or_else(|_| panic!("a number in {line:?}"));
-            assert!(v.is_finite() && v > 0.0, "{line}");
+            // Printed with two decimals: a tiny ratio (a debug build's CPU loop) reads 0.00.
+            assert!(v.is_finite() && v >= 0.0, "{line}");
         }
     }
     let copy = stdout
@@ -646,5 +683,34 @@ fn the_collective_bench_runs_with_tensors_on_the_gpu() {
             matches!(unit, "B" | "KiB" | "MiB") && f[f.len() - 2].parse::<u64>().is_ok(),
             "{line}"
         );
+    }
+}
+
+/// A bare `distgrad` (a bare `cargo run`) is a short demo, not a usage error: it says what it ran
+/// and why (this test build has no NCCL, so the in-process demo, naming what the GPU path needs),
+/// shows one collective's forward and backward with its dual, trains with identical replicas,
+/// and ends with what to try next.
+#[test]
+fn a_bare_run_is_a_demo_that_says_what_it_ran() {
+    let out = distgrad(&[], None);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for want in [
+        "the demo runs on 4 in-process ranks",
+        "the GPU path needs a build with NCCL: `cargo run --release --features native-nccl`",
+        "backward (dual): all_reduce(op=sum)",
+        // Hand-checked: inputs [1,8],[2,6],[3,4],[4,2] sum to [10, 20] on every rank; the
+        // cotangents [1,1],[1,2],[1,3],[1,4] sum to the gradient [4, 10] on every rank.
+        "0    | [1, 8] | [10, 20] | [1, 1]     | [4, 10]",
+        "3    | [4, 2] | [10, 20] | [1, 4]     | [4, 10]",
+        "replicas identical on every rank: yes",
+        "Try next",
+        "distgrad train --backend nccl",
+    ] {
+        assert!(stdout.contains(want), "{want:?} in {stdout}");
     }
 }

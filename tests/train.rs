@@ -110,7 +110,7 @@ fn distgrad_train_cli() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("local or nccl"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("[possible values: local, nccl]"));
     // Without the feature, or without CUDA, the NCCL backend says why and exits 2 (no panic).
     let out = std::process::Command::new(bin)
         .args(["train", "--backend", "nccl", "--world", "1", "--steps", "2"])

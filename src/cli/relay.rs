@@ -1,0 +1,129 @@
+//! `distgrad relay`: the relay server on one port (rooms, routing, WebRTC signaling, data
+//! streams, and the built web app's files), until Ctrl-C or SIGTERM.
+
+use super::runtime;
+
+/// Flags of `distgrad relay`.
+#[derive(clap::Args)]
+pub struct RelayArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    addr: String,
+    /// Serve this folder (the built web app) at `/`.
+    #[arg(long = "static")]
+    static_dir: Option<std::path::PathBuf>,
+    /// Largest data-frame payload in bytes, at least 1024 (members split larger messages; the
+    /// welcome tells them this limit).
+    #[arg(long, default_value_t = distgrad::wire::DEFAULT_FRAME_PAYLOAD)]
+    max_frame: usize,
+    /// Largest world size of a room.
+    #[arg(long, default_value_t = 64)]
+    max_members: u32,
+    /// Most rooms at once.
+    #[arg(long, default_value_t = 256)]
+    max_rooms: usize,
+    /// Bytes that may queue for one member before its senders are slowed down.
+    #[arg(long, default_value_t = 16 << 20)]
+    max_pending_bytes: usize,
+    /// Close connections silent for this many seconds.
+    #[arg(long, default_value_t = 30)]
+    idle_timeout_secs: u64,
+    /// Allowed browser origins (repeat or comma-separate); default: any.
+    #[arg(long, value_delimiter = ',')]
+    allowed_origin: Option<Vec<String>>,
+    /// Refuse data streams: native members send their data on the WebSocket too.
+    #[arg(long)]
+    no_streams: bool,
+    /// Forward data-stream payloads through a buffer instead of splice(2) (Linux).
+    #[arg(long)]
+    no_splice: bool,
+    /// No Unix-domain socket for data streams: members on this host attach over TCP too.
+    #[arg(long)]
+    no_local_streams: bool,
+}
+
+/// Run `distgrad relay`.
+pub fn run(a: RelayArgs) -> distgrad::Result<()> {
+    let cfg = distgrad::relay::RelayConfig {
+        max_frame: a.max_frame,
+        max_members: a.max_members,
+        max_rooms: a.max_rooms,
+        max_pending_bytes: a.max_pending_bytes,
+        idle_timeout: std::time::Duration::from_secs(a.idle_timeout_secs),
+        allowed_origins: a.allowed_origin,
+        static_dir: a.static_dir,
+        streams: !a.no_streams,
+        splice: !a.no_splice,
+        local_streams: !a.no_local_streams,
+        ..Default::default()
+    };
+    serve(&a.addr, cfg)
+}
+
+fn serve(addr: &str, cfg: distgrad::relay::RelayConfig) -> distgrad::Result<()> {
+    cfg.check()
+        .map_err(|e| distgrad::Error::Input(format!("relay: {e}")))?;
+    runtime(true)?.block_on(async {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| distgrad::Error::Input(format!("cannot listen on {addr}: {e}")))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| distgrad::Error::Input(e.to_string()))?;
+        println!("distgrad relay listening on ws://{local}/ws");
+        println!(
+            "native members' data streams (same port): {}",
+            match (cfg.streams, cfg.splice) {
+                (false, _) => "off (data on the WebSockets)",
+                (true, true) => "on (forwarded with splice where the OS has it)",
+                (true, false) => "on (forwarded through a buffer)",
+            }
+        );
+        if cfg.streams {
+            println!(
+                "members on this host: {}",
+                if cfg.local_streams && cfg!(unix) {
+                    "data streams on a Unix-domain socket (its path is in their welcome)"
+                } else {
+                    "data streams over TCP"
+                }
+            );
+        }
+        if let Some(d) = &cfg.static_dir {
+            println!("serving {} at http://{local}/", d.display());
+        }
+        // Ctrl-C or SIGTERM (kill, service managers): stop cleanly, which also removes the
+        // Unix-domain socket's directory. The handlers exist before anything is served: the
+        // shutdown future first runs inside `serve`, after the socket directory is made.
+        #[cfg(unix)]
+        let stop = {
+            use tokio::signal::unix::{SignalKind, signal};
+            let handler = |kind: SignalKind| {
+                signal(kind).map_err(|e| {
+                    distgrad::Error::Input(format!("cannot handle a stop signal: {e}"))
+                })
+            };
+            let (mut int, mut term) = (
+                handler(SignalKind::interrupt())?,
+                handler(SignalKind::terminate())?,
+            );
+            async move {
+                tokio::select! {
+                    _ = int.recv() => {}
+                    _ = term.recv() => {}
+                }
+            }
+        };
+        #[cfg(not(unix))]
+        let stop = async {
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        let shutdown = async move {
+            stop.await;
+            println!("distgrad relay: shutting down");
+        };
+        distgrad::relay::serve(listener, cfg, shutdown)
+            .await
+            .map_err(|e| distgrad::Error::Input(format!("relay failed: {e}")))
+    })
+}

@@ -1,0 +1,164 @@
+//! `distgrad worker`: one rank of a relay room, running a case (built-in example or file) forward
+//! and backward and printing its share of the answer.
+
+use distgrad::transport::Transport as _;
+use distgrad::vjp::{self, Which};
+use distgrad::{CommOptions, ReduceOp};
+
+use super::{named, runtime};
+
+/// Flags of `distgrad worker`.
+#[derive(clap::Args)]
+pub struct WorkerArgs {
+    /// Relay WebSocket URL.
+    #[arg(long, default_value = "ws://127.0.0.1:8080/ws")]
+    relay: String,
+    /// Room name.
+    #[arg(long)]
+    room: String,
+    /// World size.
+    #[arg(long)]
+    world: usize,
+    /// Wanted rank (default: any free rank).
+    #[arg(long)]
+    rank: Option<u32>,
+    /// Room token (default: create the room with a random token, printed). Also read from
+    /// DISTGRAD_TOKEN, which keeps it off the command line (where other local users can see it).
+    #[arg(long, env = super::launch::TOKEN_ENV, hide_env_values = true)]
+    token: Option<String>,
+    /// Collective of the built-in example.
+    #[arg(long, default_value = "all_reduce", value_parser = named(&Which::ALL, Which::name))]
+    collective: Which,
+    /// A case file instead of the built-in example.
+    #[arg(long)]
+    case: Option<std::path::PathBuf>,
+    /// Reduce op for the built-in example.
+    #[arg(long, default_value = "sum", value_parser = named(&ReduceOp::ALL, ReduceOp::name))]
+    op: ReduceOp,
+    /// Root (group rank) for the built-in example.
+    #[arg(long, default_value_t = 0)]
+    root: usize,
+    /// Print this rank's result as one JSON line.
+    #[arg(long)]
+    json: bool,
+    /// Seconds a collective may wait for a peer (browser tabs that are slow to start, or still
+    /// trying WebRTC, need more than the default).
+    #[arg(long, default_value_t = 10)]
+    timeout_secs: u64,
+    /// Seconds to wait for the room to fill (the other ranks to join).
+    #[arg(long, default_value_t = 60)]
+    fill_timeout_secs: u64,
+    /// Exchange data with the room's other native workers over direct TCP links, listening on
+    /// this address (e.g. 127.0.0.1:0); the relay only introduces them. Pairs that cannot link
+    /// (browser tabs, workers without this flag) use the relay.
+    #[arg(long)]
+    direct: Option<std::net::SocketAddr>,
+    /// Send data on the WebSocket (as browsers do) instead of a data stream to the relay.
+    #[arg(long)]
+    no_stream: bool,
+}
+
+/// The case a worker (or the demo) runs: a case file, or the built-in example.
+pub fn load_case(
+    collective: Which,
+    case: Option<&std::path::Path>,
+    world: usize,
+    op: ReduceOp,
+    root: usize,
+) -> distgrad::Result<vjp::Case> {
+    match case {
+        Some(path) => {
+            let s = std::fs::read_to_string(path)
+                .map_err(|e| distgrad::Error::Input(format!("reading {}: {e}", path.display())))?;
+            vjp::parse_case(&s)
+        }
+        None => vjp::example_case(collective, world, op, root, None),
+    }
+}
+
+/// Run `distgrad worker`.
+pub fn run(o: WorkerArgs) -> distgrad::Result<()> {
+    let case = load_case(o.collective, o.case.as_deref(), o.world, o.op, o.root)?;
+    let prepared = vjp::Prepared::new(&case)?;
+    let world =
+        u32::try_from(o.world).map_err(|_| distgrad::Error::Input("world too large".into()))?;
+    let timeout = std::time::Duration::from_secs(o.timeout_secs.max(1));
+    let fill = std::time::Duration::from_secs(o.fill_timeout_secs.max(1));
+    let mut join = distgrad::transport::ws::JoinOptions::new(&o.room, world);
+    join.rank = o.rank;
+    join.token = o.token.clone();
+    join.direct = o.direct;
+    join.stream = !o.no_stream;
+    join.ready_timeout = fill;
+    // Said as soon as the relay admits us: the others need the token to join.
+    let (room, created) = (o.room.clone(), o.token.is_none());
+    join.on_welcome = Some(distgrad::transport::ws::OnWelcome(std::sync::Arc::new(
+        move |rank, token, members| {
+            if created {
+                eprintln!(
+                    "room {room:?} created, token: {token} (the others join with \
+                     DISTGRAD_TOKEN={token}, or --token {token})"
+                );
+            }
+            let waiting = world as usize - members.len().min(world as usize);
+            if waiting > 0 {
+                eprintln!(
+                    "rank {rank} joined room {room:?}: {} of {world} ranks present, waiting up \
+                     to {}s for {waiting} more",
+                    members.len(),
+                    fill.as_secs()
+                );
+            }
+        },
+    )));
+    let result = runtime(false)?.block_on(async {
+        let t = distgrad::transport::ws::WsTransport::connect(&o.relay, join).await?;
+        eprintln!(
+            "rank {}: data through the relay on {}",
+            t.rank(),
+            match t.data_stream_route() {
+                Some(distgrad::transport::ws::StreamRoute::Unix) => {
+                    "a data stream (the relay's Unix-domain socket)"
+                }
+                Some(distgrad::transport::ws::StreamRoute::Tcp) => "a data stream (TCP)",
+                None => "the WebSocket",
+            }
+        );
+        if o.direct.is_some() {
+            let linked = t.direct_peers();
+            let rest = if linked.len() + 1 >= o.world {
+                ""
+            } else {
+                ", the others through the relay"
+            };
+            eprintln!("rank {}: direct links to ranks {linked:?}{rest}", t.rank());
+        }
+        let comm = distgrad::P2p::new(
+            t,
+            CommOptions {
+                timeout,
+                ..vjp::case_options()
+            },
+        );
+        let r = vjp::run_rank(&comm, &prepared).await;
+        comm.into_transport().close().await;
+        r
+    })?;
+    if o.json {
+        println!(
+            "{}",
+            serde_json::to_string(&result).map_err(|e| distgrad::Error::Input(e.to_string()))?
+        );
+    } else {
+        println!("dual: {}", result.dual.join(" + "));
+        println!(
+            "outputs: {}",
+            serde_json::to_string(&result.outputs).unwrap_or_default()
+        );
+        println!(
+            "grads: {}",
+            serde_json::to_string(&result.grads).unwrap_or_default()
+        );
+    }
+    Ok(())
+}
