@@ -701,7 +701,7 @@ fn a_bare_run_is_a_demo_that_says_what_it_ran() {
     );
     for want in [
         "the demo runs on 4 in-process ranks",
-        "the GPU path needs a build with NCCL: `cargo run --release --features native-nccl`",
+        "this build has no NCCL; the GPU path needs `cargo run --release --features native-nccl`",
         "backward (dual): all_reduce(op=sum)",
         // Hand-checked: inputs [1,8],[2,6],[3,4],[4,2] sum to [10, 20] on every rank; the
         // cotangents [1,1],[1,2],[1,3],[1,4] sum to the gradient [4, 10] on every rank.

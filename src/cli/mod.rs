@@ -138,7 +138,8 @@ pub fn named<T: Copy + Send + Sync + 'static>(
 /// commands with sockets: there Rust's ignored SIGPIPE turns a peer's close into an error.
 fn quiet_on_closed_stdout() {
     #[cfg(unix)]
-    // SAFETY: sets the signal's disposition back to the default before any thread starts.
+    // SAFETY: sets the signal's disposition back to the default, before this process starts
+    // threads of its own (a driver's threads, if any, install no SIGPIPE handler).
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }

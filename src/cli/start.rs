@@ -37,9 +37,11 @@ pub fn run() -> distgrad::Result<()> {
             gpu_demo(&cfg)?;
         }
         Err(why) => {
+            // Only computing and printing from here: a closed stdout (`| head`) ends quietly.
+            super::quiet_on_closed_stdout();
             println!(
-                "distgrad: the demo runs on {WORLD} in-process ranks (threads of this process); \
-                 the GPU path needs {why}.\n"
+                "distgrad: the demo runs on {WORLD} in-process ranks (threads of this process): \
+                 {why}.\n"
             );
             println!(
                 "1. One all_reduce(sum) forward and backward: every rank's input, output and \
@@ -71,22 +73,23 @@ Try next (`distgrad` = `cargo run --release --` in a checkout):
   distgrad bench                                 the collectives' bandwidth beside memcpy
   distgrad --help                                every command";
 
-/// The number of CUDA devices and the NCCL version, or what the GPU path is missing.
+/// The number of CUDA devices and the NCCL version, or why the GPU path is not taken.
 #[cfg(feature = "native-nccl")]
 fn gpu_path() -> Result<(usize, String), String> {
-    let gpus = distgrad::nccl::device_count().map_err(|e| e.to_string())?;
+    let no = |e: distgrad::Error| format!("no GPU path on this machine ({e})");
+    let gpus = distgrad::nccl::device_count().map_err(no)?;
     if gpus == 0 {
-        return Err("a CUDA device, and the driver sees none".into());
+        return Err("no GPU path on this machine (the CUDA driver sees no device)".into());
     }
-    let nccl = distgrad::nccl::version().map_err(|e| e.to_string())?;
+    let nccl = distgrad::nccl::version().map_err(no)?;
     Ok((gpus, nccl))
 }
 
 #[cfg(not(feature = "native-nccl"))]
 fn gpu_path() -> Result<(usize, String), String> {
     Err(
-        "a build with NCCL: `cargo run --release --features native-nccl` (and an NVIDIA \
-         driver, GPUs and libnccl on the machine)"
+        "this build has no NCCL; the GPU path needs `cargo run --release --features \
+         native-nccl` and an NVIDIA driver, GPUs and libnccl on the machine"
             .into(),
     )
 }
