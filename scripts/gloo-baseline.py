@@ -18,21 +18,7 @@ import os
 import statistics
 import time
 
-
-def sizes(lo, hi):
-    s, out = max(lo, 4), []
-    while s <= hi:
-        out.append(s)
-        s *= 4
-    return out
-
-
-def fmt(b):
-    if b >= 1 << 20:
-        return f"{b >> 20} MiB"
-    if b >= 1 << 10:
-        return f"{b >> 10} KiB"
-    return f"{b} B"
+from bench_sizes import fmt, sizes
 
 
 def rank_main(rank, world, port, lo, hi, ops, q):

@@ -29,18 +29,23 @@
 //! # Layout
 //! - [`tensor`]: [`Tensor`], an immutable f32 array of any shape; shape checks live here.
 //! - [`backend`]: where numbers live and local kernels run ([`backend::cpu`] is the reference;
-//!   `backend::gpu` (feature `wgpu`) has the WGSL kernels of `shaders/`; [`backend::pool`]
-//!   recycles large host buffers).
+//!   `backend::gpu` (feature `wgpu`) has the WGSL kernels of `shaders/`).
 //! - [`autograd`]: [`Tape`], [`Var`], local differentiable ops and backward; **the dual table** is
 //!   [`autograd::dual`], one exhaustive match.
 //! - [`dist`]: differentiable collectives on vars (record on the tape).
 //! - [`collective`]: the [`Communicator`] trait, [`Group`] (the one global↔group rank mapping),
 //!   [`ReduceOp`], call signatures, and [`P2p`]: every collective from point-to-point messages
-//!   (ring, tree, direct and pairwise algorithms; [`AllReduceAlgo`] picks the large all_reduce's).
+//!   (ring, tree, direct and pairwise algorithms, each talking through one `collective::call`
+//!   that checks every message's signature; [`AllReduceAlgo`] picks the large all_reduce's).
+//!   Imports run one way inside it: p2p → the algorithms → call (messages) → partial (local
+//!   steps), no circle.
 //! - [`transport`]: the [`transport::Transport`] trait (async, tag-matched bytes), the shared
 //!   [`transport::Mailbox`], the in-process transport and (native) the WebSocket transport with
-//!   its direct TCP links between native ranks (`transport::direct`).
-//! - [`wire`]: the one wire format (data-frame header, JSON control messages) of relay and clients.
+//!   its direct TCP links between native ranks (`transport::direct`). It moves bytes: it imports
+//!   the wire and the buffer pool, nothing of tensors or collectives.
+//! - [`wire`]: the one wire format (data-frame header, tags, JSON control messages) of relay and
+//!   clients.
+//! - [`pool`]: recycled host buffers and their byte views, shared by wire, transports and compute.
 //! - `relay` (native): the WebSocket relay server: rooms, ranks, routing, signaling, static files.
 //! - [`run`]: run N ranks in one process: as threads (`run_local`) or interleaved on one task
 //!   ([`run::run_interleaved`], also in a browser page).
@@ -66,6 +71,7 @@ pub mod error;
 pub mod lesson;
 #[cfg(all(feature = "native-nccl", target_os = "linux"))]
 pub mod nccl;
+pub mod pool;
 #[cfg(all(feature = "native-nccl", not(target_os = "linux")))]
 compile_error!(
     "feature `native-nccl` needs Linux (NCCL and the Vulkan-CUDA memory sharing are Linux-only)"
@@ -90,3 +96,12 @@ pub use run::LocalComm;
 #[cfg(not(target_arch = "wasm32"))]
 pub use run::run_local;
 pub use tensor::Tensor;
+
+/// Feed `data` to every decoder of bytes that arrive from the network: the wire's (frame header,
+/// control JSON, stream hello) and the collectives' (call signature, whole-tensor message). The
+/// fuzz target calls this; none of them may panic.
+pub fn fuzz_decoders(data: &[u8]) {
+    wire::fuzz_decoders(data);
+    let _ = collective::CallSig::decode(data);
+    let _ = collective::call::decode_tensor(bytes::Bytes::copy_from_slice(data));
+}

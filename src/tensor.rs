@@ -9,6 +9,7 @@ use bytes::Bytes;
 use crate::backend::gpu::{At, GpuBuf};
 use crate::backend::{BinaryOp, Device, Storage, UnaryOp, cpu};
 use crate::error::{Error, Result};
+use crate::pool::f32_bytes;
 
 /// An f32 tensor: a shape and a shared, contiguous, row-major storage.
 #[derive(Debug, Clone)]
@@ -607,26 +608,6 @@ impl Tensor {
             }
         }
         Ok(out.into_iter().flatten().collect())
-    }
-}
-
-/// Little-endian bytes of `v` without copying (on little-endian targets).
-pub(crate) fn f32_bytes(v: Vec<f32>) -> Bytes {
-    Bytes::from_owner(F32Vec(v))
-}
-
-/// Owner that exposes a `Vec<f32>` as its little-endian bytes (4-byte aligned, no copy).
-struct F32Vec(Vec<f32>);
-
-impl AsRef<[u8]> for F32Vec {
-    fn as_ref(&self) -> &[u8] {
-        bytemuck::cast_slice(&self.0)
-    }
-}
-
-impl Drop for F32Vec {
-    fn drop(&mut self) {
-        crate::backend::pool::give(std::mem::take(&mut self.0));
     }
 }
 

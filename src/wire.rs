@@ -4,7 +4,7 @@
 //! Data frame (WebSocket binary message), all integers little-endian:
 //! ```text
 //! 0  u8  magic 0xD6
-//! 1  u8  channel (transport::Channel)
+//! 1  u8  channel ([`Channel`])
 //! 2  u8  flags (bit 0: more fragments of this message follow)
 //! 3  u8  reserved (0)
 //! 4  u32 src rank  (set by the relay: a client cannot spoof it)
@@ -19,7 +19,67 @@
 use bytes::{BufMut, Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 
-use crate::transport::{Channel, Tag};
+/// Send buffer asked for on a relay data stream over a Unix-domain socket, on both ends (the
+/// kernel caps it at `net.core.wmem_max`). A Unix stream has no autotuning: with the default
+/// (~200 KiB) a 4 MiB message crosses in ~20 wake-ups of sender and receiver, and the 4-rank
+/// all_reduce through the relay ran ~25% slower (TCP tunes its own buffers; setting them there
+/// changed nothing).
+#[cfg(unix)]
+pub const UNIX_STREAM_BUFFER: usize = 4 << 20;
+
+/// Enlarge the send buffer of a Unix-domain data stream to [`UNIX_STREAM_BUFFER`]. Best effort:
+/// a refusal leaves the default, which works, only slower.
+#[cfg(all(unix, not(target_arch = "wasm32")))]
+pub fn enlarge_unix_buffer(s: &tokio::net::UnixStream) {
+    let _ = socket2::SockRef::from(s).set_send_buffer_size(UNIX_STREAM_BUFFER);
+}
+
+/// Which stream of a call a message belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum Channel {
+    /// Payload of a collective (chunks, tensors).
+    Data = 0,
+    /// A collective's call signature, sent to the successor in the group ring.
+    Sig = 1,
+    /// Point-to-point send/recv; `seq` counts the messages of one ordered pair of ranks.
+    P2p = 2,
+    /// The sender aborts: every pending and later receive fails. `group`/`seq` are ignored.
+    Abort = 3,
+}
+
+impl Channel {
+    /// Decode from a frame header.
+    pub fn from_u8(x: u8) -> Option<Self> {
+        match x {
+            0 => Some(Channel::Data),
+            1 => Some(Channel::Sig),
+            2 => Some(Channel::P2p),
+            3 => Some(Channel::Abort),
+            _ => None,
+        }
+    }
+}
+
+/// What a message is matched on (besides its source rank).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Tag {
+    /// Group id (a communicator's group, `collective::Group`).
+    pub group: u32,
+    /// Sequence number of the call within the group (or of the p2p message within the pair).
+    pub seq: u64,
+    /// The stream.
+    pub channel: Channel,
+}
+
+impl Tag {
+    /// The tag of abort messages.
+    pub const ABORT: Tag = Tag {
+        group: 0,
+        seq: 0,
+        channel: Channel::Abort,
+    };
+}
 
 /// Header length in bytes.
 pub const HEADER_LEN: usize = 24;
@@ -145,7 +205,7 @@ pub fn fragments(src: u32, dst: u32, tag: Tag, payload: &[u8], max_payload: usiz
 
 /// Puts fragmented messages back together, per (source, tag); fragments of one pair arrive in order.
 /// Fragments are held as received and copied once, when the last one arrives, into one buffer of
-/// the exact size (a recycled one for large f32 payloads: see [`crate::backend::pool`]).
+/// the exact size (a recycled one for large f32 payloads: see [`crate::pool`]).
 #[derive(Debug)]
 pub struct Reassembler {
     partial: std::collections::HashMap<(u32, Tag), (Vec<Bytes>, usize)>,
@@ -193,11 +253,11 @@ fn concat(parts: &[Bytes], total: usize) -> Bytes {
     if parts.iter().all(|p| p.len().is_multiple_of(4)) {
         // Most messages are f32 payloads cut at f32 boundaries: an f32 buffer keeps them aligned
         // and recyclable.
-        let mut v = crate::backend::pool::take(total / 4);
+        let mut v = crate::pool::take(total / 4);
         for p in parts {
-            crate::backend::cpu::extend_from_le_bytes(&mut v, p);
+            crate::pool::extend_from_le_bytes(&mut v, p);
         }
-        crate::tensor::f32_bytes(v)
+        crate::pool::f32_bytes(v)
     } else {
         let mut b = BytesMut::with_capacity(total);
         for p in parts {
@@ -357,8 +417,8 @@ impl StreamHello {
     }
 }
 
-/// Feed `data` to every decoder of bytes that arrive from the network (frame header, control JSON,
-/// call signature, whole-tensor message). The fuzz target calls this; none of them may panic.
+/// Feed `data` to every decoder of the wire (frame header, control JSON, stream hello); the crate's
+/// `fuzz_decoders` adds the collectives' decoders. None of them may panic.
 pub fn fuzz_decoders(data: &[u8]) {
     let _ = Header::decode(data);
     let _ = serde_json::from_slice::<Control>(data);
@@ -366,13 +426,43 @@ pub fn fuzz_decoders(data: &[u8]) {
         let _ = StreamHello::body_len(head);
     }
     let _ = StreamHello::decode(data);
-    let _ = crate::collective::CallSig::decode(data);
-    let _ = crate::collective::p2p::decode_tensor(Bytes::copy_from_slice(data));
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(all(unix, not(target_arch = "wasm32")))]
+    #[test]
+    fn unix_data_streams_get_a_large_send_buffer() {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(async {
+            let (a, _b) = tokio::net::UnixStream::pair().unwrap();
+            let before = socket2::SockRef::from(&a).send_buffer_size().unwrap();
+            enlarge_unix_buffer(&a);
+            let after = socket2::SockRef::from(&a).send_buffer_size().unwrap();
+            // Linux caps the request at wmem_max (and reports double what it grants).
+            let cap = std::fs::read_to_string("/proc/sys/net/core/wmem_max")
+                .ok()
+                .and_then(|s| s.trim().parse::<usize>().ok())
+                .unwrap_or(UNIX_STREAM_BUFFER);
+            assert!(after >= before, "never smaller: {after} (was {before})");
+            if cap * 2 > before {
+                // Room to grow: Linux grants min(request, cap) and reports twice that.
+                assert!(
+                    after >= 2 * UNIX_STREAM_BUFFER.min(cap),
+                    "send buffer {after} after asking for {UNIX_STREAM_BUFFER} (cap {cap}, was {before})"
+                );
+            } else {
+                eprintln!(
+                    "skipped: net.core.wmem_max {cap} leaves no room above the default {before}"
+                );
+            }
+        });
+    }
 
     #[test]
     fn header_round_trip_and_rejects() {

@@ -145,7 +145,7 @@ proptest! {
 }
 
 /// Payloads large enough that messages to non-neighbours travel split (signature message, then the
-/// payload untouched: `distgrad::collective::p2p::SPLIT_BYTES`): every all_reduce algorithm, every
+/// payload untouched: `distgrad::collective::call::SPLIT_BYTES`): every all_reduce algorithm, every
 /// op, odd worlds, against the oracle; and all_to_all / gather, whose messages go to every rank.
 #[test]
 fn large_payloads_every_algorithm_match_oracle() {

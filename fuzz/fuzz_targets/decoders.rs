@@ -3,5 +3,5 @@
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    distgrad::wire::fuzz_decoders(data);
+    distgrad::fuzz_decoders(data);
 });

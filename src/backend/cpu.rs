@@ -8,7 +8,7 @@ use super::{BinaryOp, UnaryOp};
 /// `out[i] = op(a[i], b[i])` for equal-length slices.
 pub fn binary_same(op: BinaryOp, a: &[f32], b: &[f32]) -> Vec<f32> {
     debug_assert_eq!(a.len(), b.len());
-    let mut out = super::pool::take(a.len());
+    let mut out = crate::pool::take(a.len());
     // One match outside the loop so each arm's loop vectorizes.
     match op {
         BinaryOp::Add => out.extend(a.iter().zip(b).map(|(x, y)| x + y)),
@@ -43,7 +43,7 @@ pub fn fold_all(op: BinaryOp, xs: &[&[f32]]) -> Vec<f32> {
         return Vec::new();
     };
     debug_assert!(rest.iter().all(|x| x.len() == first.len()));
-    let mut out = super::pool::take(first.len());
+    let mut out = crate::pool::take(first.len());
     let mut start = 0;
     while start < first.len() {
         let end = (start + BLOCK).min(first.len());
@@ -109,20 +109,9 @@ pub fn combine_le_bytes(op: BinaryOp, a: &[f32], x: &[u8]) -> Vec<f32> {
 
 /// Decode little-endian f32 bytes.
 pub fn f32s_from_le_bytes(x: &[u8]) -> Vec<f32> {
-    let mut out = super::pool::take(x.len() / 4);
-    extend_from_le_bytes(&mut out, x);
+    let mut out = crate::pool::take(x.len() / 4);
+    crate::pool::extend_from_le_bytes(&mut out, x);
     out
-}
-
-/// Append little-endian f32 bytes to `out` (one copy, no temporary).
-pub fn extend_from_le_bytes(out: &mut Vec<f32>, x: &[u8]) {
-    match bytemuck::try_cast_slice::<u8, f32>(x) {
-        Ok(xs) if cfg!(target_endian = "little") => out.extend_from_slice(xs),
-        _ => out.extend(
-            x.chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        ),
-    }
 }
 
 /// Row-major strides of a shape.

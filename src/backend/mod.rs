@@ -8,7 +8,6 @@
 pub mod cpu;
 #[cfg(feature = "wgpu")]
 pub mod gpu;
-pub mod pool;
 
 #[cfg(target_endian = "big")]
 compile_error!(
@@ -59,7 +58,7 @@ pub enum Choice {
 
 /// Pick the compute backend and say which in one log line on stderr (adapter name, backend and
 /// device type, or why there is no GPU).
-pub async fn select(choice: Choice) -> crate::Result<Device> {
+pub async fn select(choice: Choice) -> crate::error::Result<Device> {
     let device = match choice {
         Choice::Cpu => Device::Cpu,
         #[cfg(feature = "wgpu")]
@@ -74,7 +73,7 @@ pub async fn select(choice: Choice) -> crate::Result<Device> {
         },
         #[cfg(not(feature = "wgpu"))]
         Choice::Gpu => {
-            return Err(crate::Error::Gpu {
+            return Err(crate::error::Error::Gpu {
                 op: "select",
                 detail: "this build has no GPU backend (feature `wgpu`)".into(),
             });

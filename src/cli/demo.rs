@@ -2,13 +2,11 @@
 //! one collective forward and backward, printed as `vjp` prints it.
 
 use clap::ValueEnum;
-use distgrad::ReduceOp;
-use distgrad::vjp::{self, Which};
+use distgrad::vjp;
 
 use super::launch::{LocalRelay, TOKEN_ENV, wait_ranks};
-use super::named;
 use super::vjp::print_answer;
-use super::worker::load_case;
+use super::worker::Example;
 
 /// How the demo's ranks talk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -30,15 +28,9 @@ pub struct DemoArgs {
     /// How the ranks talk.
     #[arg(long, value_enum, default_value_t = DemoTransport::Relay)]
     transport: DemoTransport,
-    /// Collective of the built-in example.
-    #[arg(long, default_value = "all_reduce", value_parser = named(&Which::ALL, Which::name))]
-    collective: Which,
-    /// Reduce op.
-    #[arg(long, default_value = "sum", value_parser = named(&ReduceOp::ALL, ReduceOp::name))]
-    op: ReduceOp,
-    /// Root (group rank).
-    #[arg(long, default_value_t = 0)]
-    root: usize,
+    /// The built-in example to run.
+    #[command(flatten)]
+    example: Example,
     /// Print the machine-readable JSON output (as `vjp --json`) instead of the table.
     #[arg(long)]
     json: bool,
@@ -46,7 +38,7 @@ pub struct DemoArgs {
 
 /// Run `distgrad demo`.
 pub fn run(a: DemoArgs) -> distgrad::Result<()> {
-    let case = load_case(a.collective, None, a.world, a.op, a.root)?;
+    let case = a.example.case(None, a.world)?;
     let out = match a.transport {
         DemoTransport::Local => vjp::run_case(&case)?,
         DemoTransport::Relay | DemoTransport::Direct => over_relay(&case, &a)?,
@@ -71,8 +63,7 @@ fn over_relay(case: &vjp::Case, a: &DemoArgs) -> distgrad::Result<vjp::CaseOutpu
                 .args(["worker", "--relay", &url, "--room", "demo", "--json"])
                 .env(TOKEN_ENV, &token)
                 .args(["--world", &world.to_string(), "--rank", &r.to_string()])
-                .args(["--collective", a.collective.name(), "--op", a.op.name()])
-                .args(["--root", &a.root.to_string()])
+                .args(a.example.flags())
                 .args(if direct {
                     &["--direct", "127.0.0.1:0"][..]
                 } else {

@@ -26,18 +26,12 @@ pub struct WorkerArgs {
     /// DISTGRAD_TOKEN, which keeps it off the command line (where other local users can see it).
     #[arg(long, env = super::launch::TOKEN_ENV, hide_env_values = true)]
     token: Option<String>,
-    /// Collective of the built-in example.
-    #[arg(long, default_value = "all_reduce", value_parser = named(&Which::ALL, Which::name))]
-    collective: Which,
+    /// The built-in example to run.
+    #[command(flatten)]
+    example: Example,
     /// A case file instead of the built-in example.
     #[arg(long)]
     case: Option<std::path::PathBuf>,
-    /// Reduce op for the built-in example.
-    #[arg(long, default_value = "sum", value_parser = named(&ReduceOp::ALL, ReduceOp::name))]
-    op: ReduceOp,
-    /// Root (group rank) for the built-in example.
-    #[arg(long, default_value_t = 0)]
-    root: usize,
     /// Print this rank's result as one JSON line.
     #[arg(long)]
     json: bool,
@@ -58,27 +52,50 @@ pub struct WorkerArgs {
     no_stream: bool,
 }
 
-/// The case a worker (or the demo) runs: a case file, or the built-in example.
-pub fn load_case(
-    collective: Which,
-    case: Option<&std::path::Path>,
-    world: usize,
-    op: ReduceOp,
-    root: usize,
-) -> distgrad::Result<vjp::Case> {
-    match case {
-        Some(path) => {
-            let s = std::fs::read_to_string(path)
-                .map_err(|e| distgrad::Error::Input(format!("reading {}: {e}", path.display())))?;
-            vjp::parse_case(&s)
+/// The built-in example of `worker` and `demo`: which collective, with which op and root.
+#[derive(clap::Args, Clone, Copy)]
+pub struct Example {
+    /// Collective of the built-in example.
+    #[arg(long, default_value = "all_reduce", value_parser = named(&Which::ALL, Which::name))]
+    pub collective: Which,
+    /// Reduce op of the built-in example.
+    #[arg(long, default_value = "sum", value_parser = named(&ReduceOp::ALL, ReduceOp::name))]
+    pub op: ReduceOp,
+    /// Root (group rank) of the built-in example.
+    #[arg(long, default_value_t = 0)]
+    pub root: usize,
+}
+
+impl Example {
+    /// The case a worker (or the demo) runs on `world` ranks: a case file, or this example.
+    pub fn case(self, file: Option<&std::path::Path>, world: usize) -> distgrad::Result<vjp::Case> {
+        match file {
+            Some(path) => {
+                let s = std::fs::read_to_string(path).map_err(|e| {
+                    distgrad::Error::Input(format!("reading {}: {e}", path.display()))
+                })?;
+                vjp::parse_case(&s)
+            }
+            None => vjp::example_case(self.collective, world, self.op, self.root, None),
         }
-        None => vjp::example_case(collective, world, op, root, None),
+    }
+
+    /// The flags that name this example, for a worker process started with it.
+    pub fn flags(self) -> [String; 6] {
+        [
+            "--collective".into(),
+            self.collective.name().into(),
+            "--op".into(),
+            self.op.name().into(),
+            "--root".into(),
+            self.root.to_string(),
+        ]
     }
 }
 
 /// Run `distgrad worker`.
 pub fn run(o: WorkerArgs) -> distgrad::Result<()> {
-    let case = load_case(o.collective, o.case.as_deref(), o.world, o.op, o.root)?;
+    let case = o.example.case(o.case.as_deref(), o.world)?;
     let prepared = vjp::Prepared::new(&case)?;
     let world =
         u32::try_from(o.world).map_err(|_| distgrad::Error::Input("world too large".into()))?;

@@ -7,7 +7,7 @@
 
 use bytes::Bytes;
 
-use super::p2p::{Call, decode_tensor, encode_tensor_async};
+use super::call::{Call, decode_tensor, encode_tensor_async};
 use super::partial::{Partial, bytes_of};
 use super::{ReduceOp, chunk_bounds};
 use crate::backend::cpu;
@@ -78,7 +78,7 @@ pub(crate) async fn all_reduce_pairwise<T: Transport>(
     }
     let mut mine = Partial::fold_parts(x, s, l, &parts, op)?;
     drop(parts);
-    mine.finish(call, op)?;
+    mine.finish(call.n, op)?;
     let mine = mine.into_bytes().await?;
     let whole = if shared && me != 0 {
         call.send(0, mine).await?;
@@ -89,15 +89,15 @@ pub(crate) async fn all_reduce_pairwise<T: Transport>(
                 call.send((me + k) % n, mine.clone()).await?;
             }
         }
-        let mut out = crate::backend::pool::take(x.numel());
+        let mut out = crate::pool::take(x.numel());
         for (j, &(_, l)) in chunks.iter().enumerate() {
             if j == me {
-                cpu::extend_from_le_bytes(&mut out, &mine);
+                crate::pool::extend_from_le_bytes(&mut out, &mine);
             } else {
-                cpu::extend_from_le_bytes(&mut out, &call.recv_exact(j, l * 4).await?);
+                crate::pool::extend_from_le_bytes(&mut out, &call.recv_exact(j, l * 4).await?);
             }
         }
-        let whole = crate::tensor::f32_bytes(out);
+        let whole = crate::pool::f32_bytes(out);
         if shared {
             for k in 1..n {
                 call.send(k, whole.clone()).await?;

@@ -6,6 +6,7 @@
 //!
 //! These functions are not differentiable; [`crate::dist`] records them on a tape.
 
+pub mod call;
 pub mod direct;
 pub mod p2p;
 mod partial;

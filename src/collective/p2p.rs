@@ -7,33 +7,22 @@
 //! collective runs inside `guarded`, which on any error (bad argument included) aborts the
 //! transport once, so that every other rank fails too (never a hang, never garbage).
 //!
-//! Signature checks: the message from the ring predecessor is verified by its signature message
-//! (sent first, so checked before the data); messages from any other rank carry the sender's
-//! signature as a prefix. Because every rank checks its predecessor, any disagreement anywhere in the
-//! group is seen by at least one rank, which aborts the rest.
+//! The call itself, its messages and their signature checks are [`super::call`]'s.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::future::Future;
 use std::time::Duration;
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
-use futures::future::{Either, select};
-use futures::pin_mut;
+use bytes::{Buf, BufMut, BytesMut};
 
+use super::call::{Call, decode_tensor, encode_tensor_async, with_timeout};
 use super::sig::{CallSig, Kind};
 use super::{Communicator, Group, ReduceOp, direct, list_shape, ring, tree};
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::transport::{Channel, Tag, Transport};
-
-/// Payloads from this size up go to a non-successor as two messages (signature, then the payload
-/// as is) instead of one with the signature copied in front.
-pub const SPLIT_BYTES: usize = 16 * 1024;
-
-/// Bit of a signature prefix's length word: the payload is the next message.
-const SPLIT_FLAG: u32 = 1 << 31;
 
 /// How large all_reduces (at least [`CommOptions::ring_threshold`] bytes per rank) move data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,24 +184,8 @@ impl<T: Transport> P2p<T> {
         if self.opts.record_calls {
             self.calls.borrow_mut().push((group.id(), sig.clone()));
         }
-        let n = group.size();
-        let sig_bytes = sig.encode();
-        let call = Call {
-            comm: self,
-            group,
-            me,
-            n,
-            seq,
-            sig,
-            sig_bytes,
-            pred_ok: Cell::new(n == 1),
-        };
-        if n > 1 {
-            let tag = call.tag(Channel::Sig);
-            self.transport
-                .send(group.global(call.succ()), tag, call.sig_bytes.clone())
-                .await?;
-        }
+        let call = Call::new(&self.transport, self.opts.timeout, group, me, seq, sig);
+        call.announce().await?;
         Ok(call)
     }
 
@@ -266,243 +239,6 @@ impl<T: Transport> P2p<T> {
     }
 }
 
-/// Wait for `fut` at most `timeout`.
-pub(crate) async fn with_timeout<F: Future>(timeout: Duration, fut: F) -> Option<F::Output> {
-    pin_mut!(fut);
-    // Most messages are already queued: answer those without arming a timer (which costs a
-    // registration with the timer thread and a wake-up there).
-    if let std::task::Poll::Ready(v) = futures::poll!(fut.as_mut()) {
-        return Some(v);
-    }
-    let delay = futures_timer::Delay::new(timeout);
-    match select(fut, delay).await {
-        Either::Left((v, _)) => Some(v),
-        Either::Right(((), _)) => None,
-    }
-}
-
-/// One collective call in progress on this rank.
-pub(crate) struct Call<'a, T: Transport> {
-    comm: &'a P2p<T>,
-    group: &'a Group,
-    /// This rank's group rank.
-    pub me: usize,
-    /// Group size.
-    pub n: usize,
-    seq: u64,
-    sig: CallSig,
-    sig_bytes: Bytes,
-    pred_ok: Cell<bool>,
-}
-
-impl<T: Transport> Call<'_, T> {
-    fn tag(&self, channel: Channel) -> Tag {
-        Tag {
-            group: self.group.id(),
-            seq: self.seq,
-            channel,
-        }
-    }
-
-    /// Ring successor (group rank).
-    pub fn succ(&self) -> usize {
-        (self.me + 1) % self.n
-    }
-
-    /// Ring predecessor (group rank).
-    pub fn pred(&self) -> usize {
-        (self.me + self.n - 1) % self.n
-    }
-
-    /// The signature as text, for errors.
-    pub fn describe(&self) -> String {
-        format!(
-            "{} (group {}, call #{})",
-            self.sig,
-            self.group.id(),
-            self.seq
-        )
-    }
-
-    fn my_global(&self) -> usize {
-        self.group.global(self.me)
-    }
-
-    fn mismatch(&self, peer: usize, theirs: &CallSig) -> Error {
-        Error::Mismatch {
-            group: self.group.id(),
-            seq: self.seq,
-            rank: self.my_global(),
-            call: self.sig.to_string(),
-            peer: self.group.global(peer),
-            peer_call: theirs.to_string(),
-        }
-    }
-
-    /// Error for bytes from `peer` that cannot be what the protocol says.
-    pub fn protocol(&self, peer: usize, detail: impl Into<String>) -> Error {
-        Error::Protocol {
-            rank: self.my_global(),
-            peer: self.group.global(peer),
-            call: self.describe(),
-            detail: detail.into(),
-        }
-    }
-
-    fn add_context(&self, e: Error) -> Error {
-        match e {
-            Error::PeerLost {
-                rank,
-                peer,
-                call,
-                reason,
-            } if call.is_empty() => Error::PeerLost {
-                rank,
-                peer,
-                call: self.describe(),
-                reason,
-            },
-            e => e,
-        }
-    }
-
-    async fn wait<F: Future<Output = Result<Bytes>>>(&self, peer: usize, fut: F) -> Result<Bytes> {
-        match with_timeout(self.comm.opts.timeout, fut).await {
-            Some(r) => r.map_err(|e| self.add_context(e)),
-            None => Err(Error::Timeout {
-                rank: self.my_global(),
-                peer: self.group.global(peer),
-                call: self.describe(),
-                timeout: self.comm.opts.timeout,
-            }),
-        }
-    }
-
-    fn verify(&self, peer: usize, sig_bytes: &[u8]) -> Result<()> {
-        let theirs = CallSig::decode(sig_bytes)
-            .ok_or_else(|| self.protocol(peer, "undecodable call signature"))?;
-        if theirs.agrees(&self.sig) {
-            Ok(())
-        } else {
-            Err(self.mismatch(peer, &theirs))
-        }
-    }
-
-    /// Wait for and verify the ring predecessor's signature (once per call).
-    async fn check_pred(&self) -> Result<()> {
-        if self.pred_ok.get() {
-            return Ok(());
-        }
-        let pred = self.pred();
-        let t = self
-            .comm
-            .transport
-            .recv(self.group.global(pred), self.tag(Channel::Sig));
-        let s = self.wait(pred, t).await?;
-        self.verify(pred, &s)?;
-        self.pred_ok.set(true);
-        Ok(())
-    }
-
-    /// Send `payload` to group rank `dst`. Messages to the successor go raw (it checks the signature
-    /// message); to anyone else they carry this rank's signature first: small payloads in the same
-    /// message, large ones ([`SPLIT_BYTES`] and up) as a signature message followed by the payload
-    /// untouched, so sending a large chunk never copies it.
-    pub async fn send(&self, dst: usize, payload: Bytes) -> Result<()> {
-        let t = &self.comm.transport;
-        let (to, tag) = (self.group.global(dst), self.tag(Channel::Data));
-        if dst == self.succ() {
-            return t.send(to, tag, payload).await;
-        }
-        let split = payload.len() >= SPLIT_BYTES;
-        let mut b = BytesMut::with_capacity(
-            4 + self.sig_bytes.len() + if split { 0 } else { payload.len() },
-        );
-        let flag = if split { SPLIT_FLAG } else { 0 };
-        b.put_u32_le(self.sig_bytes.len() as u32 | flag);
-        b.put_slice(&self.sig_bytes);
-        if split {
-            t.send(to, tag, b.freeze()).await?;
-            t.send(to, tag, payload).await
-        } else {
-            b.put_slice(&payload);
-            t.send(to, tag, b.freeze()).await
-        }
-    }
-
-    /// The next data message from group rank `src`, its sender's call verified to agree with ours.
-    pub async fn recv(&self, src: usize) -> Result<Bytes> {
-        let t = &self.comm.transport;
-        let data = t.recv(self.group.global(src), self.tag(Channel::Data));
-        if src == self.pred() {
-            self.check_pred().await?;
-            return self.wait(src, data).await;
-        }
-        let msg = if self.pred_ok.get() {
-            self.wait(src, data).await?
-        } else {
-            // Race the predecessor's signature against the data: whichever comes first, a mismatch
-            // anywhere ends the wait instead of leaving this rank blocked on a peer in another call.
-            let pred = self.pred();
-            let sig = t.recv(self.group.global(pred), self.tag(Channel::Sig));
-            pin_mut!(sig, data);
-            let both = async {
-                match select(sig, data).await {
-                    Either::Left((s, data)) => {
-                        let s = s.map_err(|e| self.add_context(e))?;
-                        self.verify(pred, &s)?;
-                        self.pred_ok.set(true);
-                        data.await
-                    }
-                    Either::Right((d, _)) => d,
-                }
-            };
-            self.wait(src, both).await?
-        };
-        let (split, payload) = self.strip_sig(src, msg)?;
-        if !split {
-            return Ok(payload);
-        }
-        if !payload.is_empty() {
-            return Err(self.protocol(src, "bytes after a split signature message"));
-        }
-        let data = t.recv(self.group.global(src), self.tag(Channel::Data));
-        self.wait(src, data).await
-    }
-
-    /// Check and remove the signature prefix; `true` when the payload follows in the next message.
-    fn strip_sig(&self, src: usize, mut msg: Bytes) -> Result<(bool, Bytes)> {
-        if msg.len() < 4 {
-            return Err(self.protocol(src, "message shorter than its signature prefix"));
-        }
-        let head = msg.get_u32_le();
-        let n = (head & !SPLIT_FLAG) as usize;
-        if msg.len() < n {
-            return Err(self.protocol(src, "signature prefix longer than the message"));
-        }
-        let sig = msg.split_to(n);
-        self.verify(src, &sig)?;
-        Ok((head & SPLIT_FLAG != 0, msg))
-    }
-
-    /// The next data message from `src`, which must be exactly `want` bytes long.
-    pub async fn recv_exact(&self, src: usize, want: usize) -> Result<Bytes> {
-        let got = self.recv(src).await?;
-        if got.len() != want {
-            return Err(self.protocol(src, format!("expected {want} bytes, got {}", got.len())));
-        }
-        Ok(got)
-    }
-
-    /// The last step of every reducing algorithm: `Avg` divides the finished sum by the group size.
-    pub fn finish_reduction(&self, op: ReduceOp, acc: &mut [f32]) {
-        if op == ReduceOp::Avg {
-            let k = 1.0 / self.n as f32;
-            acc.iter_mut().for_each(|v| *v *= k);
-        }
-    }
-}
-
 /// GPU tensors stay on the GPU: a collective reads back only the bytes it sends (the transport
 /// boundary), a rank's own part of a result is its input itself, and received parts are uploaded
 /// to the inputs' device. The reductions fold received data in on the GPU
@@ -532,50 +268,6 @@ async fn to_host(xs: &[Tensor]) -> Result<Vec<Tensor>> {
 
 fn to_device(xs: &[Tensor], d: &Device) -> Result<Vec<Tensor>> {
     xs.iter().map(|x| x.to_device(d)).collect()
-}
-
-/// Whole-tensor wire form: `[u32 ndim][u64 dim]*[f32 LE data]`.
-pub fn encode_tensor(t: &Tensor) -> Result<Bytes> {
-    Ok(encode_parts(t.shape(), &t.to_le_bytes()?))
-}
-
-/// [`encode_tensor`] of a tensor wherever it lives (a GPU tensor is read back asynchronously: the
-/// transport boundary, and the only way out of a GPU in a browser).
-pub(crate) async fn encode_tensor_async(t: &Tensor) -> Result<Bytes> {
-    Ok(encode_parts(
-        t.shape(),
-        &super::partial::bytes_of(t, 0, t.numel()).await?,
-    ))
-}
-
-fn encode_parts(shape: &[usize], data: &[u8]) -> Bytes {
-    let mut b = BytesMut::with_capacity(4 + 8 * shape.len() + data.len());
-    b.put_u32_le(shape.len() as u32);
-    for &d in shape {
-        b.put_u64_le(d as u64);
-    }
-    b.put_slice(data);
-    b.freeze()
-}
-
-/// Parse [`encode_tensor`]'s output; `None` if malformed.
-pub fn decode_tensor(mut b: Bytes) -> Option<Tensor> {
-    if b.len() < 4 {
-        return None;
-    }
-    let nd = b.get_u32_le() as usize;
-    if nd > 64 || b.len() < nd * 8 {
-        return None;
-    }
-    let mut shape = Vec::with_capacity(nd);
-    for _ in 0..nd {
-        shape.push(usize::try_from(b.get_u64_le()).ok()?);
-    }
-    let n = crate::tensor::checked_numel(&shape)?;
-    if n.checked_mul(4)? != b.len() {
-        return None;
-    }
-    Tensor::from_shared_le_bytes(b, &shape).ok()
 }
 
 impl<T: Transport> Communicator for P2p<T> {

@@ -7,11 +7,10 @@
 use bytes::Bytes;
 
 use super::ReduceOp;
-use super::p2p::Call;
 use crate::backend::{Storage, cpu};
 use crate::error::Result;
-use crate::tensor::{Tensor, f32_bytes};
-use crate::transport::Transport;
+use crate::pool::f32_bytes;
+use crate::tensor::Tensor;
 
 /// A partial reduction: see the module docs.
 pub(crate) enum Partial {
@@ -135,14 +134,14 @@ impl Partial {
         Ok(())
     }
 
-    /// The op's last local step (AVG divides by the group size), as [`Call::finish_reduction`].
-    pub(crate) fn finish<T: Transport>(&mut self, call: &Call<'_, T>, op: ReduceOp) -> Result<()> {
+    /// The op's last local step over a group of `n` (AVG divides by it), as [`finish_host`].
+    pub(crate) fn finish(&mut self, n: usize, op: ReduceOp) -> Result<()> {
         match self {
-            Partial::Host(v) => call.finish_reduction(op, v),
+            Partial::Host(v) => finish_host(op, n, v),
             #[cfg(feature = "wgpu")]
             Partial::Gpu(t) => {
                 if op == ReduceOp::Avg {
-                    *t = t.scale(1.0 / call.n as f32)?;
+                    *t = t.scale(1.0 / n as f32)?;
                 }
             }
         }
@@ -168,6 +167,15 @@ impl Partial {
     }
 }
 
+/// The last step of every reducing algorithm on host values: `Avg` divides the finished sum by the
+/// group size `n`.
+pub(crate) fn finish_host(op: ReduceOp, n: usize, acc: &mut [f32]) {
+    if op == ReduceOp::Avg {
+        let k = 1.0 / n as f32;
+        acc.iter_mut().for_each(|v| *v *= k);
+    }
+}
+
 /// Elements `start..start+len` of `x` (flattened) as bytes to send: a zero-copy slice of a host
 /// tensor, a readback of only those elements of a GPU tensor.
 pub(crate) async fn bytes_of(x: &Tensor, start: usize, len: usize) -> Result<Bytes> {
@@ -185,6 +193,9 @@ pub(crate) async fn bytes_of(x: &Tensor, start: usize, len: usize) -> Result<Byt
 fn gpu_of(x: &Tensor) -> Result<crate::backend::gpu::Gpu> {
     match x.storage() {
         Storage::Gpu(b) => Ok(b.gpu().clone()),
-        Storage::Cpu(_) => Err(crate::Error::invalid("fold", "expected a GPU tensor")),
+        Storage::Cpu(_) => Err(crate::error::Error::invalid(
+            "fold",
+            "expected a GPU tensor",
+        )),
     }
 }

@@ -10,10 +10,9 @@ use bytes::Bytes;
 use futures::future::try_join;
 
 use super::ReduceOp;
+use super::call::Call;
 use super::chunk_bounds;
-use super::p2p::Call;
 use super::partial::{Partial, bytes_of};
-use crate::backend::cpu;
 use crate::error::Result;
 use crate::tensor::Tensor;
 use crate::transport::Transport;
@@ -36,7 +35,7 @@ pub(crate) async fn all_reduce<T: Transport>(
     segment_bytes: usize,
 ) -> Result<Tensor> {
     let seg = (segment_bytes / 4).max(1) * call.n;
-    let mut out = crate::backend::pool::take(x.numel());
+    let mut out = crate::pool::take(x.numel());
     let mut start = 0;
     while start < x.numel() {
         let len = seg.min(x.numel() - start);
@@ -70,7 +69,7 @@ async fn all_reduce_range<T: Transport>(
         let got = step(call, msg, cl * 4).await?;
         let mut acc = Partial::combine(x, cs, cl, op, &got)?;
         if s == n - 2 {
-            acc.finish(call, op)?;
+            acc.finish(call.n, op)?;
         }
         msg = acc.into_bytes().await?;
     }
@@ -96,7 +95,7 @@ async fn gather_phase<T: Transport>(
         msg = got;
     }
     for p in &parts {
-        cpu::extend_from_le_bytes(out, p);
+        crate::pool::extend_from_le_bytes(out, p);
     }
     Ok(())
 }
@@ -145,12 +144,12 @@ pub(crate) async fn reduce_scatter<T: Transport>(
         let got = step(call, out, numel * 4).await?;
         let mut acc = Partial::combine(&xs[b], 0, numel, op, &got)?;
         if s == n - 2 {
-            acc.finish(call, op)?;
+            acc.finish(call.n, op)?;
             return acc.into_tensor(xs[0].shape());
         }
         out = acc.into_bytes().await?;
     }
-    Err(crate::Error::invalid(
+    Err(crate::error::Error::invalid(
         "reduce_scatter",
         "the ring needs a group of two or more",
     ))

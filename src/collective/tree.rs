@@ -2,7 +2,7 @@
 //! the root (`v = (me - root) mod n`); in round `k` the ranks `v < 2^k` send to `v + 2^k`.
 
 use super::ReduceOp;
-use super::p2p::Call;
+use super::call::Call;
 use super::partial::{Partial, bytes_of};
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -74,6 +74,6 @@ pub(crate) async fn reduce<T: Transport>(
         }
         mask <<= 1;
     }
-    acc.finish(call, op)?;
+    acc.finish(call.n, op)?;
     acc.into_tensor(x.shape()).map(Some)
 }

@@ -266,7 +266,7 @@ impl LocalListener {
                     },
                     () = super::stopped(&mut stopping) => break,
                 };
-                crate::transport::direct::enlarge_unix_buffer(&sock);
+                crate::wire::enlarge_unix_buffer(&sock);
                 tokio::spawn(attach(shared.clone(), Sock::Unix(sock)));
             }
         }));

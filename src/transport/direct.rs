@@ -246,20 +246,6 @@ pub(crate) fn spawn_writer(
     (tx, writer)
 }
 
-/// Send buffer asked for on a relay data stream over a Unix-domain socket (the kernel caps it at
-/// `net.core.wmem_max`). A Unix stream has no autotuning: with the default (~200 KiB) a 4 MiB
-/// message crosses in ~20 wake-ups of sender and receiver, and the 4-rank all_reduce through the
-/// relay ran ~25% slower (TCP tunes its own buffers; setting them there changed nothing).
-#[cfg(unix)]
-pub(crate) const UNIX_STREAM_BUFFER: usize = 4 << 20;
-
-/// Enlarge the send buffer of a Unix-domain data stream to [`UNIX_STREAM_BUFFER`]. Best effort:
-/// a refusal leaves the default, which works, only slower.
-#[cfg(unix)]
-pub(crate) fn enlarge_unix_buffer(s: &tokio::net::UnixStream) {
-    let _ = socket2::SockRef::from(s).set_send_buffer_size(UNIX_STREAM_BUFFER);
-}
-
 /// Read `n` payload bytes: into a recycled f32 buffer when they are whole f32s (aligned, one copy,
 /// straight into the buffer's spare room: no zeroing pass first).
 pub(crate) async fn read_payload(
@@ -267,7 +253,7 @@ pub(crate) async fn read_payload(
     n: usize,
 ) -> std::io::Result<Bytes> {
     if n.is_multiple_of(4) {
-        let mut v = crate::backend::pool::take(n / 4);
+        let mut v = crate::pool::take(n / 4);
         // set_len below counts from 0: the spare room must start at the vector's beginning.
         debug_assert!(v.is_empty());
         let spare = &mut v.spare_capacity_mut()[..n / 4];
@@ -292,7 +278,7 @@ pub(crate) async fn read_payload(
         // SAFETY: ReadBuf reports all n bytes of our memory (checked above) filled, so the
         // first n/4 elements are initialized.
         unsafe { v.set_len(n / 4) };
-        return Ok(crate::tensor::f32_bytes(v));
+        return Ok(crate::pool::f32_bytes(v));
     }
     let mut b = vec![0u8; n];
     rd.read_exact(&mut b).await?;
@@ -333,34 +319,6 @@ mod tests {
             .enable_all()
             .build()
             .unwrap()
-    }
-
-    #[cfg(unix)]
-    #[test]
-    fn unix_data_streams_get_a_large_send_buffer() {
-        rt().block_on(async {
-            let (a, _b) = tokio::net::UnixStream::pair().unwrap();
-            let before = socket2::SockRef::from(&a).send_buffer_size().unwrap();
-            enlarge_unix_buffer(&a);
-            let after = socket2::SockRef::from(&a).send_buffer_size().unwrap();
-            // Linux caps the request at wmem_max (and reports double what it grants).
-            let cap = std::fs::read_to_string("/proc/sys/net/core/wmem_max")
-                .ok()
-                .and_then(|s| s.trim().parse::<usize>().ok())
-                .unwrap_or(UNIX_STREAM_BUFFER);
-            assert!(after >= before, "never smaller: {after} (was {before})");
-            if cap * 2 > before {
-                // Room to grow: Linux grants min(request, cap) and reports twice that.
-                assert!(
-                    after >= 2 * UNIX_STREAM_BUFFER.min(cap),
-                    "send buffer {after} after asking for {UNIX_STREAM_BUFFER} (cap {cap}, was {before})"
-                );
-            } else {
-                eprintln!(
-                    "skipped: net.core.wmem_max {cap} leaves no room above the default {before}"
-                );
-            }
-        });
     }
 
     #[test]

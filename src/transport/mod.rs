@@ -17,54 +17,8 @@ pub mod ws;
 use bytes::Bytes;
 
 use crate::error::Result;
+pub use crate::wire::{Channel, Tag};
 pub use mailbox::Mailbox;
-
-/// Which stream of a call a message belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[repr(u8)]
-pub enum Channel {
-    /// Payload of a collective (chunks, tensors).
-    Data = 0,
-    /// A collective's call signature, sent to the successor in the group ring.
-    Sig = 1,
-    /// Point-to-point send/recv; `seq` counts the messages of one ordered pair of ranks.
-    P2p = 2,
-    /// The sender aborts: every pending and later receive fails. `group`/`seq` are ignored.
-    Abort = 3,
-}
-
-impl Channel {
-    /// Decode from the wire.
-    pub fn from_u8(x: u8) -> Option<Self> {
-        match x {
-            0 => Some(Channel::Data),
-            1 => Some(Channel::Sig),
-            2 => Some(Channel::P2p),
-            3 => Some(Channel::Abort),
-            _ => None,
-        }
-    }
-}
-
-/// What a message is matched on (besides its source rank).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Tag {
-    /// Group id (see [`crate::collective::Group`]).
-    pub group: u32,
-    /// Sequence number of the call within the group (or of the p2p message within the pair).
-    pub seq: u64,
-    /// The stream.
-    pub channel: Channel,
-}
-
-impl Tag {
-    /// The tag of abort messages.
-    pub const ABORT: Tag = Tag {
-        group: 0,
-        seq: 0,
-        channel: Channel::Abort,
-    };
-}
 
 /// Async, tag-matched, ordered delivery of byte messages between the ranks of one world.
 ///

@@ -572,7 +572,7 @@ async fn attach_stream(
         if let Ok(Ok(mut s)) = s
             && s.peer_cred().is_ok_and(|c| c.uid() == own_uid())
         {
-            direct::enlarge_unix_buffer(&s);
+            crate::wire::enlarge_unix_buffer(&s);
             say_hello(&mut s, hello, limit).await?;
             let (rd, wr) = s.into_split();
             return Ok((Box::new(rd), Box::new(wr), StreamRoute::Unix));

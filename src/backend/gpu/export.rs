@@ -67,7 +67,7 @@ impl Exported {
     }
 }
 
-fn vk_err(op: &'static str, what: &str, e: vk::Result) -> crate::Error {
+fn vk_err(op: &'static str, what: &str, e: vk::Result) -> crate::error::Error {
     gpu_err(op, format!("{what}: {e}"))
 }
 

@@ -1,11 +1,18 @@
-//! A cache of large host buffers, so that collectives and ops producing big tensors in a loop (a
-//! training step's gradient all_reduce, a benchmark) reuse memory instead of asking the OS for
-//! fresh pages every call: the kernel zeroes every new page, which costs more than the
-//! collective's own passes over the data. Buffers come back here when the last tensor or message
-//! sharing them is dropped; only buffers of at least [`MIN_ELEMS`] elements are kept, at most
-//! [`MAX_RETAINED_BYTES`] in all (the oldest go first).
+//! Host buffers and their byte views, the one low module that the wire, the transports and the
+//! compute backends share (it imports nothing else of the crate).
+//!
+//! - A cache of large host buffers ([`take`], [`give`]), so that collectives and ops producing big
+//!   tensors in a loop (a training step's gradient all_reduce, a benchmark) reuse memory instead
+//!   of asking the OS for fresh pages every call: the kernel zeroes every new page, which costs
+//!   more than the collective's own passes over the data. Buffers come back here when the last
+//!   tensor or message sharing them is dropped; only buffers of at least [`MIN_ELEMS`] elements
+//!   are kept, at most [`MAX_RETAINED_BYTES`] in all (the oldest go first).
+//! - Byte views of f32 buffers: [`f32_bytes`] (a `Vec<f32>` as its little-endian bytes, no copy,
+//!   the buffer back to the cache when the last view drops) and [`extend_from_le_bytes`].
 
 use std::sync::Mutex;
+
+use bytes::Bytes;
 
 /// Smallest buffer worth caching (1 MiB of f32): smaller ones are cheap for the allocator.
 pub const MIN_ELEMS: usize = 1 << 18;
@@ -81,6 +88,39 @@ pub fn give(v: Vec<f32>) {
 /// Bytes currently cached.
 pub fn retained_bytes() -> usize {
     cache().held()
+}
+
+/// Little-endian bytes of `v` without copying (on little-endian targets); the buffer goes back to
+/// the cache when the last view of it is dropped.
+pub fn f32_bytes(v: Vec<f32>) -> Bytes {
+    Bytes::from_owner(F32Vec(v))
+}
+
+/// Owner that exposes a `Vec<f32>` as its little-endian bytes (4-byte aligned, no copy).
+struct F32Vec(Vec<f32>);
+
+impl AsRef<[u8]> for F32Vec {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
+    }
+}
+
+impl Drop for F32Vec {
+    fn drop(&mut self) {
+        give(std::mem::take(&mut self.0));
+    }
+}
+
+/// Append the f32s whose little-endian bytes are `x` (whole f32s; a trailing partial one is
+/// ignored): one copy when `x` is 4-byte aligned on a little-endian target.
+pub fn extend_from_le_bytes(out: &mut Vec<f32>, x: &[u8]) {
+    match bytemuck::try_cast_slice::<u8, f32>(x) {
+        Ok(xs) if cfg!(target_endian = "little") => out.extend_from_slice(xs),
+        _ => out.extend(
+            x.chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        ),
+    }
 }
 
 #[cfg(test)]
