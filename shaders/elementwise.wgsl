@@ -32,12 +32,14 @@ fn binary(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups
 
 fn apply_unary(op: u32, x: f32, c: f32) -> f32 {
     switch op {
-        case 0u: { return -x; }
-        case 1u: { return c * x; }
-        case 2u: { return select(0.0, x, x > 0.0); }
-        case 3u: { return select(0.0, 1.0, x > 0.0); }
-        case 4u: { return tanh(x); }
-        default: { return x * x; }
+        case UN_NEG: { return -x; }
+        case UN_SCALE: { return c * x; }
+        case UN_RELU: { return select(0.0, x, x > 0.0); }
+        case UN_STEP: { return select(0.0, 1.0, x > 0.0); }
+        case UN_TANH: { return tanh(x); }
+        case UN_SQUARE: { return x * x; }
+        // WGSL needs a default; no other code is ever sent.
+        default: { return 0.0; }
     }
 }
 

@@ -108,8 +108,9 @@ override OP: u32 = 0u;
 
 fn apply4(a: vec4<f32>, b: vec4<f32>) -> vec4<f32> {
     switch OP {
-        case 0u: { return a + b; }
-        case 2u: { return a * b; }
+        case OP_ADD: { return a + b; }
+        case OP_MUL: { return a * b; }
+        // The other ops, lane by lane (the same code as the scalar kernels).
         default: {
             return vec4<f32>(apply_binary(OP, a.x, b.x), apply_binary(OP, a.y, b.y),
                              apply_binary(OP, a.z, b.z), apply_binary(OP, a.w, b.w));

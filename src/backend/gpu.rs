@@ -192,7 +192,7 @@ impl Kernel {
             }
             Kernel::Matmul => ("matmul.wgsl", include_str!("../../shaders/matmul.wgsl")),
         };
-        (file, format!("{common}\n{src}"))
+        (file, format!("{}{common}\n{src}", op_constants()))
     }
 }
 
@@ -737,13 +737,10 @@ impl Gpu {
     /// `op(a)` elementwise.
     pub fn unary(&self, op: UnaryOp, a: &GpuBuf) -> Result<GpuBuf> {
         let out = self.storage("unary", a.len)?;
-        let (code, c) = match op {
-            UnaryOp::Neg => (0, 0.0),
-            UnaryOp::Scale(c) => (1, c),
-            UnaryOp::Relu => (2, 0.0),
-            UnaryOp::Step => (3, 0.0),
-            UnaryOp::Tanh => (4, 0.0),
-            UnaryOp::Square => (5, 0.0),
+        let code = unary_code(op).0;
+        let c = match op {
+            UnaryOp::Scale(c) => c,
+            _ => 0.0,
         };
         for (st, len) in self.windows(a.len) {
             let m = self.meta(&[len as u32, code, c.to_bits()]);
@@ -1219,14 +1216,74 @@ fn fits(buf: &GpuBuf, offset: usize, shape: &[usize], strides: &[usize]) -> bool
     matches!(last, Some(l) if l < buf.len && u32::try_from(l).is_ok())
 }
 
-fn op_code(op: BinaryOp) -> u32 {
+/// The op codes the kernels switch on, with their WGSL names: one table for both sides. The
+/// shaders see them as constants ([`op_constants`], prepended to every kernel's source), so a
+/// code means the same op on both sides by construction, and the exhaustive matches here give
+/// every op a code.
+fn binary_code(op: BinaryOp) -> (u32, &'static str) {
     match op {
-        BinaryOp::Add => 0,
-        BinaryOp::Sub => 1,
-        BinaryOp::Mul => 2,
-        BinaryOp::Div => 3,
-        BinaryOp::Max => 4,
-        BinaryOp::Min => 5,
-        BinaryOp::Eq => 6,
+        BinaryOp::Add => (0, "OP_ADD"),
+        BinaryOp::Sub => (1, "OP_SUB"),
+        BinaryOp::Mul => (2, "OP_MUL"),
+        BinaryOp::Div => (3, "OP_DIV"),
+        BinaryOp::Max => (4, "OP_MAX"),
+        BinaryOp::Min => (5, "OP_MIN"),
+        BinaryOp::Eq => (6, "OP_EQ"),
+    }
+}
+
+fn op_code(op: BinaryOp) -> u32 {
+    binary_code(op).0
+}
+
+/// [`binary_code`] for the unary ops (the scale's factor travels beside the code).
+fn unary_code(op: UnaryOp) -> (u32, &'static str) {
+    match op {
+        UnaryOp::Neg => (0, "UN_NEG"),
+        UnaryOp::Scale(_) => (1, "UN_SCALE"),
+        UnaryOp::Relu => (2, "UN_RELU"),
+        UnaryOp::Step => (3, "UN_STEP"),
+        UnaryOp::Tanh => (4, "UN_TANH"),
+        UnaryOp::Square => (5, "UN_SQUARE"),
+    }
+}
+
+/// The WGSL constants of every op code (`const OP_ADD: u32 = 0u;` ...).
+fn op_constants() -> String {
+    let binary = BinaryOp::ALL.map(binary_code);
+    let unary = UnaryOp::ALL.map(unary_code);
+    binary
+        .iter()
+        .chain(&unary)
+        .map(|(code, name)| format!("const {name}: u32 = {code}u;\n"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each family's codes are distinct and its `ALL` lists every op (the exhaustive matches give
+    /// each op a code, so as many distinct codes as ops means none is left out), and every
+    /// kernel's source declares the constants it switches on.
+    #[test]
+    fn op_codes_are_one_table() {
+        let distinct = |codes: Vec<(u32, &str)>| {
+            let mut c: Vec<u32> = codes.iter().map(|x| x.0).collect();
+            let mut n: Vec<&str> = codes.iter().map(|x| x.1).collect();
+            c.sort_unstable();
+            c.dedup();
+            n.sort_unstable();
+            n.dedup();
+            (c.len(), n.len())
+        };
+        assert_eq!(distinct(BinaryOp::ALL.map(binary_code).to_vec()), (7, 7));
+        assert_eq!(distinct(UnaryOp::ALL.map(unary_code).to_vec()), (6, 6));
+        let consts = op_constants();
+        assert!(consts.contains("const OP_EQ: u32 = 6u;"), "{consts}");
+        assert!(consts.contains("const UN_SQUARE: u32 = 5u;"), "{consts}");
+        for k in [Kernel::Binary, Kernel::Unary, Kernel::ReduceInto4] {
+            assert!(k.source().1.starts_with(&consts), "{:?}", k.entry());
+        }
     }
 }

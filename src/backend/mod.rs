@@ -127,6 +127,17 @@ pub enum BinaryOp {
 }
 
 impl BinaryOp {
+    /// Every binary op.
+    pub const ALL: [BinaryOp; 7] = [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Max,
+        BinaryOp::Min,
+        BinaryOp::Eq,
+    ];
+
     /// Apply to one pair of numbers. Every backend must agree with this bit for bit.
     #[inline(always)]
     pub fn apply(self, a: f32, b: f32) -> f32 {
@@ -183,6 +194,16 @@ pub enum UnaryOp {
 }
 
 impl UnaryOp {
+    /// Every unary op (the scale with a factor of 1).
+    pub const ALL: [UnaryOp; 6] = [
+        UnaryOp::Neg,
+        UnaryOp::Scale(1.0),
+        UnaryOp::Relu,
+        UnaryOp::Step,
+        UnaryOp::Tanh,
+        UnaryOp::Square,
+    ];
+
     /// Apply to one number. Every backend must agree with this bit for bit (tanh within 1 ulp).
     #[inline(always)]
     pub fn apply(self, x: f32) -> f32 {
