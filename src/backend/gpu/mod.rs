@@ -1,8 +1,13 @@
 //! The WGSL compute backend on wgpu (Vulkan / Metal / DX12 natively, WebGPU in a browser).
 //!
 //! [`Gpu`] owns the device and queue and compiles each kernel once; [`GpuBuf`] is a buffer of f32
-//! on it. Kernels live in `shaders/` (one file per family, each kernel with a bounds guard) and are
-//! dispatched from here: the device setup is apart from the work so tests can inject it.
+//! on it. Kernels live in `shaders/`, one WGSL file per family, each kernel with a bounds guard,
+//! and each family is dispatched from the file of its name here: `elementwise.rs`
+//! (`shaders/elementwise.wgsl`: binary ops with broadcasting, unary ops), `reduce.rs`
+//! (`reduce.wgsl`: reduce-into, sums), `copy.rs` (`copy.wgsl`: flat and strided copies),
+//! `matmul.rs` (`matmul.wgsl`); `export.rs` allocates memory CUDA can import. This file holds
+//! the device, buffers, uploads and readbacks, the pipeline cache and the op codes every family
+//! shares. The device setup is apart from the work so tests can inject it.
 //!
 //! [`crate::Tensor`]s hold `GpuBuf`s (`Tensor::to_device`), and every tensor op runs here; the
 //! reducing collectives fold received data in here too (`collective::partial`).
@@ -28,8 +33,12 @@ use wgpu::util::DeviceExt;
 use super::{BinaryOp, UnaryOp};
 use crate::error::{Error, Result};
 
+mod copy;
+mod elementwise;
 #[cfg(target_os = "linux")]
 mod export;
+mod matmul;
+mod reduce;
 #[cfg(target_os = "linux")]
 pub use export::Exported;
 #[cfg(all(target_os = "linux", feature = "native-nccl"))]
@@ -176,21 +185,21 @@ impl Kernel {
 
     /// (file name, WGSL source with the shared helpers prepended).
     fn source(self) -> (&'static str, String) {
-        let common = include_str!("../../shaders/common.wgsl");
+        let common = include_str!("../../../shaders/common.wgsl");
         let (file, src) = match self {
             Kernel::Binary | Kernel::Unary => (
                 "elementwise.wgsl",
-                include_str!("../../shaders/elementwise.wgsl"),
+                include_str!("../../../shaders/elementwise.wgsl"),
             ),
             Kernel::ReduceInto
             | Kernel::ReduceInto4
             | Kernel::FoldInto4
             | Kernel::SumPartials
-            | Kernel::SumTo => ("reduce.wgsl", include_str!("../../shaders/reduce.wgsl")),
+            | Kernel::SumTo => ("reduce.wgsl", include_str!("../../../shaders/reduce.wgsl")),
             Kernel::CopyStrided | Kernel::CopyFlat => {
-                ("copy.wgsl", include_str!("../../shaders/copy.wgsl"))
+                ("copy.wgsl", include_str!("../../../shaders/copy.wgsl"))
             }
-            Kernel::Matmul => ("matmul.wgsl", include_str!("../../shaders/matmul.wgsl")),
+            Kernel::Matmul => ("matmul.wgsl", include_str!("../../../shaders/matmul.wgsl")),
         };
         (file, format!("{}{common}\n{src}", op_constants()))
     }
@@ -445,50 +454,6 @@ impl Gpu {
         self.buf_of("upload", buf, n)
     }
 
-    /// Copy `n` elements of `src` starting at `src_start` into `dst` at `dst_start`, on the device
-    /// (queued like the kernels, so ordered with them; [`CopyPath::Auto`] picks how).
-    pub fn copy_range(
-        &self,
-        src: &GpuBuf,
-        src_start: usize,
-        dst: &GpuBuf,
-        dst_start: usize,
-        n: usize,
-    ) -> Result<()> {
-        self.copy_range_in(CopyPath::Auto, src, src_start, dst, dst_start, n)
-    }
-
-    /// [`Gpu::copy_range`] by the given path (tests and `distgrad bench kernels` compare them;
-    /// the bytes are the same either way). Source and destination must be two buffers.
-    pub fn copy_range_in(
-        &self,
-        path: CopyPath,
-        src: &GpuBuf,
-        src_start: usize,
-        dst: &GpuBuf,
-        dst_start: usize,
-        n: usize,
-    ) -> Result<()> {
-        let fits = |start: usize, len: usize| start.checked_add(n).is_some_and(|end| end <= len);
-        if !fits(src_start, src.len) || !fits(dst_start, dst.len) {
-            return Err(gpu_err(
-                "copy_range",
-                format!(
-                    "{n} elements from {src_start} of {} into {dst_start} of {}",
-                    src.len, dst.len
-                ),
-            ));
-        }
-        if Arc::ptr_eq(&src.buf, &dst.buf) {
-            return Err(gpu_err(
-                "copy_range",
-                "source and destination are the same buffer (WebGPU copies between two buffers)",
-            ));
-        }
-        self.copy_contiguous(path, src, src_start, dst, dst_start, n)?;
-        self.check("copy_range")
-    }
-
     /// Bytes read back from this device to the host so far (every readback counts): how tests
     /// check that tensors leave the GPU only at the transport boundary.
     pub fn bytes_read_back(&self) -> u64 {
@@ -651,541 +616,9 @@ impl Gpu {
         (n.div_ceil(per_thread)).div_ceil(WG as usize) as u32
     }
 
-    /// `op(a, b)` with broadcasting: `strides` are (out shape, a strides, b strides), all of the
-    /// output's rank (≤ 8), or `None` when the shapes are equal.
-    pub fn binary(
-        &self,
-        op: BinaryOp,
-        a: &GpuBuf,
-        b: &GpuBuf,
-        n: usize,
-        strides: Option<(&[usize], &[usize], &[usize])>,
-    ) -> Result<GpuBuf> {
-        match strides {
-            None if a.len != n || b.len != n => {
-                return Err(gpu_err(
-                    "binary",
-                    format!(
-                        "operands of {} and {} elements for {n} outputs",
-                        a.len, b.len
-                    ),
-                ));
-            }
-            Some((shape, sa, sb)) => {
-                let ok = sa.len() == shape.len()
-                    && sb.len() == shape.len()
-                    && shape.iter().product::<usize>() == n
-                    && fits(a, 0, shape, sa)
-                    && fits(b, 0, shape, sb);
-                if !ok {
-                    return Err(gpu_err(
-                        "binary",
-                        format!(
-                            "strides {sa:?} / {sb:?} do not fit shape {shape:?} over buffers of {} and {}",
-                            a.len, b.len
-                        ),
-                    ));
-                }
-            }
-            None => {}
-        }
-        let out = self.storage("binary", n)?;
-        let Some((shape, sa, sb)) = strides else {
-            // Equal shapes: window by window over buffers of any size.
-            for (st, len) in self.windows(n) {
-                let m = self.meta(&[len as u32, op_code(op), 0, 0]);
-                self.run(
-                    Kernel::Binary,
-                    &[
-                        (0, part(a, st, len)),
-                        (1, part(b, st, len)),
-                        (2, part(&out, st, len)),
-                        (3, m.as_entire_binding()),
-                    ],
-                    Self::groups(len, 1),
-                )?;
-            }
-            return Ok(out);
-        };
-        self.require_bindable("binary", &[a, b, &out])?;
-        if shape.len() > 8 {
-            return Err(gpu_err("binary", format!("rank {} above 8", shape.len())));
-        }
-        let mut meta = vec![0u32; 28];
-        meta[0] = n as u32;
-        meta[1] = op_code(op);
-        meta[2] = shape.len() as u32;
-        for (d, ((&s, &x), &y)) in shape.iter().zip(sa).zip(sb).enumerate() {
-            meta[4 + d] = s as u32;
-            meta[12 + d] = x as u32;
-            meta[20 + d] = y as u32;
-        }
-        let m = self.meta(&meta);
-        self.run(
-            Kernel::Binary,
-            &[
-                (0, a.buf.as_entire_binding()),
-                (1, b.buf.as_entire_binding()),
-                (2, out.buf.as_entire_binding()),
-                (3, m.as_entire_binding()),
-            ],
-            Self::groups(n, 1),
-        )?;
-        Ok(out)
-    }
-
-    /// `op(a)` elementwise.
-    pub fn unary(&self, op: UnaryOp, a: &GpuBuf) -> Result<GpuBuf> {
-        let out = self.storage("unary", a.len)?;
-        let code = unary_code(op).0;
-        let c = match op {
-            UnaryOp::Scale(c) => c,
-            _ => 0.0,
-        };
-        for (st, len) in self.windows(a.len) {
-            let m = self.meta(&[len as u32, code, c.to_bits()]);
-            self.run(
-                Kernel::Unary,
-                &[
-                    (0, part(a, st, len)),
-                    (2, part(&out, st, len)),
-                    (3, m.as_entire_binding()),
-                ],
-                Self::groups(len, 1),
-            )?;
-        }
-        Ok(out)
-    }
-
-    /// `acc[i] = op(acc[i], x[i])` in place: the local step of every reducing collective
-    /// ([`Gpu::reduce_into_many`] with one input).
-    pub fn reduce_into(&self, op: BinaryOp, acc: &GpuBuf, x: &GpuBuf) -> Result<()> {
-        self.reduce_into_many(op, acc, &[x])
-    }
-
-    /// `acc = op(..op(op(acc, xs[0]), xs[1]).., xs[k-1])` in place: several inputs folded in with
-    /// one pass over memory per three inputs (bitwise the same as [`Gpu::reduce_into`] with each
-    /// input in turn): the local step that reduces many ranks' contributions at once.
-    pub fn reduce_into_many(&self, op: BinaryOp, acc: &GpuBuf, xs: &[&GpuBuf]) -> Result<()> {
-        self.reduce_into_many_in(Vec4Layout::Auto, op, acc, xs)
-    }
-
-    /// [`Gpu::reduce_into_many`] with the kernels' thread layout chosen by the caller (tests and
-    /// `distgrad bench kernels` compare them; the result is the same either way).
-    pub fn reduce_into_many_in(
-        &self,
-        layout: Vec4Layout,
-        op: BinaryOp,
-        acc: &GpuBuf,
-        xs: &[&GpuBuf],
-    ) -> Result<()> {
-        if let Some(x) = xs.iter().find(|x| x.len != acc.len) {
-            return Err(gpu_err(
-                "reduce_into",
-                format!("accumulator of {} and input of {} elements", acc.len, x.len),
-            ));
-        }
-        for group in xs.chunks(3) {
-            for (st, n) in self.windows(acc.len) {
-                let n4 = n / 4;
-                if n4 > 0 {
-                    let (groups, per) = self.vec4_layout(layout, n4);
-                    let m = self.meta(&[n4 as u32, groups * WG, group.len() as u32, per]);
-                    let mut b = vec![
-                        (2, m.as_entire_binding()),
-                        (3, part(acc, st, n4 * 4)),
-                        (4, part(group[0], st, n4 * 4)),
-                    ];
-                    // One input: the plain kernel (the fold kernel's input count costs ~20 % on
-                    // software GPUs). More: the fold kernel; unused inputs bind the first again
-                    // (never read).
-                    let kernel = if group.len() == 1 {
-                        Kernel::ReduceInto4
-                    } else {
-                        let y = |i: usize| group.get(i).copied().unwrap_or(group[0]);
-                        b.push((7, part(y(1), st, n4 * 4)));
-                        b.push((8, part(y(2), st, n4 * 4)));
-                        Kernel::FoldInto4
-                    };
-                    self.run_op(kernel, Some(op_code(op)), &b, groups)?;
-                }
-                let tail = n - n4 * 4;
-                if tail > 0 {
-                    let off = (n4 * 4) as u32;
-                    for x in group {
-                        let m = self.meta(&[tail as u32, op_code(op), off, off]);
-                        self.run(
-                            Kernel::ReduceInto,
-                            &[
-                                (0, part(acc, st, n)),
-                                (1, part(x, st, n)),
-                                (2, m.as_entire_binding()),
-                            ],
-                            Self::groups(tail, 4),
-                        )?;
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Workgroups and vec4s per invocation of the vec4 reduce kernels for `n4` vec4s. A real GPU
-    /// gets a grid-stride loop (per = 0: neighbouring invocations read neighbouring vec4s, so
-    /// accesses coalesce). A CPU adapter (lavapipe) runs one invocation per SIMD lane and loads
-    /// lane by lane; there each invocation gets its own run of consecutive vec4s, about 4x faster
-    /// (measured with `distgrad bench kernels`). Runs are sized to give each CPU thread several
-    /// workgroups. Both layouts do the same operations on every element: results are identical.
-    fn vec4_layout(&self, layout: Vec4Layout, n4: usize) -> (u32, u32) {
-        let runs = match layout {
-            Vec4Layout::Auto => self.0.info.device_type == wgpu::DeviceType::Cpu,
-            Vec4Layout::GridStride => false,
-            Vec4Layout::Runs => true,
-        };
-        if runs {
-            let per = n4.div_ceil(WG as usize * 8).clamp(1, 256);
-            let groups = n4.div_ceil(per * WG as usize);
-            (groups as u32, per as u32)
-        } else {
-            (n4.div_ceil(WG as usize).min(1024) as u32, 0)
-        }
-    }
-
-    /// Sum of all elements: each invocation adds its share serially, then a tree per workgroup,
-    /// repeated down to one value. The share is interleaved within the workgroup's block on a GPU
-    /// (neighbouring invocations read neighbouring elements) and a run of consecutive elements on
-    /// a CPU adapter ([`Vec4Layout::Auto`], as for reduce-into).
-    pub fn sum_all(&self, x: &GpuBuf) -> Result<GpuBuf> {
-        self.sum_all_in(Vec4Layout::Auto, x)
-    }
-
-    /// [`Gpu::sum_all`] with the share of each invocation chosen by the caller (`GridStride`:
-    /// interleaved, `Runs`: consecutive); tests and `distgrad bench kernels` compare them. The
-    /// sums differ only in the order of the additions.
-    pub fn sum_all_in(&self, layout: Vec4Layout, x: &GpuBuf) -> Result<GpuBuf> {
-        let interleave = match layout {
-            Vec4Layout::Auto => self.0.info.device_type != wgpu::DeviceType::Cpu,
-            Vec4Layout::GridStride => true,
-            Vec4Layout::Runs => false,
-        };
-        let wins = self.windows(x.len);
-        if wins.len() > 1 {
-            // Above the binding limit: each window's sum, then the sum of those.
-            let sums = self.alloc(wins.len())?;
-            for (i, &(st, len)) in wins.iter().enumerate() {
-                let w = self.alloc(len)?;
-                self.copy_contiguous(CopyPath::Auto, x, st, &w, 0, len)?;
-                let s = self.sum_all_in(layout, &w)?;
-                self.copy_contiguous(CopyPath::Auto, &s, 0, &sums, i, 1)?;
-            }
-            self.check("sum")?;
-            return self.sum_all_in(layout, &sums);
-        }
-        let mut cur = x.clone();
-        loop {
-            let n = cur.len;
-            // Each thread sums `per` consecutive elements; one partial per workgroup of 256.
-            let per = n.div_ceil(WG as usize * 64).clamp(1, 256);
-            let groups = n.div_ceil(per * WG as usize).max(1);
-            let out = self.storage("sum", groups)?;
-            let m = self.meta(&[n as u32, per as u32, groups as u32, u32::from(interleave)]);
-            self.run(
-                Kernel::SumPartials,
-                &[
-                    (0, out.buf.as_entire_binding()),
-                    (1, cur.buf.as_entire_binding()),
-                    (2, m.as_entire_binding()),
-                ],
-                groups as u32,
-            )?;
-            if groups == 1 {
-                return Ok(out);
-            }
-            cur = out;
-        }
-    }
-
-    /// Sum a tensor of `shape` down to `target` (right-aligned broadcast source shape).
-    pub fn sum_to(&self, x: &GpuBuf, shape: &[usize], target: &[usize]) -> Result<GpuBuf> {
-        let n_out: usize = target.iter().product();
-        let broadcastable = target.len() <= shape.len()
-            && target
-                .iter()
-                .rev()
-                .zip(shape.iter().rev())
-                .all(|(t, s)| t == s || *t == 1);
-        if !broadcastable || shape.iter().product::<usize>() != x.len {
-            return Err(gpu_err(
-                "sum_to",
-                format!("cannot sum {shape:?} ({} elements) to {target:?}", x.len),
-            ));
-        }
-        let off = shape.len() - target.len();
-        let strides = super::cpu::strides(shape);
-        let (mut kept, mut red) = (Vec::new(), Vec::new());
-        for d in 0..shape.len() {
-            let keep = d >= off && target[d - off] == shape[d];
-            if keep { &mut kept } else { &mut red }.push((shape[d], strides[d]));
-        }
-        if kept.len() > 8 || red.len() > 8 {
-            return Err(gpu_err("sum_to", format!("rank {} above 8", shape.len())));
-        }
-        let mut meta = vec![0u32; 36];
-        meta[0] = n_out as u32;
-        meta[1] = red.iter().map(|r| r.0).product::<usize>() as u32;
-        meta[2] = kept.len() as u32;
-        meta[3] = red.len() as u32;
-        for (i, (s, st)) in kept.iter().enumerate() {
-            meta[4 + i] = *s as u32;
-            meta[12 + i] = *st as u32;
-        }
-        for (i, (s, st)) in red.iter().enumerate() {
-            meta[20 + i] = *s as u32;
-            meta[28 + i] = *st as u32;
-        }
-        let out = self.storage("sum_to", n_out)?;
-        self.require_bindable("sum_to", &[x, &out])?;
-        let m = self.meta(&meta);
-        self.run(
-            Kernel::SumTo,
-            &[
-                (0, out.buf.as_entire_binding()),
-                (1, x.buf.as_entire_binding()),
-                (2, m.as_entire_binding()),
-            ],
-            Self::groups(n_out, 1),
-        )?;
-        Ok(out)
-    }
-
-    /// Strided copy of a `shape`-shaped region from `src` into `dst` (see `shaders/copy.wgsl`).
-    pub fn copy_strided(
-        &self,
-        src: &GpuBuf,
-        from: At<'_>,
-        dst: &GpuBuf,
-        to: At<'_>,
-        shape: &[usize],
-    ) -> Result<()> {
-        let (src_off, src_strides, dst_off, dst_strides) =
-            (from.offset, from.strides, to.offset, to.strides);
-        if shape.len() > 8 || src_strides.len() != shape.len() || dst_strides.len() != shape.len() {
-            return Err(gpu_err(
-                "copy",
-                format!(
-                    "shape {shape:?} (rank at most 8) needs strides of its rank, got {src_strides:?} and {dst_strides:?}"
-                ),
-            ));
-        }
-        let n: usize = shape.iter().product();
-        if n == 0 {
-            return Ok(());
-        }
-        // Out-of-range indices would not fault on a GPU (robust access may write anywhere in the
-        // buffer): check the last element of the region on both sides here.
-        if !fits(src, src_off, shape, src_strides) || !fits(dst, dst_off, shape, dst_strides) {
-            return Err(gpu_err(
-                "copy",
-                format!(
-                    "region {shape:?} at {src_off}/{dst_off} with strides {src_strides:?}/{dst_strides:?} leaves buffers of {} and {}",
-                    src.len, dst.len
-                ),
-            ));
-        }
-        let dense = super::cpu::strides(shape);
-        if src_strides == dense && dst_strides == dense {
-            // A contiguous block on both sides: a flat copy, by the path this adapter copies
-            // fastest with, in chunks where it is a kernel (no binding limit either way).
-            self.copy_contiguous(CopyPath::Auto, src, src_off, dst, dst_off, n)?;
-            return self.check("copy");
-        }
-        // Bind only the span each side touches, so a region of a buffer above the binding limit
-        // works when its span fits in one binding.
-        let (src_lo, src_len) = self.span(src, src_off, shape, src_strides);
-        let (dst_lo, dst_len) = self.span(dst, dst_off, shape, dst_strides);
-        let w = self.window_elems();
-        if src_len > w || dst_len > w {
-            return Err(gpu_err(
-                "copy",
-                format!(
-                    "a strided region {shape:?} spanning {} elements is above the device's \
-                     storage binding limit of {w} elements",
-                    src_len.max(dst_len)
-                ),
-            ));
-        }
-        let mut meta = vec![0u32; 28];
-        meta[0] = n as u32;
-        meta[1] = shape.len() as u32;
-        meta[2] = (src_off - src_lo) as u32;
-        meta[3] = (dst_off - dst_lo) as u32;
-        for d in 0..shape.len() {
-            meta[4 + d] = shape[d] as u32;
-            meta[12 + d] = src_strides[d] as u32;
-            meta[20 + d] = dst_strides[d] as u32;
-        }
-        let m = self.meta(&meta);
-        self.run(
-            Kernel::CopyStrided,
-            &[
-                (0, part(src, src_lo, src_len)),
-                (1, part(dst, dst_lo, dst_len)),
-                (2, m.as_entire_binding()),
-            ],
-            Self::groups(n, 1),
-        )
-    }
-
-    /// Copy `n` contiguous elements (checked to fit by the caller) by `path`; no binding limit
-    /// (the kernel copies chunk by chunk).
-    fn copy_contiguous(
-        &self,
-        path: CopyPath,
-        src: &GpuBuf,
-        src_off: usize,
-        dst: &GpuBuf,
-        dst_off: usize,
-        n: usize,
-    ) -> Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        let kernel = match path {
-            CopyPath::Auto => self.0.info.device_type == wgpu::DeviceType::DiscreteGpu,
-            CopyPath::Engine => false,
-            CopyPath::Kernel => true,
-        };
-        if kernel {
-            return self.copy_flat(src, src_off, dst, dst_off, n);
-        }
-        let mut enc = self.0.device.create_command_encoder(&Default::default());
-        enc.copy_buffer_to_buffer(
-            &src.buf,
-            (src_off * 4) as u64,
-            &dst.buf,
-            (dst_off * 4) as u64,
-            (n * 4) as u64,
-        );
-        self.0.queue.submit([enc.finish()]);
-        Ok(())
-    }
-
-    /// The copy kernel: `dst[dst_off + i] = src[src_off + i]` for `i < n`, in chunks whose spans
-    /// fit one storage binding on both sides (each binding starts at an aligned offset below its
-    /// chunk); a grid-stride loop over each chunk.
-    fn copy_flat(
-        &self,
-        src: &GpuBuf,
-        src_off: usize,
-        dst: &GpuBuf,
-        dst_off: usize,
-        n: usize,
-    ) -> Result<()> {
-        let align = (self.0.limits.min_storage_buffer_offset_alignment.max(16) / 4) as usize;
-        // A chunk plus the misalignment of its start must fit one binding.
-        let chunk = self.window_elems().saturating_sub(align).max(align);
-        let mut done = 0;
-        while done < n {
-            let len = chunk.min(n - done);
-            let (s, d) = (src_off + done, dst_off + done);
-            let (s_lo, d_lo) = (s / align * align, d / align * align);
-            let groups = Self::groups(len, 1).min(1024);
-            let m = self.meta(&[
-                len as u32,
-                (s - s_lo) as u32,
-                (d - d_lo) as u32,
-                groups * WG,
-            ]);
-            self.run(
-                Kernel::CopyFlat,
-                &[
-                    (0, part(src, s_lo, s + len - s_lo)),
-                    (1, part(dst, d_lo, d + len - d_lo)),
-                    (2, m.as_entire_binding()),
-                ],
-                groups,
-            )?;
-            done += len;
-        }
-        Ok(())
-    }
-
-    /// The aligned window `(start, len)` of `buf` holding every element of a non-empty strided
-    /// region that starts at `offset` (checked to fit by the caller).
-    fn span(
-        &self,
-        buf: &GpuBuf,
-        offset: usize,
-        shape: &[usize],
-        strides: &[usize],
-    ) -> (usize, usize) {
-        let last = shape
-            .iter()
-            .zip(strides)
-            .fold(offset, |acc, (&s, &st)| acc + (s - 1) * st);
-        let align = (self.0.limits.min_storage_buffer_offset_alignment.max(16) / 4) as usize;
-        let lo = offset / align * align;
-        if lo == 0 && last + 1 == buf.len {
-            return (0, buf.len);
-        }
-        (lo, last + 1 - lo)
-    }
-
     /// A new buffer of `n` elements, contents unspecified (to be filled by copies).
     pub fn alloc(&self, n: usize) -> Result<GpuBuf> {
         self.storage("alloc", n)
-    }
-
-    /// `[m,k] · [k,n]`.
-    pub fn matmul(&self, a: &GpuBuf, b: &GpuBuf, m: usize, k: usize, n: usize) -> Result<GpuBuf> {
-        if m.checked_mul(k) != Some(a.len) || k.checked_mul(n) != Some(b.len) {
-            return Err(gpu_err(
-                "matmul",
-                format!(
-                    "[{m},{k}]x[{k},{n}] over buffers of {} and {}",
-                    a.len, b.len
-                ),
-            ));
-        }
-        let out = self.storage("matmul", m * n)?;
-        if m * n == 0 {
-            return Ok(out);
-        }
-        self.require_bindable("matmul", &[a, b, &out])?;
-        let meta = self.meta(&[m as u32, k as u32, n as u32]);
-        let p = self.pipeline(Kernel::Matmul);
-        let layout = p.get_bind_group_layout(0);
-        let bufs = [&a.buf, &b.buf, &out.buf, &meta];
-        let entries: Vec<wgpu::BindGroupEntry<'_>> = bufs
-            .iter()
-            .enumerate()
-            .map(|(i, b)| wgpu::BindGroupEntry {
-                binding: i as u32,
-                resource: b.as_entire_binding(),
-            })
-            .collect();
-        let bg = self.0.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: Some("matmul"),
-            layout: &layout,
-            entries: &entries,
-        });
-        let (gx, gy) = (n.div_ceil(16) as u32, m.div_ceil(16) as u32);
-        if gx > MAX_GROUPS || gy > MAX_GROUPS {
-            return Err(gpu_err(
-                "matmul",
-                format!("[{m},{k}]x[{k},{n}] needs too many workgroups"),
-            ));
-        }
-        let mut enc = self.0.device.create_command_encoder(&Default::default());
-        {
-            let mut pass = enc.begin_compute_pass(&Default::default());
-            pass.set_pipeline(&p);
-            pass.set_bind_group(0, &bg, &[]);
-            pass.dispatch_workgroups(gx, gy, 1);
-        }
-        self.0.queue.submit([enc.finish()]);
-        self.check("matmul")?;
-        Ok(out)
     }
 }
 
