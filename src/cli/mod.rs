@@ -81,14 +81,22 @@ pub enum DeviceArg {
 }
 
 impl DeviceArg {
-    /// The device this names: the CPU as it is (no adapter search, no log line), else the
-    /// backend selection's pick.
-    pub fn open(self) -> distgrad::Result<distgrad::backend::Device> {
-        use distgrad::backend::{Choice, Device};
+    /// The library's backend choice this names.
+    pub fn choice(self) -> distgrad::backend::Choice {
+        use distgrad::backend::Choice;
         match self {
-            DeviceArg::Cpu => Ok(Device::Cpu),
-            DeviceArg::Gpu => futures::executor::block_on(distgrad::backend::select(Choice::Gpu)),
-            DeviceArg::Auto => futures::executor::block_on(distgrad::backend::select(Choice::Auto)),
+            DeviceArg::Cpu => Choice::Cpu,
+            DeviceArg::Gpu => Choice::Gpu,
+            DeviceArg::Auto => Choice::Auto,
+        }
+    }
+
+    /// The device this names: the CPU as it is (no adapter search, no log line), else the
+    /// backend selection's pick (which says which in one log line).
+    pub fn open(self) -> distgrad::Result<distgrad::backend::Device> {
+        match self {
+            DeviceArg::Cpu => Ok(distgrad::backend::Device::Cpu),
+            d => futures::executor::block_on(distgrad::backend::select(d.choice())),
         }
     }
 }

@@ -74,11 +74,8 @@ pub fn local(world: usize, cfg: &TrainConfig, device: DeviceArg) -> distgrad::Re
             distgrad::vjp::MAX_WORLD
         )));
     }
-    let device = futures::executor::block_on(distgrad::backend::select(match device {
-        DeviceArg::Cpu => distgrad::backend::Choice::Cpu,
-        DeviceArg::Gpu => distgrad::backend::Choice::Gpu,
-        DeviceArg::Auto => distgrad::backend::Choice::Auto,
-    }))?;
+    // Always through the selection, so the log line says where training runs.
+    let device = futures::executor::block_on(distgrad::backend::select(device.choice()))?;
     let opts = CommOptions {
         device: device.clone(),
         ..CommOptions::default()
