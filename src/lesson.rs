@@ -33,12 +33,12 @@
 use serde::{Deserialize, Serialize};
 
 use crate::autograd::{Objective, Tape, Var};
-use crate::collective::{Communicator, P2p, ReduceOp};
+use crate::collective::{Communicator, Kind, P2p, ReduceOp};
 use crate::dist;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::transport::Transport;
-use crate::vjp::{self, Prepared, TensorJson, Which};
+use crate::vjp::{self, Prepared, TensorJson};
 
 /// What a lesson is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -212,11 +212,11 @@ pub fn parse(json: &str) -> Result<Lesson> {
     let l: Lesson =
         serde_json::from_str(json).map_err(|e| Error::Input(format!("lesson JSON: {e}")))?;
     if l.kind == LessonKind::Collective {
-        let which = Which::parse(l.collective.as_deref().unwrap_or(""))?;
+        let which = vjp::parse_collective(l.collective.as_deref().unwrap_or(""))?;
         if let Some(op) = &l.op {
             ReduceOp::parse(op)?;
         }
-        if l.op.is_some() && !which.uses_op() {
+        if l.op.is_some() && !which.takes_op() {
             return Err(Error::Input(format!("{} takes no op", which.name())));
         }
     }
@@ -225,7 +225,7 @@ pub fn parse(json: &str) -> Result<Lesson> {
 
 /// Forward messages of a collective over `world` ranks (the logical data movement).
 pub fn arrows(
-    which: Which,
+    which: Kind,
     world: usize,
     root: usize,
     perm: &[(usize, usize)],
@@ -236,20 +236,23 @@ pub fn arrows(
             .collect()
     };
     match which {
-        Which::Broadcast | Which::Scatter => (0..world)
+        Kind::Broadcast | Kind::Scatter => (0..world)
             .filter(|&r| r != root)
             .map(|r| (root, r))
             .collect(),
-        Which::Reduce | Which::Gather => (0..world)
+        Kind::Reduce | Kind::Gather => (0..world)
             .filter(|&r| r != root)
             .map(|r| (r, root))
             .collect(),
-        Which::AllGather
-        | Which::ReduceScatter
-        | Which::AllToAll
-        | Which::AllToAllSingle
-        | Which::AllReduce => all(),
-        Which::Permute => perm.iter().copied().filter(|(a, b)| a != b).collect(),
+        Kind::AllGather
+        | Kind::ReduceScatter
+        | Kind::AllToAll
+        | Kind::AllToAllSingle
+        | Kind::AllReduce
+        | Kind::Barrier => all(),
+        Kind::Permute => perm.iter().copied().filter(|(a, b)| a != b).collect(),
+        // Each rank names its own peer: no one picture for the world.
+        Kind::Send => Vec::new(),
     }
 }
 
@@ -277,7 +280,7 @@ fn duals<T: Transport>(comm: &P2p<T>) -> Option<String> {
 
 /// The collective lesson's case for `world` ranks (`distgrad vjp`'s example).
 pub async fn lesson_case(lesson: &Lesson, world: usize) -> Result<vjp::Case> {
-    let which = Which::parse(lesson.collective.as_deref().unwrap_or(""))?;
+    let which = vjp::parse_collective(lesson.collective.as_deref().unwrap_or(""))?;
     let op = ReduceOp::parse(lesson.op.as_deref().unwrap_or("sum"))?;
     // A lesson works with any number of tabs: in a world too small for its root, the last rank is
     // the root.
@@ -286,7 +289,7 @@ pub async fn lesson_case(lesson: &Lesson, world: usize) -> Result<vjp::Case> {
         which,
         world,
         op,
-        if which.uses_root() { root } else { 0 },
+        if which.takes_root() { root } else { 0 },
         None,
     )
     .await
@@ -329,7 +332,7 @@ async fn collective<T: Transport>(
         }
         case.inputs[me] = x;
     }
-    let which = Which::parse(&case.collective)?;
+    let which = vjp::parse_collective(&case.collective)?;
     let perm = case.perm.clone().unwrap_or_default();
     let fwd = arrows(which, world, case.root.unwrap_or(0), &perm);
     let mut name = which.name().to_string();
@@ -392,7 +395,7 @@ async fn objectives<T: Transport>(comm: &P2p<T>) -> Result<Vec<RankStep>> {
     let device = comm.options().device.clone();
     let group = comm.world();
     let x0 = Tensor::from_vec(vec![me as f32 + 1.0, 2.0], &[2])?.to_device(&device)?;
-    let all = arrows(Which::AllReduce, n, 0, &[]);
+    let all = arrows(Kind::AllReduce, n, 0, &[]);
     let mut out = vec![step(
         "inputs".into(),
         Phase::Input,
@@ -470,7 +473,7 @@ async fn data_parallel<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<V
     let x = Tensor::from_vec(xs, &[SHARD, 2])?.to_device(&device)?;
     let y = Tensor::from_vec(ys, &[SHARD, 1])?.to_device(&device)?;
     let mut w = vec![0.0f32; 3]; // w0, w1, b
-    let all = arrows(Which::AllReduce, n, 0, &[]);
+    let all = arrows(Kind::AllReduce, n, 0, &[]);
     let mut out = vec![step(
         format!("rank {me} holds {SHARD} samples of y = 2·x₀ − x₁ + 0.5 (+ noise); w = 0"),
         Phase::Input,
@@ -523,7 +526,7 @@ async fn tensor_parallel<T: Transport>(comm: &P2p<T>) -> Result<Vec<RankStep>> {
     // X is n×2 with row r on rank r; W is 2×n with column r on rank r.
     let x_r = Tensor::from_vec(vec![rf + 1.0, 1.0 - rf], &[1, 2])?.to_device(&device)?;
     let w_r = Tensor::from_vec(vec![1.0, rf + 1.0], &[2, 1])?.to_device(&device)?;
-    let all = arrows(Which::AllGather, n, 0, &[]);
+    let all = arrows(Kind::AllGather, n, 0, &[]);
     let tape = Tape::new();
     let xv = tape.var(x_r.clone());
     let wv = tape.var(w_r.clone());

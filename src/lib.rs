@@ -32,9 +32,11 @@
 //!   `backend::gpu` (feature `wgpu`) has the WGSL kernels of `shaders/`).
 //! - [`autograd`]: [`Tape`], [`Var`], local differentiable ops and backward; **the dual table** is
 //!   [`autograd::dual`], one exhaustive match.
-//! - [`dist`]: differentiable collectives on vars (record on the tape).
+//! - [`dist`]: differentiable collectives on vars (record their [`collective::Spec`] on the tape);
+//!   [`dist::call`] runs any described call.
 //! - [`collective`]: the [`Communicator`] trait, [`Group`] (the one global↔group rank mapping),
-//!   [`ReduceOp`], call signatures, and [`P2p`]: every collective from point-to-point messages
+//!   [`ReduceOp`], [`collective::Spec`] (THE description of one call: kind, op, root, peer,
+//!   permutation, splits; serde-able), call signatures derived from it, and [`P2p`]: every collective from point-to-point messages
 //!   (ring, tree, direct and pairwise algorithms, each talking through one `collective::call`
 //!   that checks every message's signature; [`AllReduceAlgo`] picks the large all_reduce's).
 //!   Imports run one way inside it: p2p → the algorithms → call (messages) → partial (local
@@ -59,6 +61,20 @@
 //!   multi-process launches.
 //! - `nccl` (feature `native-nccl`): the NCCL communicator (wgpu compute, NCCL collectives).
 //! - [`error`]: the one error enum.
+//!
+//! # Adding a collective
+//! 1. A variant of [`collective::Spec`] (its JSON form comes with it). The compiler then points at
+//!    every match on it: [`collective::Spec::kind`] and the arity / check methods beside it, the
+//!    dual table ([`autograd::dual`]), [`dist::call`].
+//! 2. Its wire kind in [`collective::Kind`] (the next code; `Kind::ALL`, `Kind::name`).
+//! 3. A [`Communicator`] method: its algorithm in [`P2p`] (one file under `collective/`) and its
+//!    NCCL mapping in `nccl` (build with `--features native-nccl`: the trait has no defaults, so a
+//!    missing arm does not compile).
+//! 4. Its differentiable function in [`dist`] (records the `Spec`); `vjp::COLLECTIVES` if a
+//!    one-collective case can run it.
+//! 5. Tests: a `Coll` variant in `tests/common` (its oracle is written independently of the
+//!    library; `Coll::specs` maps it to the `Spec`s the library runs), which the three gradient
+//!    suites iterate.
 
 #![warn(missing_docs)]
 

@@ -28,7 +28,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::autograd::{Tape, Var};
-use crate::collective::{CommOptions, Communicator, P2p, ReduceOp};
+use crate::collective::{CommOptions, Communicator, Kind, P2p, ReduceOp, Spec};
 use crate::dist;
 use crate::error::{Error, Result};
 #[cfg(not(target_arch = "wasm32"))]
@@ -134,124 +134,55 @@ pub struct CaseOutput {
     pub grads: Vec<Vec<TensorJson>>,
 }
 
-/// The collectives `vjp` knows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Which {
-    /// broadcast
-    Broadcast,
-    /// reduce
-    Reduce,
-    /// gather
-    Gather,
-    /// scatter
-    Scatter,
-    /// all_gather
-    AllGather,
-    /// reduce_scatter
-    ReduceScatter,
-    /// all_to_all (list)
-    AllToAll,
-    /// all_to_all_single
-    AllToAllSingle,
-    /// all_reduce
-    AllReduce,
-    /// permute
-    Permute,
-}
+/// The collectives a one-collective case runs, in schema order (every kind but barrier and
+/// send/recv, whose peers differ per rank).
+pub const COLLECTIVES: [Kind; 10] = [
+    Kind::Broadcast,
+    Kind::Reduce,
+    Kind::Gather,
+    Kind::Scatter,
+    Kind::AllGather,
+    Kind::ReduceScatter,
+    Kind::AllToAll,
+    Kind::AllReduce,
+    Kind::Permute,
+    Kind::AllToAllSingle,
+];
 
-impl Which {
-    /// Every collective, in schema order.
-    pub const ALL: [Which; 10] = [
-        Which::Broadcast,
-        Which::Reduce,
-        Which::Gather,
-        Which::Scatter,
-        Which::AllGather,
-        Which::ReduceScatter,
-        Which::AllToAll,
-        Which::AllReduce,
-        Which::Permute,
-        Which::AllToAllSingle,
-    ];
-
-    /// Schema name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Which::Broadcast => "broadcast",
-            Which::Reduce => "reduce",
-            Which::Gather => "gather",
-            Which::Scatter => "scatter",
-            Which::AllGather => "all_gather",
-            Which::ReduceScatter => "reduce_scatter",
-            Which::AllToAll => "all_to_all",
-            Which::AllToAllSingle => "all_to_all_single",
-            Which::AllReduce => "all_reduce",
-            Which::Permute => "permute",
-        }
-    }
-
-    /// Parse a schema name.
-    pub fn parse(s: &str) -> Result<Self> {
-        Which::ALL
-            .into_iter()
-            .find(|w| w.name() == s)
-            .ok_or_else(|| {
-                let names: Vec<_> = Which::ALL.iter().map(|w| w.name()).collect();
-                Error::Input(format!(
-                    "unknown collective {s:?}; expected one of {}",
-                    names.join(", ")
-                ))
-            })
-    }
-
-    /// Whether the collective takes a reduce op.
-    pub fn uses_op(self) -> bool {
-        matches!(
-            self,
-            Which::Reduce | Which::AllReduce | Which::ReduceScatter
-        )
-    }
-
-    /// Whether the collective takes a root.
-    pub fn uses_root(self) -> bool {
-        matches!(
-            self,
-            Which::Broadcast | Which::Reduce | Which::Gather | Which::Scatter
-        )
-    }
-
-    /// Number of input tensors of group rank `r` (group size `n`).
-    fn n_inputs(self, r: usize, n: usize, root: usize) -> usize {
-        match self {
-            Which::Scatter => usize::from(r == root) * n,
-            Which::ReduceScatter | Which::AllToAll => n,
-            _ => 1,
-        }
-    }
+/// Parse a case's collective name (one of [`COLLECTIVES`]).
+pub fn parse_collective(s: &str) -> Result<Kind> {
+    COLLECTIVES
+        .into_iter()
+        .find(|k| k.name() == s)
+        .ok_or_else(|| {
+            let names: Vec<_> = COLLECTIVES.iter().map(|k| k.name()).collect();
+            Error::Input(format!(
+                "unknown collective {s:?}; expected one of {}",
+                names.join(", ")
+            ))
+        })
 }
 
 /// A case validated and decoded.
 struct Plan {
-    which: Which,
+    kind: Kind,
     world: usize,
-    op: ReduceOp,
-    root: usize,
-    perm: Vec<(usize, usize)>,
-    splits: Vec<(Vec<usize>, Vec<usize>)>,
+    /// The call of each global rank (members only: index = position in `group`).
+    specs: Vec<Spec>,
     group: Vec<usize>,
     inputs: Vec<Vec<Tensor>>,
     cotangents: Option<Vec<Vec<Tensor>>>,
 }
 
 fn plan(case: &Case) -> Result<Plan> {
-    let which = Which::parse(&case.collective)?;
+    let which = parse_collective(&case.collective)?;
     let world = case.world;
     if world == 0 || world > MAX_WORLD {
         return Err(Error::Input(format!(
             "world must be 1..={MAX_WORLD}, got {world}"
         )));
     }
-    let op = match (&case.op, which.uses_op()) {
+    let op = match (&case.op, which.takes_op()) {
         (Some(s), true) => ReduceOp::parse(s)?,
         (None, true) => ReduceOp::Sum,
         (Some(_), false) => return Err(Error::Input(format!("{} takes no \"op\"", which.name()))),
@@ -270,7 +201,7 @@ fn plan(case: &Case) -> Result<Plan> {
         return Err(Error::Input("group must not be empty".into()));
     }
     let n = group.len();
-    let root = match (case.root, which.uses_root()) {
+    let root = match (case.root, which.takes_root()) {
         (Some(r), true) if r >= n => {
             return Err(Error::Input(format!(
                 "root {r} is not a group rank (group size {n}; roots are group ranks)"
@@ -284,12 +215,8 @@ fn plan(case: &Case) -> Result<Plan> {
         (None, false) => 0,
     };
     let perm = match (which, &case.perm) {
-        (Which::Permute, Some(p)) => {
-            crate::collective::check_pairs("permute", p, n)
-                .map_err(|e| Error::Input(e.to_string()))?;
-            p.clone()
-        }
-        (Which::Permute, None) => {
+        (Kind::Permute, Some(p)) => p.clone(),
+        (Kind::Permute, None) => {
             return Err(Error::Input(
                 "permute needs \"perm\": [[src,dst],...]".into(),
             ));
@@ -298,10 +225,10 @@ fn plan(case: &Case) -> Result<Plan> {
         (_, None) => Vec::new(),
     };
     let splits = match (which, &case.in_splits, &case.out_splits) {
-        (Which::AllToAllSingle, Some(i), Some(o)) if i.len() == world && o.len() == world => {
+        (Kind::AllToAllSingle, Some(i), Some(o)) if i.len() == world && o.len() == world => {
             i.iter().cloned().zip(o.iter().cloned()).collect()
         }
-        (Which::AllToAllSingle, _, _) => {
+        (Kind::AllToAllSingle, _, _) => {
             return Err(Error::Input(
                 "all_to_all_single needs \"in_splits\" and \"out_splits\", one list per global rank".into(),
             ));
@@ -343,31 +270,45 @@ fn plan(case: &Case) -> Result<Plan> {
             })
             .collect()
     };
+    // One call per member (only all_to_all_single's splits differ between ranks).
+    let specs: Vec<Spec> = group
+        .iter()
+        .map(|&g| match which {
+            Kind::Broadcast => Spec::Broadcast { root },
+            Kind::Reduce => Spec::Reduce { root, op },
+            Kind::AllReduce => Spec::AllReduce { op },
+            Kind::Gather => Spec::Gather { root },
+            Kind::Scatter => Spec::Scatter { root },
+            Kind::AllGather => Spec::AllGather {},
+            Kind::ReduceScatter => Spec::ReduceScatter { op },
+            Kind::AllToAll => Spec::AllToAll {},
+            Kind::AllToAllSingle => Spec::AllToAllSingle {
+                in_splits: splits[g].0.clone(),
+                out_splits: splits[g].1.clone(),
+            },
+            Kind::Permute => Spec::Permute { perm: perm.clone() },
+            // parse_collective refuses these
+            Kind::Send | Kind::Barrier => Spec::Barrier {},
+        })
+        .collect();
+    for (r, spec) in specs.iter().enumerate() {
+        spec.check(r, n)
+            .map_err(|e| Error::Input(format!("rank {}: {e}", group[r])))?;
+    }
     let group_rank = |g: usize| group.iter().position(|&x| x == g);
     let inputs = per_rank("inputs", &case.inputs, &|g| {
-        group_rank(g).map_or(0, |r| which.n_inputs(r, n, root))
+        group_rank(g).map_or(0, |r| specs[r].n_inputs(r, n))
     })?;
-    let n_outputs = |g: usize| match group_rank(g) {
-        None => 0,
-        Some(r) => match which {
-            Which::Gather => usize::from(r == root) * n,
-            Which::Reduce => usize::from(r == root),
-            Which::AllGather | Which::AllToAll => n,
-            _ => 1,
-        },
-    };
+    let n_outputs = |g: usize| group_rank(g).map_or(0, |r| specs[r].n_outputs(r, n));
     let cotangents = case
         .cotangents
         .as_ref()
         .map(|c| per_rank("cotangents", c, &n_outputs))
         .transpose()?;
     Ok(Plan {
-        which,
+        kind: which,
         world,
-        op,
-        root,
-        perm,
-        splits,
+        specs,
         group,
         inputs,
         cotangents,
@@ -444,7 +385,8 @@ pub async fn run_rank<T: Transport>(comm: &P2p<T>, prepared: &Prepared) -> Resul
         .iter()
         .map(|t| Ok(tape.var(t.to_device(device)?)))
         .collect::<Result<_>>()?;
-    let ys = forward(comm, &tape, p, &xs, me, &group).await?;
+    let gr = group.rank().unwrap_or_default();
+    let ys = dist::call(comm, &tape, &p.specs[gr], &xs, &group).await?;
     comm.take_calls();
     let seeds: Vec<(Var, Tensor)> = match &p.cotangents {
         Some(c) => ys
@@ -508,7 +450,7 @@ pub fn assemble(prepared: &Prepared, results: Vec<Result<RankResult>>) -> Result
     if !errors.is_empty() {
         return Err(Error::Input(format!(
             "{} failed:\n  {}",
-            p.which.name(),
+            p.kind.name(),
             errors.join("\n  ")
         )));
     }
@@ -579,48 +521,11 @@ pub(crate) fn short_sig(s: &crate::collective::CallSig) -> String {
     }
 }
 
-async fn forward<C: Communicator>(
-    comm: &C,
-    tape: &Tape,
-    p: &Plan,
-    xs: &[Var],
-    me: usize,
-    group: &crate::collective::Group,
-) -> Result<Vec<Var>> {
-    let one = || {
-        xs.first()
-            .ok_or_else(|| Error::Input("missing input".into()))
-    };
-    Ok(match p.which {
-        Which::Broadcast => vec![dist::broadcast(comm, one()?, p.root, group).await?],
-        Which::Reduce => dist::reduce(comm, one()?, p.root, p.op, group)
-            .await?
-            .into_iter()
-            .collect(),
-        Which::AllReduce => vec![dist::all_reduce(comm, one()?, p.op, group).await?],
-        Which::Gather => dist::gather(comm, one()?, p.root, group)
-            .await?
-            .unwrap_or_default(),
-        Which::Scatter => {
-            let list = (!xs.is_empty()).then_some(xs);
-            vec![dist::scatter(comm, tape, list, p.root, group).await?]
-        }
-        Which::AllGather => dist::all_gather(comm, one()?, group).await?,
-        Which::ReduceScatter => vec![dist::reduce_scatter(comm, xs, p.op, group).await?],
-        Which::AllToAll => dist::all_to_all(comm, xs, group).await?,
-        Which::AllToAllSingle => {
-            let (i, o) = &p.splits[me];
-            vec![dist::all_to_all_single(comm, one()?, i, o, group).await?]
-        }
-        Which::Permute => vec![dist::permute(comm, one()?, &p.perm, group).await?],
-    })
-}
-
 /// A built-in example case for `distgrad vjp <collective> --world N`: small integer inputs that make
 /// each collective's effect visible, cotangents `[1, r+1]` on rank `r`.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn example_case(
-    which: Which,
+    which: Kind,
     world: usize,
     op: ReduceOp,
     root: usize,
@@ -631,7 +536,7 @@ pub fn example_case(
 
 /// [`example_case`] on any target (its forward probe runs the ranks interleaved on this task).
 pub async fn example_case_async(
-    which: Which,
+    which: Kind,
     world: usize,
     op: ReduceOp,
     root: usize,
@@ -655,14 +560,14 @@ pub async fn example_case_async(
             Some(r) => {
                 let rf = r as f32;
                 match which {
-                    Which::Scatter if r == root => (0..n)
+                    Kind::Scatter if r == root => (0..n)
                         .map(|j| t(j as f32 + 1.0, 10.0 * (j as f32 + 1.0)))
                         .collect(),
-                    Which::Scatter => Vec::new(),
-                    Which::ReduceScatter | Which::AllToAll => (0..n)
+                    Kind::Scatter => Vec::new(),
+                    Kind::ReduceScatter | Kind::AllToAll => (0..n)
                         .map(|j| t(10.0 * rf + j as f32 + 1.0, -(10.0 * rf + j as f32 + 1.0)))
                         .collect(),
-                    Which::AllToAllSingle => {
+                    Kind::AllToAllSingle => {
                         let rows = n; // rank r sends one row to each rank
                         vec![TensorJson {
                             shape: vec![rows, 1],
@@ -680,16 +585,16 @@ pub async fn example_case_async(
     let mut case = Case {
         collective: which.name().to_string(),
         world,
-        op: which.uses_op().then(|| op.name().to_string()),
-        root: which.uses_root().then_some(root),
-        perm: (which == Which::Permute).then(|| (0..n).map(|i| (i, (i + 1) % n)).collect()),
+        op: which.takes_op().then(|| op.name().to_string()),
+        root: which.takes_root().then_some(root),
+        perm: (which == Kind::Permute).then(|| (0..n).map(|i| (i, (i + 1) % n)).collect()),
         in_splits: None,
         out_splits: None,
         group: group.clone(),
         inputs,
         cotangents: None,
     };
-    if which == Which::AllToAllSingle {
+    if which == Kind::AllToAllSingle {
         let s: Vec<Vec<usize>> = (0..world)
             .map(|g| {
                 if gr(g).is_some() {
@@ -768,19 +673,19 @@ pub fn render_table(case: &Case, out: &CaseOutput) -> String {
     let mut s = String::new();
     let mut head = format!("forward: {}", case.collective);
     // The defaults a case may leave out are shown too, where the collective takes them.
-    let which = Which::parse(&case.collective).ok();
+    let which = parse_collective(&case.collective).ok();
     match &case.op {
         Some(op) => {
             let _ = write!(head, " op={op}");
         }
-        None if which.is_some_and(Which::uses_op) => head.push_str(" op=sum"),
+        None if which.is_some_and(Kind::takes_op) => head.push_str(" op=sum"),
         None => {}
     }
     match case.root {
         Some(r) => {
             let _ = write!(head, " root={r}");
         }
-        None if which.is_some_and(Which::uses_root) => head.push_str(" root=0"),
+        None if which.is_some_and(Kind::takes_root) => head.push_str(" root=0"),
         None => {}
     }
     if let Some(p) = &case.perm {

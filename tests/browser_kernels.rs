@@ -80,17 +80,18 @@ fn web_sys_log(s: &str) {
 /// ranks on the CPU; and hand-checked values for one case.
 #[wasm_bindgen_test]
 async fn collectives_in_one_page_on_webgpu_match_the_cpu() {
-    use distgrad::vjp::{self, Which};
+    use distgrad::collective::Kind;
+    use distgrad::vjp;
     let gpu = Device::Gpu(Gpu::new().await.expect("WebGPU adapter"));
     let world = 3;
-    for which in Which::ALL {
-        let ops: &[ReduceOp] = if which.uses_op() {
+    for which in vjp::COLLECTIVES {
+        let ops: &[ReduceOp] = if which.takes_op() {
             &ReduceOp::ALL
         } else {
             &[ReduceOp::Sum]
         };
         for &op in ops {
-            let root = if which.uses_root() { 2 } else { 0 };
+            let root = if which.takes_root() { 2 } else { 0 };
             let case = vjp::example_case_async(which, world, op, root, None)
                 .await
                 .unwrap();
@@ -104,7 +105,7 @@ async fn collectives_in_one_page_on_webgpu_match_the_cpu() {
     // Hand-derived: all_reduce(MAX) of [r+1, 2(3-r)] over 3 ranks is [3, 6]; the gradient goes
     // to the holder of each maximum (rank 2 for element 0, rank 0 for element 1) with the summed
     // cotangent [1+1+1, 1+2+3].
-    let case = vjp::example_case_async(Which::AllReduce, 3, ReduceOp::Max, 0, None)
+    let case = vjp::example_case_async(Kind::AllReduce, 3, ReduceOp::Max, 0, None)
         .await
         .unwrap();
     let out = vjp::run_case_interleaved(&case, &gpu).await.unwrap();

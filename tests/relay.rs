@@ -19,10 +19,11 @@ use common_relay::{
     Child, Event, Raw, TestRelay, WAIT, all_ok, frame, join_opts, names_lost_rank, rank_runtime,
     run_ranks,
 };
+use distgrad::collective::Kind;
 use distgrad::relay::RelayConfig;
 use distgrad::transport::ws::{JoinOptions, StreamRoute, WsTransport};
 use distgrad::transport::{Channel, Tag, Transport};
-use distgrad::vjp::{self, CaseOutput, Which};
+use distgrad::vjp::{self, CaseOutput};
 use distgrad::wire::{Control, HEADER_LEN, Header};
 use distgrad::{
     AllReduceAlgo, CommOptions, Communicator, Error, ReduceOp, Tape, Tensor, dist, run_local,
@@ -164,7 +165,7 @@ fn p2p_tag(seq: u64) -> Tag {
 fn demo_over_relay_processes_equals_in_process_vjp_for_every_collective() {
     const WITH_OP: [&str; 3] = ["reduce", "all_reduce", "reduce_scatter"];
     let mut cases = Vec::new();
-    for (i, which) in Which::ALL.iter().enumerate() {
+    for (i, which) in vjp::COLLECTIVES.iter().enumerate() {
         let name = which.name();
         let ops: Vec<ReduceOp> = if WITH_OP.contains(&name) {
             ReduceOp::ALL.to_vec()
@@ -270,21 +271,21 @@ fn demo_with_direct_links_equals_in_process_vjp() {
 
 /// The built-in example cases run over the relay and over direct links: (collective, op, root,
 /// subgroup) for 4 ranks — every kind of collective, roots != 0, subgroups.
-fn example_cases() -> Vec<(Which, ReduceOp, usize, Option<Vec<usize>>)> {
+fn example_cases() -> Vec<(Kind, ReduceOp, usize, Option<Vec<usize>>)> {
     vec![
-        (Which::Broadcast, ReduceOp::Sum, 3, None),
-        (Which::Reduce, ReduceOp::Prod, 2, None),
-        (Which::Gather, ReduceOp::Sum, 1, None),
-        (Which::Scatter, ReduceOp::Sum, 2, None),
-        (Which::AllGather, ReduceOp::Sum, 0, None),
-        (Which::ReduceScatter, ReduceOp::Max, 0, None),
-        (Which::AllToAll, ReduceOp::Sum, 0, None),
-        (Which::AllReduce, ReduceOp::Avg, 0, None),
-        (Which::Permute, ReduceOp::Sum, 0, None),
-        (Which::AllToAllSingle, ReduceOp::Sum, 0, None),
+        (Kind::Broadcast, ReduceOp::Sum, 3, None),
+        (Kind::Reduce, ReduceOp::Prod, 2, None),
+        (Kind::Gather, ReduceOp::Sum, 1, None),
+        (Kind::Scatter, ReduceOp::Sum, 2, None),
+        (Kind::AllGather, ReduceOp::Sum, 0, None),
+        (Kind::ReduceScatter, ReduceOp::Max, 0, None),
+        (Kind::AllToAll, ReduceOp::Sum, 0, None),
+        (Kind::AllReduce, ReduceOp::Avg, 0, None),
+        (Kind::Permute, ReduceOp::Sum, 0, None),
+        (Kind::AllToAllSingle, ReduceOp::Sum, 0, None),
         // a subgroup: global rank 1 takes no part, group rank 1 (global 0) is the root
-        (Which::Reduce, ReduceOp::Min, 1, Some(vec![3, 0, 2])),
-        (Which::AllReduce, ReduceOp::Prod, 0, Some(vec![2, 1])),
+        (Kind::Reduce, ReduceOp::Min, 1, Some(vec![3, 0, 2])),
+        (Kind::AllReduce, ReduceOp::Prod, 0, Some(vec![2, 1])),
     ]
 }
 
@@ -424,7 +425,7 @@ fn direct_links_carry_every_collective_bitwise_like_local() {
 fn direct_and_relay_only_ranks_mix() {
     let relay = TestRelay::default_config();
     let url = relay.url();
-    let case = vjp::example_case(Which::AllToAll, 4, ReduceOp::Sum, 0, None).unwrap();
+    let case = vjp::example_case(Kind::AllToAll, 4, ReduceOp::Sum, 0, None).unwrap();
     let local = vjp::run_case(&case).unwrap();
     let prepared = vjp::Prepared::new(&case).unwrap();
     let joins = (0..4)
@@ -1144,7 +1145,7 @@ fn killed_worker_with_direct_links_fails_its_room_within_5s() {
 fn killed_worker(direct: bool) {
     let relay = TestRelay::default_config();
     let url = relay.url();
-    let case = vjp::example_case(Which::AllReduce, 3, ReduceOp::Sum, 0, None).unwrap();
+    let case = vjp::example_case(Kind::AllReduce, 3, ReduceOp::Sum, 0, None).unwrap();
     let prepared = vjp::Prepared::new(&case).unwrap();
     let mut worker = Child(Some(
         Command::new(BIN)

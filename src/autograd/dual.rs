@@ -1,7 +1,7 @@
 //! THE DUAL TABLE: for every collective, the collective its backward pass runs.
 //!
-//! One exhaustive `match` in `dual`, no `_ =>` arm, so a new collective does not compile until its
-//! dual is written here. Conventions (see [`super::Objective`]): by default the global objective is
+//! One exhaustive `match` over [`Spec`] in `dual`, no `_ =>` arm, so a new collective does not
+//! compile until its dual is written here. Conventions (see [`super::Objective`]): by default the global objective is
 //! the sum over ranks of each rank's loss, so "everyone's cotangents summed" is an
 //! `all_reduce(SUM, g)`; in replicated mode an all_reduce output is invariant, its cotangent already
 //! is that sum, and the all_reduce in the dual disappears.
@@ -28,58 +28,28 @@
 //! rank "holds" a NaN extreme (NaN ≠ NaN), so those elements get zero gradient.
 
 use crate::backend::BinaryOp;
-use crate::collective::{Communicator, Group, ReduceOp};
+use crate::collective::{Communicator, Group, ReduceOp, Spec};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
-/// A recorded collective with the arguments its dual needs (fields are the collective's own
-/// arguments, as documented on the functions of [`crate::dist`]; roots and peers are group ranks).
-#[allow(missing_docs)]
+/// A collective as the tape records it: the call's description ([`Spec`], the one place its
+/// arguments live) and its group, or the replicated mode's conversion of an invariant value.
 #[derive(Debug, Clone)]
 pub enum Collective {
-    /// broadcast from `root`.
-    Broadcast { root: usize, group: Group },
-    /// reduce to `root`.
-    Reduce {
-        root: usize,
-        op: ReduceOp,
+    /// A collective call.
+    Call {
+        /// What ran (this rank's view; roots and peers are group ranks).
+        spec: Spec,
+        /// Among which ranks.
         group: Group,
-    },
-    /// all_reduce; `replicated` = output was marked invariant (replicated objective).
-    AllReduce {
-        op: ReduceOp,
-        group: Group,
+        /// all_reduce under the replicated objective: the output was marked invariant.
         replicated: bool,
     },
-    /// gather to `root`.
-    Gather { root: usize, group: Group },
-    /// scatter from `root`.
-    Scatter { root: usize, group: Group },
-    /// all_gather.
-    AllGather { group: Group },
-    /// reduce_scatter.
-    ReduceScatter { op: ReduceOp, group: Group },
-    /// all_to_all, list form.
-    AllToAll { group: Group },
-    /// all_to_all, single tensor with split sizes along dim 0.
-    AllToAllSingle {
-        in_splits: Vec<usize>,
-        out_splits: Vec<usize>,
-        group: Group,
-    },
-    /// send to `dst`.
-    Send { dst: usize, group: Group },
-    /// recv from `src`.
-    Recv { src: usize, group: Group },
-    /// permute along `(src, dst)` pairs.
-    Permute {
-        pairs: Vec<(usize, usize)>,
-        group: Group,
-    },
-    /// barrier.
-    Barrier { group: Group },
     /// Replicated mode: an invariant value used as a per-rank value.
-    PVary { group: Group },
+    PVary {
+        /// The group it is invariant over.
+        group: Group,
+    },
 }
 
 /// Run the dual of `c`: from the forward inputs `xs`, outputs `ys` and output cotangents `gs` (zeros
@@ -91,15 +61,25 @@ pub(crate) async fn dual<C: Communicator>(
     ys: &[Tensor],
     gs: &[Tensor],
 ) -> Result<Vec<Tensor>> {
-    Ok(match c {
-        Collective::Broadcast { root, group } => {
+    let (spec, group, replicated) = match c {
+        Collective::Call {
+            spec,
+            group,
+            replicated,
+        } => (spec, group, *replicated),
+        Collective::PVary { group } => {
+            return Ok(vec![comm.all_reduce(&gs[0], ReduceOp::Sum, group).await?]);
+        }
+    };
+    Ok(match spec {
+        Spec::Broadcast { root } => {
             let s = comm.reduce(&gs[0], *root, ReduceOp::Sum, group).await?;
             vec![match s {
                 Some(s) => s,
                 None => xs[0].zeros_like()?,
             }]
         }
-        Collective::Reduce { root, op, group } => {
+        Spec::Reduce { root, op } => {
             let x = &xs[0];
             let g = match gs.first() {
                 Some(g) => g.clone(),
@@ -126,16 +106,12 @@ pub(crate) async fn dual<C: Communicator>(
                 }
             }
         }
-        Collective::AllReduce {
-            op,
-            group,
-            replicated,
-        } => {
+        Spec::AllReduce { op } => {
             let (x, y, g) = (&xs[0], &ys[0], &gs[0]);
             let n = group.size() as f32;
             // Sum over ranks of the cotangents: already done when the output is invariant.
             let summed = async |g: &Tensor| {
-                if *replicated {
+                if replicated {
                     Ok(g.clone())
                 } else {
                     comm.all_reduce(g, ReduceOp::Sum, group).await
@@ -143,11 +119,11 @@ pub(crate) async fn dual<C: Communicator>(
             };
             match op {
                 ReduceOp::Sum => vec![summed(g).await?],
-                ReduceOp::Avg if *replicated => vec![g.scale(1.0 / n)?],
+                ReduceOp::Avg if replicated => vec![g.scale(1.0 / n)?],
                 ReduceOp::Avg => vec![comm.all_reduce(g, ReduceOp::Avg, group).await?],
                 ReduceOp::Max | ReduceOp::Min => {
                     let mask = x.binary(BinaryOp::Eq, y)?;
-                    let (s, ties) = if *replicated {
+                    let (s, ties) = if replicated {
                         (
                             g.clone(),
                             comm.all_reduce(&mask, ReduceOp::Sum, group).await?,
@@ -168,7 +144,7 @@ pub(crate) async fn dual<C: Communicator>(
                 }
             }
         }
-        Collective::Gather { root, group } => {
+        Spec::Gather { root } => {
             let list = (!gs.is_empty()).then_some(gs);
             // Non-roots pass no list: bring the gradient to the input's device explicitly.
             vec![
@@ -177,13 +153,11 @@ pub(crate) async fn dual<C: Communicator>(
                     .to_device(&xs[0].device())?,
             ]
         }
-        Collective::Scatter { root, group } => {
-            comm.gather(&gs[0], *root, group).await?.unwrap_or_default()
-        }
-        Collective::AllGather { group } => {
+        Spec::Scatter { root } => comm.gather(&gs[0], *root, group).await?.unwrap_or_default(),
+        Spec::AllGather {} => {
             vec![comm.reduce_scatter(gs, ReduceOp::Sum, group).await?]
         }
-        Collective::ReduceScatter { op, group } => {
+        Spec::ReduceScatter { op } => {
             let (g, y) = (&gs[0], &ys[0]);
             let n = group.size() as f32;
             match op {
@@ -239,34 +213,32 @@ pub(crate) async fn dual<C: Communicator>(
                 }
             }
         }
-        Collective::AllToAll { group } => comm.all_to_all(gs, group).await?,
-        Collective::AllToAllSingle {
+        Spec::AllToAll {} => comm.all_to_all(gs, group).await?,
+        Spec::AllToAllSingle {
             in_splits,
             out_splits,
-            group,
         } => {
             vec![
                 comm.all_to_all_single(&gs[0], out_splits, in_splits, group)
                     .await?,
             ]
         }
-        Collective::Send { dst, group } => {
+        Spec::Send { dst } => {
             vec![
                 comm.recv(xs[0].shape(), *dst, group)
                     .await?
                     .to_device(&xs[0].device())?,
             ]
         }
-        Collective::Recv { src, group } => {
+        Spec::Recv { src, .. } => {
             comm.send(&gs[0], *src, group).await?;
             vec![]
         }
-        Collective::Permute { pairs, group } => {
-            let inverse: Vec<(usize, usize)> = pairs.iter().map(|&(s, d)| (d, s)).collect();
+        Spec::Permute { perm } => {
+            let inverse: Vec<(usize, usize)> = perm.iter().map(|&(s, d)| (d, s)).collect();
             vec![comm.permute(&gs[0], &inverse, group).await?]
         }
-        Collective::Barrier { .. } => vec![],
-        Collective::PVary { group } => vec![comm.all_reduce(&gs[0], ReduceOp::Sum, group).await?],
+        Spec::Barrier {} => vec![],
     })
 }
 

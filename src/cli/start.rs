@@ -5,8 +5,9 @@
 //! GPU path is missing.
 
 use distgrad::ReduceOp;
+use distgrad::collective::Kind;
 use distgrad::train::TrainConfig;
-use distgrad::vjp::{self, Which};
+use distgrad::vjp;
 
 use super::DeviceArg;
 
@@ -47,7 +48,7 @@ pub fn run() -> distgrad::Result<()> {
                 "1. One all_reduce(sum) forward and backward: every rank's input, output and \
                  gradient, and the dual collective the backward pass ran.\n"
             );
-            let case = vjp::example_case(Which::AllReduce, WORLD, ReduceOp::Sum, 0, None)?;
+            let case = vjp::example_case(Kind::AllReduce, WORLD, ReduceOp::Sum, 0, None)?;
             let out = vjp::run_case(&case)?;
             print!("{}", vjp::render_table(&case, &out));
             println!(

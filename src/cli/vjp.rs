@@ -4,7 +4,7 @@
 use std::io::Read as _;
 
 use distgrad::ReduceOp;
-use distgrad::vjp::{self, Which};
+use distgrad::vjp;
 
 use super::{DeviceArg, named};
 
@@ -41,16 +41,16 @@ pub struct VjpArgs {
 pub fn run(a: VjpArgs) -> distgrad::Result<()> {
     let what = a.what.as_str();
     let input = |e: String| distgrad::Error::Input(e);
-    let case = if let Ok(which) = Which::parse(what) {
+    let case = if let Ok(which) = vjp::parse_collective(what) {
         // Say so when a flag does not apply (scripts looping over collectives may pass both).
         let name = which.name();
-        if a.op.is_some() && !which.uses_op() {
+        if a.op.is_some() && !which.takes_op() {
             eprintln!(
                 "distgrad: note: {name} takes no reduce op; --op ignored (it applies to \
                  reduce, all_reduce and reduce_scatter)"
             );
         }
-        if a.root.is_some() && !which.uses_root() {
+        if a.root.is_some() && !which.takes_root() {
             eprintln!(
                 "distgrad: note: {name} has no root; --root ignored (it applies to \
                  broadcast, reduce, gather and scatter)"
@@ -86,7 +86,7 @@ pub fn run(a: VjpArgs) -> distgrad::Result<()> {
         return Err(input(format!("no such case file {what:?}")));
     } else {
         // Neither a collective nor a file: say both.
-        let e = Which::parse(what)
+        let e = vjp::parse_collective(what)
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();

@@ -1,8 +1,9 @@
 //! `distgrad worker`: one rank of a relay room, running a case (built-in example or file) forward
 //! and backward and printing its share of the answer.
 
+use distgrad::collective::Kind;
 use distgrad::transport::Transport as _;
-use distgrad::vjp::{self, Which};
+use distgrad::vjp;
 use distgrad::{CommOptions, ReduceOp};
 
 use super::{named, runtime};
@@ -56,8 +57,8 @@ pub struct WorkerArgs {
 #[derive(clap::Args, Clone, Copy)]
 pub struct Example {
     /// Collective of the built-in example.
-    #[arg(long, default_value = "all_reduce", value_parser = named(&Which::ALL, Which::name))]
-    pub collective: Which,
+    #[arg(long, default_value = "all_reduce", value_parser = named(&vjp::COLLECTIVES, Kind::name))]
+    pub collective: Kind,
     /// Reduce op of the built-in example.
     #[arg(long, default_value = "sum", value_parser = named(&ReduceOp::ALL, ReduceOp::name))]
     pub op: ReduceOp,

@@ -1,5 +1,5 @@
-//! Collectives: the [`Communicator`] trait (all_reduce, broadcast, ...), groups, reduce ops and call
-//! signatures. [`P2p`] implements every collective from point-to-point messages over any
+//! Collectives: the [`Communicator`] trait (all_reduce, broadcast, ...), groups, reduce ops, the
+//! one description of a call ([`Spec`]) and call signatures. [`P2p`] implements every collective from point-to-point messages over any
 //! [`crate::transport::Transport`]: a ring for large all_reduce / all_gather / reduce_scatter
 //! ([`ring`]), a binomial tree for broadcast / reduce ([`tree`]), direct exchange for small messages
 //! and the rest ([`direct`]).
@@ -12,6 +12,7 @@ pub mod p2p;
 mod partial;
 pub mod ring;
 pub mod sig;
+pub mod spec;
 pub mod tree;
 
 use std::sync::Arc;
@@ -23,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 pub use p2p::{AllReduceAlgo, CommOptions, P2p};
 pub use sig::{CallSig, Kind};
+pub use spec::Spec;
 
 /// How a reducing collective combines the ranks' tensors, elementwise.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

@@ -18,7 +18,7 @@ use bytes::{Buf, BufMut, BytesMut};
 
 use super::call::{Call, decode_tensor, encode_tensor_async, with_timeout};
 use super::sig::{CallSig, Kind};
-use super::{Communicator, Group, ReduceOp, direct, list_shape, ring, tree};
+use super::{Communicator, Group, ReduceOp, Spec, direct, list_shape, ring, tree};
 use crate::backend::Device;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -302,10 +302,7 @@ impl<T: Transport> Communicator for P2p<T> {
             let dev = x.device();
             group.check_rank("broadcast", "root", root)?;
             let call = self
-                .begin(
-                    group,
-                    CallSig::new(Kind::Broadcast).root(root).shape(x.shape()),
-                )
+                .begin(group, Spec::Broadcast { root }.sig().shape(x.shape()))
                 .await?;
             let r = tree::broadcast(&call, x, root).await;
             let r = self.agree(&call, r, 3).await;
@@ -327,13 +324,7 @@ impl<T: Transport> Communicator for P2p<T> {
             let x = &stage(x, x.numel() > 0 && on_gpu(&dev)).await?;
             group.check_rank("reduce", "root", root)?;
             let call = self
-                .begin(
-                    group,
-                    CallSig::new(Kind::Reduce)
-                        .op(op)
-                        .root(root)
-                        .shape(x.shape()),
-                )
+                .begin(group, Spec::Reduce { root, op }.sig().shape(x.shape()))
                 .await?;
             let r = tree::reduce(&call, x, root, op).await;
             let r = self.agree(&call, r, 3).await;
@@ -367,10 +358,7 @@ impl<T: Transport> Communicator for P2p<T> {
                 (true, AllReduceAlgo::Pairwise) => vec![2],
                 (true, AllReduceAlgo::Shared) => vec![3],
             };
-            let sig = CallSig::new(Kind::AllReduce)
-                .op(op)
-                .shape(x.shape())
-                .extra(extra);
+            let sig = Spec::AllReduce { op }.sig().shape(x.shape()).extra(extra);
             let call = self.begin(group, sig).await?;
             let r = match (ring, algo) {
                 (false, _) => direct::all_reduce(&call, &host, op).await,
@@ -394,10 +382,7 @@ impl<T: Transport> Communicator for P2p<T> {
             let dev = x.device();
             group.check_rank("gather", "root", root)?;
             let call = self
-                .begin(
-                    group,
-                    CallSig::new(Kind::Gather).root(root).shape(x.shape()),
-                )
+                .begin(group, Spec::Gather { root }.sig().shape(x.shape()))
                 .await?;
             let r = direct::gather(&call, x, root).await;
             let r = self.agree(&call, r, 3).await;
@@ -416,7 +401,7 @@ impl<T: Transport> Communicator for P2p<T> {
                 .map_or(self.opts.device.clone(), Tensor::device);
             group.check_rank("scatter", "root", root)?;
             let me = group.require_member("scatter")?;
-            let mut sig = CallSig::new(Kind::Scatter).root(root);
+            let mut sig = Spec::Scatter { root }.sig();
             match (me == root, xs) {
                 (true, Some(xs)) => sig = sig.shape(&list_shape("scatter", xs, group.size())?),
                 (true, None) => {
@@ -445,7 +430,8 @@ impl<T: Transport> Communicator for P2p<T> {
         self.guarded(async {
             let dev = x.device();
             let ring = group.size() > 1 && x.numel() * 4 >= self.opts.ring_threshold;
-            let sig = CallSig::new(Kind::AllGather)
+            let sig = Spec::AllGather {}
+                .sig()
                 .shape(x.shape())
                 .extra(vec![u64::from(ring)]);
             let call = self.begin(group, sig).await?;
@@ -473,8 +459,8 @@ impl<T: Transport> Communicator for P2p<T> {
             } else {
                 to_host(xs).await?
             };
-            let sig = CallSig::new(Kind::ReduceScatter)
-                .op(op)
+            let sig = Spec::ReduceScatter { op }
+                .sig()
                 .shape(&shape)
                 .extra(vec![u64::from(ring)]);
             let call = self.begin(group, sig).await?;
@@ -501,7 +487,7 @@ impl<T: Transport> Communicator for P2p<T> {
                     ),
                 ));
             }
-            let call = self.begin(group, CallSig::new(Kind::AllToAll)).await?;
+            let call = self.begin(group, Spec::AllToAll {}.sig()).await?;
             let r = direct::all_to_all(&call, xs).await;
             to_device(&self.finish(call, r).await?, &dev)
         })
@@ -686,7 +672,7 @@ impl<T: Transport> Communicator for P2p<T> {
 
     async fn barrier(&self, group: &Group) -> Result<()> {
         self.guarded(async {
-            let call = self.begin(group, CallSig::new(Kind::Barrier)).await?;
+            let call = self.begin(group, Spec::Barrier {}.sig()).await?;
             let r = direct::barrier(&call).await;
             self.finish(call, r).await
         })

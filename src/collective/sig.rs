@@ -40,7 +40,8 @@ pub enum Kind {
 }
 
 impl Kind {
-    const ALL: [Kind; 12] = [
+    /// Every kind, in wire-code order.
+    pub const ALL: [Kind; 12] = [
         Kind::Broadcast,
         Kind::Reduce,
         Kind::AllReduce,
@@ -71,6 +72,19 @@ impl Kind {
             Kind::Barrier => "barrier",
             Kind::Send => "send/recv",
         }
+    }
+
+    /// Whether the collective takes a reduce op.
+    pub fn takes_op(self) -> bool {
+        matches!(self, Kind::Reduce | Kind::AllReduce | Kind::ReduceScatter)
+    }
+
+    /// Whether the collective takes a root.
+    pub fn takes_root(self) -> bool {
+        matches!(
+            self,
+            Kind::Broadcast | Kind::Reduce | Kind::Gather | Kind::Scatter
+        )
     }
 }
 

@@ -38,7 +38,9 @@ mod shared;
 use shared::{DevBuf, Part, Shared};
 
 use crate::backend::{Device, Storage};
-use crate::collective::{CallSig, Communicator, Group, Kind, ReduceOp, check_pairs, list_shape};
+use crate::collective::{
+    CallSig, Communicator, Group, Kind, ReduceOp, Spec, check_pairs, list_shape,
+};
 use crate::error::{Error, Result};
 use crate::rendezvous::{LaunchEnv, Store, StoreServer};
 use crate::tensor::Tensor;
@@ -787,11 +789,7 @@ impl Communicator for NcclComm {
     async fn broadcast(&self, x: &Tensor, root: usize, group: &Group) -> Result<Tensor> {
         group.check_rank("broadcast", "root", root)?;
         let (c, me) = self.comm(group, "broadcast")?;
-        self.check(
-            &c,
-            group,
-            &CallSig::new(Kind::Broadcast).root(root).shape(x.shape()),
-        )?;
+        self.check(&c, group, &Spec::Broadcast { root }.sig().shape(x.shape()))?;
         let dev = x.device();
         let mut recv = self.output("broadcast", x.numel(), &dev)?;
         if me == root {
@@ -813,14 +811,7 @@ impl Communicator for NcclComm {
     ) -> Result<Option<Tensor>> {
         group.check_rank("reduce", "root", root)?;
         let (c, me) = self.comm(group, "reduce")?;
-        self.check(
-            &c,
-            group,
-            &CallSig::new(Kind::Reduce)
-                .op(op)
-                .root(root)
-                .shape(x.shape()),
-        )?;
+        self.check(&c, group, &Spec::Reduce { root, op }.sig().shape(x.shape()))?;
         let dev = x.device();
         let send = self.input("reduce", &[x])?;
         let mut recv = if me == root {
@@ -844,11 +835,7 @@ impl Communicator for NcclComm {
 
     async fn all_reduce(&self, x: &Tensor, op: ReduceOp, group: &Group) -> Result<Tensor> {
         let (c, _) = self.comm(group, "all_reduce")?;
-        self.check(
-            &c,
-            group,
-            &CallSig::new(Kind::AllReduce).op(op).shape(x.shape()),
-        )?;
+        self.check(&c, group, &Spec::AllReduce { op }.sig().shape(x.shape()))?;
         let dev = x.device();
         let send = self.input("all_reduce", &[x])?;
         let mut recv = self.output("all_reduce", x.numel(), &dev)?;
@@ -860,11 +847,7 @@ impl Communicator for NcclComm {
     async fn gather(&self, x: &Tensor, root: usize, group: &Group) -> Result<Option<Vec<Tensor>>> {
         group.check_rank("gather", "root", root)?;
         let (c, me) = self.comm(group, "gather")?;
-        self.check(
-            &c,
-            group,
-            &CallSig::new(Kind::Gather).root(root).shape(x.shape()),
-        )?;
+        self.check(&c, group, &Spec::Gather { root }.sig().shape(x.shape()))?;
         let n = x.numel();
         if me != root {
             let send = self.input("gather", &[x])?;
@@ -893,7 +876,7 @@ impl Communicator for NcclComm {
     async fn scatter(&self, xs: Option<&[Tensor]>, root: usize, group: &Group) -> Result<Tensor> {
         group.check_rank("scatter", "root", root)?;
         let (c, me) = self.comm(group, "scatter")?;
-        let mut sig = CallSig::new(Kind::Scatter).root(root);
+        let mut sig = Spec::Scatter { root }.sig();
         if me == root {
             let xs = xs.ok_or_else(|| {
                 Error::invalid(
@@ -986,7 +969,7 @@ impl Communicator for NcclComm {
 
     async fn all_gather(&self, x: &Tensor, group: &Group) -> Result<Vec<Tensor>> {
         let (c, _) = self.comm(group, "all_gather")?;
-        self.check(&c, group, &CallSig::new(Kind::AllGather).shape(x.shape()))?;
+        self.check(&c, group, &Spec::AllGather {}.sig().shape(x.shape()))?;
         // Each rank's part takes at least one slot (NCCL refuses empty buffers).
         let slot = x.numel().max(1);
         let dev = x.device();
@@ -1000,11 +983,7 @@ impl Communicator for NcclComm {
     async fn reduce_scatter(&self, xs: &[Tensor], op: ReduceOp, group: &Group) -> Result<Tensor> {
         let (c, _) = self.comm(group, "reduce_scatter")?;
         let shape = list_shape("reduce_scatter", xs, group.size())?;
-        self.check(
-            &c,
-            group,
-            &CallSig::new(Kind::ReduceScatter).op(op).shape(&shape),
-        )?;
+        self.check(&c, group, &Spec::ReduceScatter { op }.sig().shape(&shape))?;
         let n = xs[0].numel();
         let dev = xs[0].device();
         let refs: Vec<&Tensor> = xs.iter().collect();
@@ -1020,7 +999,7 @@ impl Communicator for NcclComm {
     async fn all_to_all(&self, xs: &[Tensor], group: &Group) -> Result<Vec<Tensor>> {
         let (c, me) = self.comm(group, "all_to_all")?;
         let shape = list_shape("all_to_all", xs, group.size())?;
-        self.check(&c, group, &CallSig::new(Kind::AllToAll).shape(&shape))?;
+        self.check(&c, group, &Spec::AllToAll {}.sig().shape(&shape))?;
         let n = xs[0].numel();
         let dev = xs[0].device();
         let peers: Vec<usize> = (0..group.size()).filter(|&r| r != me).collect();
@@ -1184,7 +1163,7 @@ impl Communicator for NcclComm {
 
     async fn barrier(&self, group: &Group) -> Result<()> {
         let (c, _) = self.comm(group, "barrier")?;
-        self.check(&c, group, &CallSig::new(Kind::Barrier))?;
+        self.check(&c, group, &Spec::Barrier {}.sig())?;
         let send = self.upload("barrier", &[0.0])?;
         let mut recv = self.zeros("barrier", 1)?;
         c.all_reduce(&send, &mut recv, &nc::ReduceOp::Sum)

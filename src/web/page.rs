@@ -39,7 +39,7 @@ use crate::collective::{Communicator, P2p, ReduceOp};
 use crate::error::{Error, Result};
 use crate::lesson::{self, Lesson, LessonKind, Phase, RankTrace, Trace};
 use crate::transport::{Channel, Tag, Transport};
-use crate::vjp::{self, Case, Prepared, RankResult, TensorJson, Which};
+use crate::vjp::{self, Case, Prepared, RankResult, TensorJson};
 use crate::{Tape, Tensor, dist};
 
 /// The bus's group id (no communicator group reaches it).
@@ -918,9 +918,9 @@ fn show_results(case: &Case, results: &[RankResult], only: Option<usize>) {
 /// The case the form describes (the built-in example for this world).
 async fn form_case(collective: &str, op: &str, root: usize) -> Result<Case> {
     let world = state(|s| s.world);
-    let which = Which::parse(collective)?;
+    let which = vjp::parse_collective(collective)?;
     let op = ReduceOp::parse(op)?;
-    if which.uses_root() && root >= world {
+    if which.takes_root() && root >= world {
         return Err(Error::Input(format!(
             "root {root} is not a rank of a world of {world}"
         )));
@@ -1719,7 +1719,7 @@ fn install_api() {
     }
     if let Some(sel) = el::<HtmlSelectElement>("collective") {
         let mut html = String::new();
-        for w in Which::ALL {
+        for w in vjp::COLLECTIVES {
             html.push_str(&format!("<option value=\"{0}\">{0}</option>", w.name()));
         }
         sel.set_inner_html(&html);

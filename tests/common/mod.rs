@@ -21,6 +21,7 @@
 use std::time::Duration;
 
 pub use distgrad::backend::Device;
+use distgrad::collective::Spec;
 use distgrad::{
     AllReduceAlgo, CommOptions, Communicator, Group, Objective, ReduceOp, Tape, Tensor, Var, dist,
     run_local,
@@ -538,7 +539,50 @@ pub fn oracle(coll: &Coll, inputs: &[Vec<Arr>]) -> Vec<Vec<Arr>> {
 // Running collectives through the library
 // ---------------------------------------------------------------------------------------------
 
-/// Run `coll` on this rank (a member of `g`) through the differentiable API; returns the outputs.
+impl Coll {
+    /// The library's description of the calls group rank `me` makes for this case, in order (one
+    /// call, except send/recv: one per message this rank takes part in).
+    pub fn specs(&self, me: usize) -> Vec<Spec> {
+        match self {
+            Coll::Broadcast { root } => vec![Spec::Broadcast { root: *root }],
+            Coll::Reduce { root, op } => vec![Spec::Reduce {
+                root: *root,
+                op: *op,
+            }],
+            Coll::AllReduce { op } => vec![Spec::AllReduce { op: *op }],
+            Coll::Gather { root } => vec![Spec::Gather { root: *root }],
+            Coll::Scatter { root } => vec![Spec::Scatter { root: *root }],
+            Coll::AllGather => vec![Spec::AllGather {}],
+            Coll::ReduceScatter { op } => vec![Spec::ReduceScatter { op: *op }],
+            Coll::AllToAll { .. } => vec![Spec::AllToAll {}],
+            Coll::AllToAllSingle { in_splits, .. } => vec![Spec::AllToAllSingle {
+                in_splits: in_splits[me].clone(),
+                out_splits: in_splits.iter().map(|s| s[me]).collect(),
+            }],
+            Coll::Permute { pairs } => vec![Spec::Permute {
+                perm: pairs.clone(),
+            }],
+            Coll::SendRecv { pairs, shape } => pairs
+                .iter()
+                .filter_map(|&(s, d)| {
+                    if s == me {
+                        Some(Spec::Send { dst: d })
+                    } else if d == me {
+                        Some(Spec::Recv {
+                            src: s,
+                            shape: shape.clone(),
+                        })
+                    } else {
+                        None
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Run `coll` on this rank (a member of `g`) through the differentiable API ([`dist::call`] of
+/// each of its [`Coll::specs`], inputs taken in order); returns the outputs.
 pub async fn exec<C: Communicator>(
     comm: &C,
     g: &Group,
@@ -547,43 +591,15 @@ pub async fn exec<C: Communicator>(
     xs: &[Var],
 ) -> distgrad::Result<Vec<Var>> {
     let me = g.rank().expect("exec is only called on members");
-    Ok(match coll {
-        Coll::Broadcast { root } => vec![dist::broadcast(comm, &xs[0], *root, g).await?],
-        Coll::Reduce { root, op } => dist::reduce(comm, &xs[0], *root, *op, g)
-            .await?
-            .into_iter()
-            .collect(),
-        Coll::AllReduce { op } => vec![dist::all_reduce(comm, &xs[0], *op, g).await?],
-        Coll::Gather { root } => dist::gather(comm, &xs[0], *root, g)
-            .await?
-            .unwrap_or_default(),
-        Coll::Scatter { root } => {
-            let list = (me == *root).then_some(xs);
-            vec![dist::scatter(comm, tape, list, *root, g).await?]
-        }
-        Coll::AllGather => dist::all_gather(comm, &xs[0], g).await?,
-        Coll::ReduceScatter { op } => vec![dist::reduce_scatter(comm, xs, *op, g).await?],
-        Coll::AllToAll { .. } => dist::all_to_all(comm, xs, g).await?,
-        Coll::AllToAllSingle { in_splits, .. } => {
-            let out_splits: Vec<usize> = in_splits.iter().map(|s| s[me]).collect();
-            vec![dist::all_to_all_single(comm, &xs[0], &in_splits[me], &out_splits, g).await?]
-        }
-        Coll::Permute { pairs } => vec![dist::permute(comm, &xs[0], pairs, g).await?],
-        Coll::SendRecv { pairs, shape } => {
-            let mut outs = Vec::new();
-            let mut k = 0;
-            for &(s, d) in pairs {
-                if s == me {
-                    dist::send(comm, &xs[k], d, g).await?;
-                    k += 1;
-                }
-                if d == me {
-                    outs.push(dist::recv(comm, tape, shape, s, g).await?);
-                }
-            }
-            outs
-        }
-    })
+    let mut outs = Vec::new();
+    let mut next = 0;
+    for spec in coll.specs(me) {
+        let k = spec.n_inputs(me, g.size());
+        let ins = xs.get(next..next + k).expect("exec: inputs for every call");
+        next += k;
+        outs.extend(dist::call(comm, tape, &spec, ins, g).await?);
+    }
+    Ok(outs)
 }
 
 /// One group rank's outputs and input gradients (read back to the host), and the name of the device
