@@ -34,6 +34,10 @@ fi
 say "native tests"
 cargo test --locked
 
+say "examples (each checks its own result: gradients across ranks, data parallel vs one device)"
+cargo run --locked -q --example gradcheck_custom
+cargo run --locked -q --example data_parallel
+
 say "NCCL target (feature native-nccl; GPU checks say 'skipped: no CUDA device' without one)"
 cargo test --locked --features native-nccl --test nccl --test train -- --nocapture 2>&1 \
   | grep -E "skipped|NCCL ==|as expected|NCCL present|^test |test result|panicked|error|warning"

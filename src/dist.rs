@@ -11,6 +11,26 @@ use crate::collective::{Communicator, Group, ReduceOp, Spec};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
+/// Replicated mode: an input only some ranks of its invariance group pass (scatter's root, a
+/// send) cannot be made varying there: the dual of that is an all_reduce over the whole group,
+/// which the other ranks would not run. Refuse it, naming the fix.
+fn one_sided(op: &'static str, xs: &[Var]) -> Result<()> {
+    match xs
+        .iter()
+        .find_map(|x| x.invariant().filter(|g| g.size() > 1))
+    {
+        Some(g) => Err(Error::invalid(
+            op,
+            format!(
+                "under the replicated objective this rank's input is invariant over group {} ({} ranks), but only this rank passes it: make it varying on every rank of that group first (Var::make_varying)",
+                g.id(),
+                g.size()
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Replicated mode: invariant inputs enter a collective as varying values.
 fn varying(x: &Var) -> Var {
     match x.invariant() {
@@ -122,6 +142,7 @@ pub async fn scatter<C: Communicator>(
     root: usize,
     group: &Group,
 ) -> Result<Var> {
+    checked(comm, one_sided("scatter", xs.unwrap_or_default())).await?;
     let xs: Vec<Var> = xs
         .map(|xs| xs.iter().map(varying).collect())
         .unwrap_or_default();
@@ -198,6 +219,7 @@ pub async fn all_to_all_single<C: Communicator>(
 
 /// Send `x` to group rank `dst`; gradient: receive the cotangent back from `dst`.
 pub async fn send<C: Communicator>(comm: &C, x: &Var, dst: usize, group: &Group) -> Result<()> {
+    checked(comm, one_sided("send", std::slice::from_ref(x))).await?;
     let x = varying(x);
     comm.send(&x.value(), dst, group).await?;
     record(x.tape(), Spec::Send { dst }, group, &[&x], vec![]);

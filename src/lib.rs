@@ -53,6 +53,10 @@
 //!   ([`run::run_interleaved`], also in a browser page).
 //! - `web` (wasm32): the browser side: the rank page and the WebSocket + WebRTC transport.
 //! - [`vjp`]: the JSON case format and runner behind `distgrad vjp`.
+//! - [`program`]: programs — named inputs, local ops and collectives (each a
+//!   [`collective::Spec`]), a loss — in JSON, checked before they run, run on any communicator.
+//! - [`gradcheck`](mod@gradcheck): the distributed gradient check (central differences of the
+//!   global objective, every rank re-running per coordinate) behind `distgrad gradcheck`.
 //! - [`lesson`]: the teaching demo's lessons (JSON in `www/lessons/`) and their traces, shown by
 //!   the page and printed by `distgrad run`.
 //! - [`bench`](mod@bench): the benchmarks behind `distgrad bench`.
@@ -84,10 +88,12 @@ pub mod bench;
 pub mod collective;
 pub mod dist;
 pub mod error;
+pub mod gradcheck;
 pub mod lesson;
 #[cfg(all(feature = "native-nccl", target_os = "linux"))]
 pub mod nccl;
 pub mod pool;
+pub mod program;
 #[cfg(all(feature = "native-nccl", not(target_os = "linux")))]
 compile_error!(
     "feature `native-nccl` needs Linux (NCCL and the Vulkan-CUDA memory sharing are Linux-only)"
@@ -108,6 +114,8 @@ pub mod wire;
 pub use autograd::{Grads, Objective, Tape, Var};
 pub use collective::{AllReduceAlgo, CommOptions, Communicator, Group, P2p, ReduceOp};
 pub use error::{Error, Result};
+#[cfg(not(target_arch = "wasm32"))]
+pub use gradcheck::gradcheck;
 pub use run::LocalComm;
 #[cfg(not(target_arch = "wasm32"))]
 pub use run::run_local;

@@ -15,6 +15,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 mod bench;
 mod demo;
+mod gradcheck;
 mod launch;
 mod relay;
 mod run;
@@ -48,9 +49,16 @@ enum Cmd {
     /// `distgrad vjp all_gather --world 4` runs a built-in example; `distgrad vjp case.json` (or `-`
     /// for stdin) runs a case file (schema: see the README).
     Vjp(vjp::VjpArgs),
-    /// Run a lesson of the teaching demo (`www/lessons/<name>.json`) on N ranks in this process and
-    /// print its trace: every step's messages and every rank's values, as the web page shows them.
+    /// Run a program (`www/programs/*.json`: inputs, local ops, collectives, a loss) or a lesson of
+    /// the teaching demo (`www/lessons/<name>.json`) on N ranks in this process: a program prints
+    /// every rank's loss and gradients, a lesson its trace (every step's messages and every rank's
+    /// values, as the web page shows them).
     Run(run::RunArgs),
+    /// Check a program's gradients across its ranks: central differences of the global objective
+    /// (every perturbed coordinate re-runs the program on all ranks) against what backward gave
+    /// each rank; a table per rank and input and PASS (exit code 0), FAIL (1) or INCONCLUSIVE (3:
+    /// at a tie across ranks, where a check per coordinate cannot confirm backward's choice).
+    Gradcheck(gradcheck::GradcheckArgs),
     /// Data-parallel training of a small MLP with the gradients flowing through the collectives:
     /// on in-process ranks (`--backend local`) or one process per GPU over NCCL (`--backend nccl`,
     /// needs `--features native-nccl`; also runs under torchrun-style launchers: RANK,
@@ -179,7 +187,7 @@ pub fn runtime(multi: bool) -> distgrad::Result<tokio::runtime::Runtime> {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     match &cli.cmd {
-        Some(Cmd::Vjp(_) | Cmd::Run(_)) => quiet_on_closed_stdout(),
+        Some(Cmd::Vjp(_) | Cmd::Run(_) | Cmd::Gradcheck(_)) => quiet_on_closed_stdout(),
         Some(Cmd::Train(t)) if t.backend == train::Backend::Local => quiet_on_closed_stdout(),
         _ => {}
     }
@@ -187,6 +195,11 @@ pub fn main() -> ExitCode {
         None => start::run(),
         Some(Cmd::Vjp(a)) => vjp::run(a),
         Some(Cmd::Run(a)) => run::run(a),
+        Some(Cmd::Gradcheck(a)) => match gradcheck::run(a) {
+            Ok(0) => Ok(()),
+            Ok(code) => return ExitCode::from(code),
+            Err(e) => Err(e),
+        },
         Some(Cmd::Train(a)) => train::run(a),
         Some(Cmd::Relay(a)) => relay::run(a),
         Some(Cmd::Worker(a)) => worker::run(a),

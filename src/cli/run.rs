@@ -1,14 +1,15 @@
-//! `distgrad run`: a lesson of the teaching demo on in-process ranks, printed as the page shows
-//! it (every step's messages and every rank's values), or as JSON.
+//! `distgrad run`: a program on in-process ranks (every rank's loss and gradients), or a lesson of
+//! the teaching demo, printed as the page shows it (every step's messages and every rank's
+//! values); either as JSON with `--json`.
 
 use super::DeviceArg;
 
 /// Flags of `distgrad run`.
 #[derive(clap::Args)]
 pub struct RunArgs {
-    /// The lesson file.
+    /// The program or lesson file (a program has "steps" and "loss").
     lesson: std::path::PathBuf,
-    /// World size, 1..=64 (default: the lesson's, else 3).
+    /// World size, 1..=64 (default: the program's or lesson's, else 3).
     #[arg(long)]
     world: Option<usize>,
     /// Print the trace as JSON.
@@ -25,6 +26,11 @@ pub fn run(a: RunArgs) -> distgrad::Result<()> {
     let path = a.lesson.as_path();
     let text = std::fs::read_to_string(path)
         .map_err(|e| distgrad::Error::Input(format!("reading {}: {e}", path.display())))?;
+    if serde_json::from_str::<serde_json::Value>(&text)
+        .is_ok_and(|v| v.get("steps").is_some() && v.get("loss").is_some())
+    {
+        return run_program(&a, &text, &device);
+    }
     let lesson = distgrad::lesson::parse(&text).map_err(|e| {
         // The folder's index lists the lessons; it is not one.
         match serde_json::from_str::<serde_json::Value>(&text) {
@@ -60,6 +66,102 @@ pub fn run(a: RunArgs) -> distgrad::Result<()> {
         );
     } else {
         print!("{}", distgrad::lesson::render(&trace));
+    }
+    Ok(())
+}
+
+/// `distgrad run prog.json`: every rank's loss and gradient per input.
+fn run_program(
+    a: &RunArgs,
+    text: &str,
+    device: &distgrad::backend::Device,
+) -> distgrad::Result<()> {
+    let program = distgrad::program::Program::parse(text)
+        .map_err(|e| distgrad::Error::Input(format!("{}: {e}", a.lesson.display())))?;
+    let plan = program.plan(a.world)?;
+    let opts = distgrad::CommOptions {
+        device: device.clone(),
+        ..distgrad::CommOptions::default()
+    };
+    let runs = distgrad::program::run_local(&plan, opts)?;
+    if a.json {
+        let v: Vec<serde_json::Value> = runs
+            .iter()
+            .enumerate()
+            .map(|(r, run)| {
+                serde_json::json!({"rank": r, "loss": run.loss, "weight": run.weight, "grads": run.grads})
+            })
+            .collect();
+        println!("{}", serde_json::Value::Array(v));
+        return Ok(());
+    }
+    if let Some(t) = &program.title {
+        println!("{t}");
+    }
+    let objective: f64 = runs.iter().map(|r| r.contribution()).sum();
+    println!(
+        "world={}  objective {:?}  F = {objective}",
+        plan.world(),
+        program.objective
+    );
+    let names = plan.input_names();
+    let mut header = vec!["rank".to_string(), "loss".to_string()];
+    header.extend(
+        names
+            .iter()
+            .zip(&program.inputs)
+            .filter(|(_, i)| i.grad)
+            .map(|(n, _)| format!("d F / d {n}")),
+    );
+    let rows: Vec<Vec<String>> = runs
+        .iter()
+        .enumerate()
+        .map(|(r, run)| {
+            let mut row = vec![
+                r.to_string(),
+                run.loss.map_or("-".into(), |l| l.to_string()),
+            ];
+            for (g, inp) in run.grads.iter().zip(&program.inputs) {
+                if let Some(g) = g {
+                    row.push(distgrad::vjp::fmt_t(&distgrad::vjp::TensorJson {
+                        shape: inp.shape.clone(),
+                        data: g.iter().map(|&x| (!x.is_nan()).then_some(x)).collect(),
+                    }));
+                }
+            }
+            row
+        })
+        .collect();
+    let widths: Vec<usize> = (0..header.len())
+        .map(|c| {
+            rows.iter()
+                .map(|r| r[c].chars().count())
+                .chain([header[c].chars().count()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |cells: &[String]| {
+        cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect::<Vec<_>>()
+            .join(" | ")
+            .trim_end()
+            .to_string()
+    };
+    println!("{}", line(&header));
+    println!(
+        "{}",
+        widths
+            .iter()
+            .map(|w| "-".repeat(*w))
+            .collect::<Vec<_>>()
+            .join("-+-")
+    );
+    for r in &rows {
+        println!("{}", line(r));
     }
     Ok(())
 }

@@ -1,0 +1,440 @@
+//! Programs: a small JSON description of what every rank computes — named inputs, a sequence of
+//! local ops and collectives, a loss — that runs on any communicator ([`run_rank`]), in-process
+//! ([`run_local`]), and whose gradients [`mod@crate::gradcheck`] checks across the ranks.
+//!
+//! ```text
+//! {"world": 3,
+//!  "objective": "sum_of_rank_losses" | "replicated",          (default: sum_of_rank_losses)
+//!  "inputs": [
+//!    {"name": "x", "shape": [2, 3]},                           uniform in [-1, 1), per rank
+//!    {"name": "w", "shape": [3, 2], "seed": 7, "replicated": true},   the same on every rank
+//!    {"name": "t", "shape": [2], "values": [[1, 2], [3, 4], [5, 6]]}, one list per rank
+//!    {"name": "c", "shape": [2], "value": [0.5, 1], "grad": false}],  a constant
+//!  "steps": [
+//!    {"op": "matmul", "in": ["x", "w"], "out": "h"},
+//!    {"collective": "all_reduce", "op": "max", "in": ["h"], "out": "m"},
+//!    {"collective": "all_gather", "in": ["m"], "out": "g", "group": [0, 2]},
+//!    {"op": "sum", "in": ["g.1"], "out": "loss"}],
+//!  "loss": "loss"}
+//! ```
+//!
+//! - **Inputs** are the values the gradient is taken with respect to (unless `"grad": false`).
+//!   Values: `"values"` (one list per rank), `"value"` (every rank), or generated from `"seed"`
+//!   (default: the input's index) uniformly in `"range"` (default `[-1, 1]`), different per rank
+//!   unless `"replicated": true`. Under the replicated objective a replicated input is invariant
+//!   over the world (like a closed-over value in JAX's shard_map).
+//! - **Local steps** (`"op"`): `add`, `sub`, `mul` (broadcasting), `matmul`, `scale` (`"by"`),
+//!   `sum`, `mean`, `relu`, `tanh`, `square`, `reshape` (`"shape"`), `slice` (`"dim"`, `"start"`,
+//!   `"len"`), `concat` (`"dim"`, any number of inputs), `mse_loss` — every differentiable op of
+//!   the tape.
+//! - **Collective steps** (`"collective"`): every kind of [`Spec`] with its fields (`op`, `root`,
+//!   `perm`, `dst`, `src` + `shape`, `in_splits` / `out_splits`); `"group"` (global ranks, default
+//!   all) runs it on a subgroup, roots and peers are group ranks. A collective whose output is a
+//!   list (gather on the root, all_gather, all_to_all) binds `out.0`, `out.1`, ...; list inputs
+//!   (scatter's root, reduce_scatter, all_to_all) name one value per group rank.
+//!   `all_to_all_single` may give its splits per group rank (a list of lists) and leave out
+//!   `out_splits` (then rank `r` receives `in_splits[i][r]` rows from rank `i`).
+//! - **`"ranks"`** (global ranks) limits a step to some ranks: a rank-dependent program, e.g. a
+//!   `send` on rank 0 and the matching `recv` on rank 1. A collective other than send / recv runs
+//!   on every member of its group.
+//! - **The loss** is a one-element value; a rank without it contributes nothing. The global
+//!   objective is the sum of the ranks' losses; under the replicated objective a loss that is
+//!   invariant over a group counts once for the group (as [`crate::Objective`] says).
+//!
+//! Everything is checked before anything runs ([`Program::plan`]): unknown names and fields,
+//! shapes, and what must agree across ranks (shapes of a collective's inputs, split sizes,
+//! send / recv pairs), with the step and the ranks in the message.
+
+mod check;
+mod random;
+mod run;
+
+use serde::{Deserialize, Serialize};
+
+use crate::collective::Spec;
+use crate::error::{Error, Result};
+
+pub use check::Plan;
+pub use random::{RandomOptions, random_program};
+pub(crate) use run::loss_weight;
+#[cfg(not(target_arch = "wasm32"))]
+pub use run::run_local;
+pub use run::{RankRun, forward, run_rank};
+
+/// Largest world a program may ask for.
+pub const MAX_WORLD: usize = 64;
+
+/// Largest tensor a program may declare (elements), so a typo cannot exhaust memory.
+pub const MAX_NUMEL: usize = 1 << 26;
+
+/// A program: see the module docs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Program {
+    /// A heading (shown by the CLI and the page).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub title: Option<String>,
+    /// Number of ranks.
+    pub world: usize,
+    /// The objective convention.
+    #[serde(default)]
+    pub objective: ObjectiveName,
+    /// Named inputs.
+    pub inputs: Vec<Input>,
+    /// What every rank computes, in order.
+    pub steps: Vec<Step>,
+    /// Name of the loss value.
+    pub loss: String,
+}
+
+/// The objective convention of a program (see [`crate::Objective`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ObjectiveName {
+    /// The sum over ranks of each rank's loss (PyTorch's convention).
+    #[default]
+    SumOfRankLosses,
+    /// Values know whether they are replicated; an invariant loss counts once (JAX's).
+    Replicated,
+}
+
+impl ObjectiveName {
+    /// The tape's objective.
+    pub fn objective(self) -> crate::Objective {
+        match self {
+            ObjectiveName::SumOfRankLosses => crate::Objective::SumOfRankLosses,
+            ObjectiveName::Replicated => crate::Objective::Replicated,
+        }
+    }
+}
+
+/// A named input.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Input {
+    /// Name used by the steps.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Values per rank (row-major).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub values: Option<Vec<Vec<f32>>>,
+    /// Values, the same on every rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value: Option<Vec<f32>>,
+    /// Seed of generated values (default: the input's index).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// Range of generated values (default `[-1, 1]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub range: Option<(f32, f32)>,
+    /// Whether the gradient is taken with respect to it (default true).
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub grad: bool,
+    /// The same value on every rank (generated values, or `value`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub replicated: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// A local differentiable op (the `"op"` of a local step).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum LocalOp {
+    /// `a + b` (broadcasting).
+    Add {},
+    /// `a - b` (broadcasting).
+    Sub {},
+    /// `a * b` elementwise (broadcasting).
+    Mul {},
+    /// `[m, k] x [k, n]`.
+    Matmul {},
+    /// `by * a`.
+    Scale {
+        /// The factor.
+        by: f32,
+    },
+    /// Sum of all elements (one element).
+    Sum {},
+    /// Mean of all elements (one element).
+    Mean {},
+    /// `max(a, 0)`.
+    Relu {},
+    /// `tanh(a)`.
+    Tanh {},
+    /// `a * a`.
+    Square {},
+    /// Same values, new shape.
+    Reshape {
+        /// The new shape.
+        shape: Vec<usize>,
+    },
+    /// `len` entries of dim `dim` from `start`.
+    Slice {
+        /// Dimension.
+        dim: usize,
+        /// First index.
+        start: usize,
+        /// Number of indices.
+        len: usize,
+    },
+    /// The inputs joined along `dim`.
+    Concat {
+        /// Dimension.
+        dim: usize,
+    },
+    /// `mean((a - b)^2)`.
+    MseLoss {},
+}
+
+impl LocalOp {
+    /// The op's name in JSON.
+    pub fn name(&self) -> &'static str {
+        match self {
+            LocalOp::Add {} => "add",
+            LocalOp::Sub {} => "sub",
+            LocalOp::Mul {} => "mul",
+            LocalOp::Matmul {} => "matmul",
+            LocalOp::Scale { .. } => "scale",
+            LocalOp::Sum {} => "sum",
+            LocalOp::Mean {} => "mean",
+            LocalOp::Relu {} => "relu",
+            LocalOp::Tanh {} => "tanh",
+            LocalOp::Square {} => "square",
+            LocalOp::Reshape { .. } => "reshape",
+            LocalOp::Slice { .. } => "slice",
+            LocalOp::Concat { .. } => "concat",
+            LocalOp::MseLoss {} => "mse_loss",
+        }
+    }
+
+    /// Number of inputs (`None`: any number, at least one).
+    pub fn arity(&self) -> Option<usize> {
+        match self {
+            LocalOp::Add {}
+            | LocalOp::Sub {}
+            | LocalOp::Mul {}
+            | LocalOp::Matmul {}
+            | LocalOp::MseLoss {} => Some(2),
+            LocalOp::Concat { .. } => None,
+            LocalOp::Scale { .. }
+            | LocalOp::Sum {}
+            | LocalOp::Mean {}
+            | LocalOp::Relu {}
+            | LocalOp::Tanh {}
+            | LocalOp::Square {}
+            | LocalOp::Reshape { .. }
+            | LocalOp::Slice { .. } => Some(1),
+        }
+    }
+}
+
+/// What a step does.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepKind {
+    /// A local op on each rank.
+    Local(LocalOp),
+    /// A collective call; `splits` holds all_to_all_single's per-group-rank split sizes when the
+    /// step gives them as lists of lists (the call's own `in_splits` / `out_splits` are then
+    /// filled per rank).
+    Collective {
+        /// The call (for all_to_all_single with per-rank splits: the splits are placeholders).
+        spec: Spec,
+        /// all_to_all_single's split sizes per group rank.
+        splits: Option<Splits>,
+    },
+}
+
+/// all_to_all_single's split sizes given per group rank.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Splits {
+    /// `in_splits[r][j]`: rows group rank `r` sends to group rank `j`.
+    pub in_splits: Vec<Vec<usize>>,
+    /// `out_splits[r][i]`: rows group rank `r` receives from `i` (`None`: `in_splits[i][r]`).
+    pub out_splits: Option<Vec<Vec<usize>>>,
+}
+
+/// One step of a program.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Step {
+    /// What it does.
+    pub kind: StepKind,
+    /// Names of its inputs (`"in"`).
+    pub inputs: Vec<String>,
+    /// Name of its output (`"out"`; a list output binds `out.0`, `out.1`, ...).
+    pub out: Option<String>,
+    /// The global ranks that run it (default: all ranks; a collective's group).
+    pub ranks: Option<Vec<usize>>,
+    /// A collective's group (global ranks; default: all ranks).
+    pub group: Option<Vec<usize>>,
+}
+
+impl Step {
+    /// A short description for messages: `all_reduce(op=max) [h] -> m`.
+    pub fn describe(&self) -> String {
+        let what = match &self.kind {
+            StepKind::Local(op) => op.name().to_string(),
+            StepKind::Collective {
+                spec,
+                splits: Some(_),
+            } => spec.kind().name().to_string(),
+            StepKind::Collective { spec, .. } => spec.to_string(),
+        };
+        let out = self
+            .out
+            .as_deref()
+            .map(|o| format!(" -> {o}"))
+            .unwrap_or_default();
+        format!("{what} [{}]{out}", self.inputs.join(", "))
+    }
+}
+
+const STEP_KEYS: [&str; 4] = ["in", "out", "ranks", "group"];
+
+impl<'de> Deserialize<'de> for Step {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error as _;
+        let mut map = serde_json::Map::<String, serde_json::Value>::deserialize(d)?;
+        let take = |map: &mut serde_json::Map<String, serde_json::Value>, k: &str| map.remove(k);
+        let inputs: Vec<String> = match take(&mut map, "in") {
+            Some(v) => {
+                serde_json::from_value(v).map_err(|e| D::Error::custom(format!("\"in\": {e}")))?
+            }
+            None => Vec::new(),
+        };
+        let out: Option<String> = take(&mut map, "out")
+            .map(serde_json::from_value)
+            .transpose()
+            .map_err(|e| D::Error::custom(format!("\"out\": {e}")))?;
+        let ranks: Option<Vec<usize>> = take(&mut map, "ranks")
+            .map(serde_json::from_value)
+            .transpose()
+            .map_err(|e| D::Error::custom(format!("\"ranks\": {e}")))?;
+        let group: Option<Vec<usize>> = take(&mut map, "group")
+            .map(serde_json::from_value)
+            .transpose()
+            .map_err(|e| D::Error::custom(format!("\"group\": {e}")))?;
+        let kind = if map.contains_key("collective") {
+            // all_to_all_single's splits may be given per group rank.
+            let nested = |v: Option<&serde_json::Value>| {
+                v.and_then(|v| v.as_array())
+                    .and_then(|a| a.first())
+                    .is_some_and(serde_json::Value::is_array)
+            };
+            let is_a2a =
+                map.get("collective").and_then(|v| v.as_str()) == Some("all_to_all_single");
+            if is_a2a && (nested(map.get("in_splits")) || !map.contains_key("out_splits")) {
+                let ins: Vec<Vec<usize>> = match map.remove("in_splits") {
+                    Some(v) => serde_json::from_value(v).map_err(|e| {
+                        D::Error::custom(format!("\"in_splits\" (one list per group rank): {e}"))
+                    })?,
+                    None => return Err(D::Error::custom("all_to_all_single needs \"in_splits\"")),
+                };
+                let outs: Option<Vec<Vec<usize>>> = map
+                    .remove("out_splits")
+                    .map(serde_json::from_value)
+                    .transpose()
+                    .map_err(|e| {
+                        D::Error::custom(format!("\"out_splits\" (one list per group rank): {e}"))
+                    })?;
+                map.insert("in_splits".into(), serde_json::json!([]));
+                map.insert("out_splits".into(), serde_json::json!([]));
+                let spec: Spec = serde_json::from_value(serde_json::Value::Object(map))
+                    .map_err(D::Error::custom)?;
+                StepKind::Collective {
+                    spec,
+                    splits: Some(Splits {
+                        in_splits: ins,
+                        out_splits: outs,
+                    }),
+                }
+            } else {
+                let spec: Spec = serde_json::from_value(serde_json::Value::Object(map))
+                    .map_err(D::Error::custom)?;
+                StepKind::Collective { spec, splits: None }
+            }
+        } else if map.contains_key("op") {
+            StepKind::Local(
+                serde_json::from_value(serde_json::Value::Object(map)).map_err(D::Error::custom)?,
+            )
+        } else {
+            let keys: Vec<&String> = map.keys().collect();
+            return Err(D::Error::custom(format!(
+                "a step needs \"op\" (a local op) or \"collective\"; got keys {keys:?} besides {STEP_KEYS:?}"
+            )));
+        };
+        Ok(Step {
+            kind,
+            inputs,
+            out,
+            ranks,
+            group,
+        })
+    }
+}
+
+impl Serialize for Step {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::Error as _;
+        let mut v = match &self.kind {
+            StepKind::Local(op) => serde_json::to_value(op),
+            StepKind::Collective { spec, .. } => serde_json::to_value(spec),
+        }
+        .map_err(S::Error::custom)?;
+        let map = v
+            .as_object_mut()
+            .ok_or_else(|| S::Error::custom("a step serializes to an object"))?;
+        if let StepKind::Collective {
+            splits:
+                Some(Splits {
+                    in_splits: ins,
+                    out_splits: outs,
+                }),
+            ..
+        } = &self.kind
+        {
+            map.insert("in_splits".into(), serde_json::json!(ins));
+            match outs {
+                Some(o) => map.insert("out_splits".into(), serde_json::json!(o)),
+                None => map.remove("out_splits"),
+            };
+        }
+        if !self.inputs.is_empty() {
+            map.insert("in".into(), serde_json::json!(self.inputs));
+        }
+        if let Some(o) = &self.out {
+            map.insert("out".into(), serde_json::json!(o));
+        }
+        if let Some(r) = &self.ranks {
+            map.insert("ranks".into(), serde_json::json!(r));
+        }
+        if let Some(g) = &self.group {
+            map.insert("group".into(), serde_json::json!(g));
+        }
+        v.serialize(s)
+    }
+}
+
+impl Program {
+    /// Parse a program from JSON text (errors say where).
+    pub fn parse(json: &str) -> Result<Program> {
+        serde_json::from_str(json).map_err(|e| Error::Input(format!("program JSON: {e}")))
+    }
+
+    /// Check everything for `world` ranks (the program's own world if `None`) and prepare each
+    /// rank's inputs; see [`Plan`].
+    pub fn plan(&self, world: Option<usize>) -> Result<Plan> {
+        check::plan(self, world.unwrap_or(self.world))
+    }
+}

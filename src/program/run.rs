@@ -1,0 +1,236 @@
+//! Running a checked program on one rank (any communicator, any target) and on in-process ranks.
+
+use std::collections::HashMap;
+
+use super::check::{What, lists_outputs};
+use super::{LocalOp, ObjectiveName, Plan};
+use crate::autograd::{Tape, Var};
+use crate::collective::{Communicator, Group};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// One rank's run of a program.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankRun {
+    /// This rank's loss (`None`: the loss does not exist on this rank).
+    pub loss: Option<f32>,
+    /// How much this rank's loss counts in the global objective: 1, or 1/k for a loss invariant
+    /// over a group of k ranks under the replicated objective.
+    pub weight: f64,
+    /// Gradient of the global objective with respect to each input (read back to the host;
+    /// `None` for inputs without gradient, or when backward did not run).
+    pub grads: Vec<Option<Vec<f32>>>,
+}
+
+impl RankRun {
+    /// This rank's share of the global objective (`weight × loss`, 0 without a loss).
+    pub fn contribution(&self) -> f64 {
+        self.loss.map_or(0.0, |l| self.weight * f64::from(l))
+    }
+}
+
+/// The groups of a plan, created in the plan's order (every rank must call this, members or not).
+pub(crate) fn make_groups<C: Communicator>(comm: &C, plan: &Plan) -> Result<Vec<Group>> {
+    let all: Vec<usize> = (0..plan.world).collect();
+    plan.groups
+        .iter()
+        .map(|g| {
+            if *g == all {
+                Ok(comm.world())
+            } else {
+                comm.new_group(g)
+            }
+        })
+        .collect()
+}
+
+/// This rank's inputs as vars on `tape`: gradient where the program asks for one; a replicated
+/// input under the replicated objective is invariant over the world.
+pub(crate) fn input_vars<C: Communicator>(
+    comm: &C,
+    tape: &Tape,
+    plan: &Plan,
+    values: &[Tensor],
+) -> Vec<Var> {
+    let replicated_objective = plan.program.objective == ObjectiveName::Replicated;
+    plan.program
+        .inputs
+        .iter()
+        .zip(values)
+        .map(|(inp, t)| {
+            let t = t.clone();
+            match (inp.grad, inp.replicated && replicated_objective) {
+                (true, true) => tape.var_invariant(t, &comm.world()),
+                (true, false) => tape.var(t),
+                (false, true) => tape.constant_invariant(t, &comm.world()),
+                (false, false) => tape.constant(t),
+            }
+        })
+        .collect()
+}
+
+fn local(op: &LocalOp, xs: &[Var]) -> Result<Var> {
+    let a = &xs[0];
+    match op {
+        LocalOp::Add {} => a.add(&xs[1]),
+        LocalOp::Sub {} => a.sub(&xs[1]),
+        LocalOp::Mul {} => a.mul(&xs[1]),
+        LocalOp::Matmul {} => a.matmul(&xs[1]),
+        LocalOp::Scale { by } => a.scale(*by),
+        LocalOp::Sum {} => a.sum(),
+        LocalOp::Mean {} => a.mean(),
+        LocalOp::Relu {} => a.relu(),
+        LocalOp::Tanh {} => a.tanh(),
+        LocalOp::Square {} => a.square(),
+        LocalOp::Reshape { shape } => a.reshape(shape),
+        LocalOp::Slice { dim, start, len } => a.slice(*dim, *start, *len),
+        LocalOp::Concat { dim } => Var::concat(xs, *dim),
+        LocalOp::MseLoss {} => a.mse_loss(&xs[1]),
+    }
+}
+
+/// Run the program's steps on this rank from its input vars `xs` (the program's order); returns
+/// the loss where this rank has one. Every rank of the world must call this (groups are created
+/// by all).
+pub async fn forward<C: Communicator>(
+    comm: &C,
+    tape: &Tape,
+    plan: &Plan,
+    xs: &[Var],
+) -> Result<Option<Var>> {
+    let me = comm.rank();
+    if comm.world_size() != plan.world {
+        return Err(Error::Input(format!(
+            "the program was checked for world {}, the communicator has {}",
+            plan.world,
+            comm.world_size()
+        )));
+    }
+    let groups = make_groups(comm, plan)?;
+    let mut env: HashMap<String, Var> = plan
+        .program
+        .inputs
+        .iter()
+        .map(|i| i.name.clone())
+        .zip(xs.iter().cloned())
+        .collect();
+    let get = |env: &HashMap<String, Var>, name: &str, step: usize| {
+        env.get(name).cloned().ok_or_else(|| {
+            Error::Input(format!(
+                "step {step}: `{name}` is not defined on rank {me} (the plan said it would be)"
+            ))
+        })
+    };
+    for s in &plan.steps {
+        match &s.what {
+            What::Local(op, runs) => {
+                if !runs.get(me).copied().unwrap_or(false) {
+                    continue;
+                }
+                let ins = s
+                    .inputs
+                    .iter()
+                    .map(|n| get(&env, n, s.index))
+                    .collect::<Result<Vec<_>>>()?;
+                let y = local(op, &ins)?;
+                if let Some(o) = &s.out {
+                    env.insert(o.clone(), y);
+                }
+            }
+            What::Collective { group, specs } => {
+                let Some(Some(spec)) = specs.get(me) else {
+                    continue;
+                };
+                let g = &groups[*group];
+                let gr = g.require_member("program step")?;
+                let ins = if spec.n_inputs(gr, g.size()) == 0 {
+                    Vec::new()
+                } else {
+                    s.inputs
+                        .iter()
+                        .map(|n| get(&env, n, s.index))
+                        .collect::<Result<Vec<_>>>()?
+                };
+                let ys = crate::dist::call(comm, tape, spec, &ins, g).await?;
+                if let Some(o) = &s.out {
+                    if lists_outputs(spec.kind()) {
+                        for (k, y) in ys.into_iter().enumerate() {
+                            env.insert(format!("{o}.{k}"), y);
+                        }
+                    } else if let Some(y) = ys.into_iter().next() {
+                        env.insert(o.clone(), y);
+                    }
+                }
+            }
+        }
+    }
+    Ok(env.get(&plan.program.loss).cloned())
+}
+
+/// The weight of a loss in the global objective (see [`RankRun::weight`]).
+pub(crate) fn loss_weight(loss: &Var) -> f64 {
+    loss.invariant().map_or(1.0, |g| 1.0 / g.size() as f64)
+}
+
+/// Run this rank's part of `plan` on `comm`: forward from `inputs` (this rank's inputs; `None`:
+/// the plan's), then, if `backward`, the backward pass (every rank takes part, with or without a
+/// loss).
+pub async fn run_rank<C: Communicator>(
+    comm: &C,
+    plan: &Plan,
+    inputs: Option<&[Tensor]>,
+    backward: bool,
+) -> Result<RankRun> {
+    let tape = Tape::with_objective(plan.program.objective.objective());
+    let values = inputs.unwrap_or_else(|| plan.inputs(comm.rank()));
+    let xs = input_vars(comm, &tape, plan, values);
+    let loss = forward(comm, &tape, plan, &xs).await?;
+    let mut run = RankRun {
+        loss: match &loss {
+            Some(l) => Some(l.value().read().await?.first().copied().unwrap_or(f32::NAN)),
+            None => None,
+        },
+        weight: loss.as_ref().map_or(1.0, loss_weight),
+        grads: vec![None; xs.len()],
+    };
+    if backward {
+        let grads = match &loss {
+            Some(l) => tape.backward(l, comm).await?,
+            None => tape.backward_from(&[], comm).await?,
+        };
+        for (slot, (x, inp)) in run
+            .grads
+            .iter_mut()
+            .zip(xs.iter().zip(&plan.program.inputs))
+        {
+            if inp.grad {
+                *slot = Some(grads.wrt(x)?.read().await?);
+            }
+        }
+    }
+    Ok(run)
+}
+
+/// Run `plan` forward and backward on its world of in-process ranks (threads); results by rank.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn run_local(plan: &Plan, opts: crate::collective::CommOptions) -> Result<Vec<RankRun>> {
+    let results = crate::run::run_local(plan.world, opts, |comm| async move {
+        run_rank(&comm, plan, None, true).await
+    });
+    let mut out = Vec::with_capacity(results.len());
+    let mut errors = Vec::new();
+    for (r, res) in results.into_iter().enumerate() {
+        match res {
+            Ok(run) => out.push(run),
+            Err(e) => errors.push(format!("rank {r}: {e}")),
+        }
+    }
+    if errors.is_empty() {
+        Ok(out)
+    } else {
+        Err(Error::Input(format!(
+            "the program failed:\n  {}",
+            errors.join("\n  ")
+        )))
+    }
+}
