@@ -863,6 +863,97 @@ fn summarize(report: &mut Report, inputs: &[CheckInput]) {
     report.inconclusive = report.rows.iter().map(|r| r.inconclusive).sum();
 }
 
+/// f64 values as pairs of f32 (`hi`, `lo`, exact to about 1e-14 relative), so that the ranks'
+/// shares of the objective cross the f32 collectives without losing the digits a difference needs.
+fn split_f64(xs: &[f64]) -> Vec<f32> {
+    xs.iter()
+        .flat_map(|&x| {
+            let hi = x as f32;
+            let lo = if x.is_finite() {
+                (x - f64::from(hi)) as f32
+            } else {
+                0.0
+            };
+            [hi, lo]
+        })
+        .collect()
+}
+
+fn join_f64(xs: &[f32]) -> Vec<f64> {
+    xs.chunks_exact(2)
+        .map(|p| f64::from(p[0]) + f64::from(p[1]))
+        .collect()
+}
+
+/// Every rank's values: an all_gather over the world of this rank's (equal-length) list.
+async fn gather_all<C: Communicator>(comm: &C, mine: Vec<f32>) -> Result<Vec<Vec<f32>>> {
+    let n = mine.len();
+    let t = Tensor::from_vec(mine, &[n])?;
+    let all = comm.all_gather(&t, &comm.world()).await?;
+    all.iter()
+        .map(|t| t.read())
+        .collect::<futures::future::TryJoinAll<_>>()
+        .await
+}
+
+/// The whole check on any communicator: every rank of the world calls it with the same
+/// options, inputs and function, and every rank gets the same report (the ranks' parts are
+/// exchanged through the communicator itself: one all_gather, and one more for a second look).
+/// This is what worker processes over the relay or direct links, and browser tabs, run.
+pub async fn check_on<C, F>(comm: &C, o: &Options, inputs: &[CheckInput], f: &F) -> Result<Report>
+where
+    C: Communicator,
+    F: AsyncFn(&C, &Tape, Vec<Var>) -> Result<Option<Var>>,
+{
+    let part = match rank_part(comm, o, inputs, f).await {
+        Ok(p) => p,
+        Err(e) => {
+            // The others would wait for this rank's part.
+            comm.abort(&e.to_string()).await;
+            return Err(e);
+        }
+    };
+    // One flat list per rank, the same length everywhere: base, evals (as f64 pairs), grads.
+    let mut flat = split_f64(&[part.base]);
+    flat.extend(split_f64(&part.evals));
+    let lens: Vec<usize> = part.grads.iter().map(Vec::len).collect();
+    for g in &part.grads {
+        flat.extend_from_slice(g);
+    }
+    let shares = 2 * (1 + part.evals.len());
+    let parts: Vec<RankPart> = gather_all(comm, flat)
+        .await?
+        .into_iter()
+        .map(|v| {
+            let f = join_f64(&v[..shares]);
+            let mut grads = Vec::with_capacity(lens.len());
+            let mut at = shares;
+            for &n in &lens {
+                grads.push(v[at..at + n].to_vec());
+                at += n;
+            }
+            RankPart {
+                base: f[0],
+                evals: f[1..].to_vec(),
+                grads,
+            }
+        })
+        .collect();
+    let mut report = assemble(o, inputs, &parts)?;
+    // Every rank has the same parts, so the same list to look at again.
+    let coords = to_refine(&report);
+    if !coords.is_empty() {
+        let evals = rank_refine(comm, o, inputs, &coords, refine_eps(o), f).await?;
+        let all: Vec<Vec<f64>> = gather_all(comm, split_f64(&evals))
+            .await?
+            .iter()
+            .map(|v| join_f64(v))
+            .collect();
+        apply_refine(&mut report, o, inputs, &coords, &all);
+    }
+    Ok(report)
+}
+
 /// Check `f`'s gradients on `world` in-process ranks (threads). `f` gets the communicator, the
 /// tape and this rank's inputs as vars (in `inputs`' order) and returns this rank's loss (`None`:
 /// this rank has none); it is called once with backward and once per perturbation.
@@ -873,13 +964,13 @@ where
 {
     let f = &f;
     let results = crate::run::run_local(world, o.comm.clone(), |comm| async move {
-        rank_part(&comm, o, inputs, f).await
+        check_on(&comm, o, inputs, f).await
     });
-    let mut parts = Vec::with_capacity(world);
+    let mut reports = Vec::with_capacity(world);
     let mut errors = Vec::new();
     for (r, res) in results.into_iter().enumerate() {
         match res {
-            Ok(p) => parts.push(p),
+            Ok(p) => reports.push(p),
             Err(e) => errors.push(format!("rank {r}: {e}")),
         }
     }
@@ -889,24 +980,13 @@ where
             errors.join("\n  ")
         )));
     }
-    let mut report = assemble(o, inputs, &parts)?;
-    let coords = to_refine(&report);
-    if !coords.is_empty() {
-        let eps = refine_eps(o);
-        let coords = &coords;
-        let results = crate::run::run_local(world, o.comm.clone(), |comm| async move {
-            rank_refine(&comm, o, inputs, coords, eps, f).await
-        });
-        let evals = results
-            .into_iter()
-            .enumerate()
-            .map(|(r, e)| {
-                e.map_err(|e| Error::Input(format!("gradcheck, second look: rank {r}: {e}")))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        apply_refine(&mut report, o, inputs, coords, &evals);
+    let first = reports.swap_remove(0);
+    if reports.iter().any(|r| *r != first) {
+        return Err(Error::Input(
+            "gradcheck: the ranks' reports differ (internal error)".into(),
+        ));
     }
-    Ok(report)
+    Ok(first)
 }
 
 /// A number as the table prints it.
@@ -1118,6 +1198,29 @@ pub fn program_inputs(plan: &crate::program::Plan) -> Vec<CheckInput> {
             replicated: inp.replicated,
         })
         .collect()
+}
+
+/// Check a program's gradients on any communicator (every rank of the program's world calls
+/// this; every rank gets the report).
+pub async fn check_program_on<C: Communicator>(
+    comm: &C,
+    plan: &crate::program::Plan,
+    o: &Options,
+) -> Result<Report> {
+    let o = Options {
+        objective: plan.program().objective.objective(),
+        ..o.clone()
+    };
+    let inputs = program_inputs(plan);
+    check_on(
+        comm,
+        &o,
+        &inputs,
+        &async |comm: &C, tape: &Tape, xs: Vec<Var>| {
+            crate::program::forward(comm, tape, plan, &xs).await
+        },
+    )
+    .await
 }
 
 /// Check a program's gradients on its world of in-process ranks.

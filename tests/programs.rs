@@ -452,3 +452,70 @@ fn random_programs_gradcheck() {
         assert!(kinds.contains(k), "the generator made no {k}: {kinds:?}");
     }
 }
+
+fn cli(args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_distgrad"))
+        .args(args)
+        .output()
+        .expect("run distgrad");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The same programs, the same numbers, bit for bit: in-process ranks (`run`), worker processes
+/// through a relay and over direct TCP links (`demo --program`).
+#[test]
+fn programs_run_the_same_over_every_transport() {
+    for (path, _) in shipped() {
+        let (code, local, err) = cli(&["run", &path, "--json"]);
+        assert_eq!(code, Some(0), "{path}: {err}");
+        let runs: serde_json::Value = serde_json::from_str(&local).expect("JSON");
+        assert!(runs.as_array().is_some_and(|a| !a.is_empty()), "{path}");
+        for t in ["relay", "direct"] {
+            let (code, out, err) = cli(&["demo", "--program", &path, "--transport", t, "--json"]);
+            assert_eq!(code, Some(0), "{path} over {t}: {err}");
+            assert_eq!(out, local, "{path}: {t} vs in-process");
+        }
+    }
+}
+
+/// `gradcheck --transport relay|direct`: every worker process runs the whole check over its
+/// links and prints the report; it is the in-process report, character for character.
+#[test]
+fn gradcheck_over_processes_gives_the_in_process_report() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/www/programs/");
+    for name in [
+        "max_tie.json",
+        "pipeline_send_recv.json",
+        "tensor_parallel.json",
+    ] {
+        let path = format!("{dir}{name}");
+        let (code, local, err) = cli(&["gradcheck", &path]);
+        assert_eq!(code, Some(0), "{name}: {err}");
+        for t in ["relay", "direct"] {
+            let (code, out, err) = cli(&["gradcheck", &path, "--transport", t]);
+            assert_eq!(code, Some(0), "{name} over {t}: {err}");
+            assert_eq!(out, local, "{name}: {t} vs in-process");
+            if t == "direct" && name != "pipeline_send_recv.json" {
+                assert!(err.contains("direct links to ranks"), "{err}");
+            }
+        }
+    }
+    // A failing check fails the same way over processes (exit code 1).
+    let path = format!("{dir}mlp_all_reduce.json");
+    let (code, out, _) = cli(&[
+        "gradcheck",
+        &path,
+        "--transport",
+        "relay",
+        "--rtol",
+        "0",
+        "--atol",
+        "0",
+    ]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.trim_end().ends_with("FAIL"));
+}

@@ -1,10 +1,11 @@
 //! `distgrad demo`: a relay and N worker processes on this machine (or in-process ranks) running
-//! one collective forward and backward, printed as `vjp` prints it.
+//! one collective forward and backward, printed as `vjp` prints it, or a program (`--program`),
+//! printed as `run` prints it.
 
 use clap::ValueEnum;
 use distgrad::vjp;
 
-use super::launch::{LocalRelay, TOKEN_ENV, wait_ranks};
+use super::launch::workers_over_relay;
 use super::vjp::print_answer;
 use super::worker::Example;
 
@@ -31,13 +32,24 @@ pub struct DemoArgs {
     /// The built-in example to run.
     #[command(flatten)]
     example: Example,
-    /// Print the machine-readable JSON output (as `vjp --json`) instead of the table.
+    /// Print the machine-readable JSON output (as `vjp --json`, or `run --json` for a program)
+    /// instead of the table.
     #[arg(long)]
     json: bool,
+    /// Run this program file (see `distgrad run`) instead of one collective: every rank's loss and
+    /// gradients.
+    #[arg(long)]
+    program: Option<std::path::PathBuf>,
+    /// World size of the program (default: the program's). The built-in example uses --world.
+    #[arg(long = "program-world")]
+    world_override: Option<usize>,
 }
 
 /// Run `distgrad demo`.
 pub fn run(a: DemoArgs) -> distgrad::Result<()> {
+    if let Some(p) = &a.program {
+        return program_over_relay(p, &a);
+    }
     let case = a.example.case(None, a.world)?;
     let out = match a.transport {
         DemoTransport::Local => vjp::run_case(&case)?,
@@ -46,49 +58,41 @@ pub fn run(a: DemoArgs) -> distgrad::Result<()> {
     print_answer(&case, &out, a.json)
 }
 
-/// A relay on an ephemeral loopback port (its own thread and runtime) plus one worker process
-/// per rank, each given the room token in its environment.
+/// A relay on an ephemeral loopback port plus one worker process per rank.
 fn over_relay(case: &vjp::Case, a: &DemoArgs) -> distgrad::Result<vjp::CaseOutput> {
-    let world = case.world;
     let prepared = vjp::Prepared::new(case)?;
-    let relay = LocalRelay::start(distgrad::relay::RelayConfig::default())?;
-    let url = relay.url.clone();
-    let token = distgrad::relay::random_token();
-    eprintln!("demo: relay at {url}, room \"demo\", {world} worker processes");
-    let exe = std::env::current_exe().map_err(|e| distgrad::Error::Input(e.to_string()))?;
     let direct = a.transport == DemoTransport::Direct;
-    let children: Vec<_> = (0..world)
-        .map(|r| {
-            std::process::Command::new(&exe)
-                .args(["worker", "--relay", &url, "--room", "demo", "--json"])
-                .env(TOKEN_ENV, &token)
-                .args(["--world", &world.to_string(), "--rank", &r.to_string()])
-                .args(a.example.flags())
-                .args(if direct {
-                    &["--direct", "127.0.0.1:0"][..]
-                } else {
-                    &[][..]
-                })
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-        })
-        .collect();
-    let results = wait_ranks("worker", children)
-        .into_iter()
+    let done = workers_over_relay("demo", case.world, direct, &a.example.flags())?;
+    let results = done
+        .iter()
         .enumerate()
-        .map(|(r, res)| {
-            let done = res.map_err(distgrad::Error::Input)?;
-            // Say which pairs linked directly (the workers' own report).
-            for line in String::from_utf8_lossy(&done.stderr).lines() {
-                if line.contains("direct links") {
-                    eprintln!("demo: {line}");
-                }
-            }
-            serde_json::from_slice::<vjp::RankResult>(&done.stdout)
+        .map(|(r, d)| {
+            serde_json::from_slice::<vjp::RankResult>(&d.stdout)
                 .map_err(|e| distgrad::Error::Input(format!("worker {r} output: {e}")))
         })
         .collect();
-    relay.stop();
     vjp::assemble(&prepared, results)
+}
+
+/// `demo --program`: a program on worker processes; every rank's loss and gradients.
+fn program_over_relay(path: &std::path::Path, a: &DemoArgs) -> distgrad::Result<()> {
+    let program = super::gradcheck::read_program(path)?;
+    let world = a.world_override.unwrap_or(program.world);
+    let plan = program.plan(Some(world))?;
+    let mut args = vec!["--program".to_string(), path.display().to_string()];
+    args.extend(["--timeout-secs".into(), "30".into()]);
+    let runs = match a.transport {
+        DemoTransport::Local => {
+            distgrad::program::run_local(&plan, distgrad::CommOptions::default())?
+        }
+        t => workers_over_relay("demo", world, t == DemoTransport::Direct, &args)?
+            .iter()
+            .enumerate()
+            .map(|(r, d)| {
+                serde_json::from_slice::<distgrad::program::RankRun>(&d.stdout)
+                    .map_err(|e| distgrad::Error::Input(format!("worker {r} output: {e}")))
+            })
+            .collect::<distgrad::Result<Vec<_>>>()?,
+    };
+    super::run::print_runs(&program, &plan, &runs, a.json)
 }

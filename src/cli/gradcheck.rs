@@ -19,13 +19,28 @@ pub struct GradcheckArgs {
     /// World size, 1..=64 (default: the program's).
     #[arg(long)]
     world: Option<usize>,
+    /// Where the ranks run: threads of this process, or worker processes through a relay
+    /// started here, or worker processes over direct TCP links (the relay introducing them).
+    #[arg(long, value_enum, default_value_t = TransportArg::Local)]
+    transport: TransportArg,
+    /// How to check.
+    #[command(flatten)]
+    check: CheckFlags,
+}
+
+impl GradcheckArgs {
+    /// Whether the ranks are threads of this process (no sockets, no relay here).
+    pub fn in_process(&self) -> bool {
+        self.transport == TransportArg::Local
+    }
+}
+
+/// How to check (shared by `gradcheck` and the workers it starts).
+#[derive(clap::Args, Clone, Debug)]
+pub struct CheckFlags {
     /// Objective convention (default: the program's).
     #[arg(long, value_enum)]
     objective: Option<ObjectiveArg>,
-    /// Where the ranks run: in this process (the only transport `gradcheck` has today; relay and
-    /// direct links come with worker processes that run programs).
-    #[arg(long, value_enum, default_value_t = TransportArg::Local)]
-    transport: TransportArg,
     /// Finite-difference step (the check also uses half of it).
     #[arg(long, default_value_t = 1e-2)]
     eps: f32,
@@ -43,6 +58,75 @@ pub struct GradcheckArgs {
     seed: u64,
 }
 
+impl CheckFlags {
+    /// Refuse values that cannot work.
+    fn validate(&self) -> distgrad::Result<()> {
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            return Err(distgrad::Error::Input(format!(
+                "--eps {} must be a positive number",
+                self.eps
+            )));
+        }
+        if self.directions == Some(0) {
+            return Err(distgrad::Error::Input(
+                "--directions must be at least 1".into(),
+            ));
+        }
+        if !(self.rtol >= 0.0 && self.atol >= 0.0) {
+            return Err(distgrad::Error::Input(
+                "--rtol and --atol must be at least 0".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The library's options.
+    pub fn options(&self) -> Options {
+        Options {
+            eps: self.eps,
+            rtol: self.rtol,
+            atol: self.atol,
+            directions: self.directions,
+            seed: self.seed,
+            ..Options::default()
+        }
+    }
+
+    /// The program with the objective overridden where asked.
+    pub fn apply(&self, mut program: Program) -> Program {
+        if let Some(o) = self.objective {
+            program.objective = o.name();
+        }
+        program
+    }
+
+    /// The same flags for a worker's command line.
+    fn to_args(&self) -> Vec<String> {
+        let mut v = vec![
+            "--eps".into(),
+            self.eps.to_string(),
+            "--rtol".into(),
+            self.rtol.to_string(),
+            "--atol".into(),
+            self.atol.to_string(),
+            "--seed".into(),
+            self.seed.to_string(),
+        ];
+        if let Some(d) = self.directions {
+            v.extend(["--directions".into(), d.to_string()]);
+        }
+        if let Some(o) = self.objective {
+            v.extend([
+                "--objective".into(),
+                o.to_possible_value()
+                    .map(|p| p.get_name().to_string())
+                    .unwrap_or_default(),
+            ]);
+        }
+        v
+    }
+}
+
 /// The objective conventions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ObjectiveArg {
@@ -52,11 +136,24 @@ pub enum ObjectiveArg {
     Replicated,
 }
 
+impl ObjectiveArg {
+    fn name(self) -> ObjectiveName {
+        match self {
+            ObjectiveArg::SumOfRankLosses => ObjectiveName::SumOfRankLosses,
+            ObjectiveArg::Replicated => ObjectiveName::Replicated,
+        }
+    }
+}
+
 /// Where the ranks of a program run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum TransportArg {
     /// In-process ranks (threads).
     Local,
+    /// Worker processes through a relay started here.
+    Relay,
+    /// Worker processes over direct TCP links (a relay started here introduces them).
+    Direct,
 }
 
 /// Read a program file (`-`: stdin).
@@ -73,12 +170,7 @@ pub fn read_program(path: &std::path::Path) -> distgrad::Result<Program> {
 
 /// Run `distgrad gradcheck`: the exit code (0 PASS, 1 FAIL, 3 INCONCLUSIVE).
 pub fn run(a: GradcheckArgs) -> distgrad::Result<u8> {
-    if !(a.eps.is_finite() && a.eps > 0.0) {
-        return Err(distgrad::Error::Input(format!(
-            "--eps {} must be a positive number",
-            a.eps
-        )));
-    }
+    a.check.validate()?;
     if let Some(n) = a.random {
         return random(&a, n);
     }
@@ -86,57 +178,84 @@ pub fn run(a: GradcheckArgs) -> distgrad::Result<u8> {
         .program
         .as_deref()
         .ok_or_else(|| distgrad::Error::Input("give a program file or --random N".into()))?;
-    let mut program = read_program(path)?;
-    if let Some(o) = a.objective {
-        program.objective = match o {
-            ObjectiveArg::SumOfRankLosses => ObjectiveName::SumOfRankLosses,
-            ObjectiveArg::Replicated => ObjectiveName::Replicated,
-        };
-    }
-    if a.directions == Some(0) {
-        return Err(distgrad::Error::Input(
-            "--directions must be at least 1".into(),
-        ));
-    }
+    let program = a.check.apply(read_program(path)?);
     let plan = program.plan(a.world)?;
-    let TransportArg::Local = a.transport;
-    let o = options(&a);
     if let Some(t) = &program.title {
         println!("{t}");
     }
-    let report = gradcheck_program(&plan, &o)?;
-    print!("{}", report.render());
-    Ok(exit_code(&report))
+    let text = match a.transport {
+        TransportArg::Local => gradcheck_program(&plan, &a.check.options())?.render(),
+        t => {
+            if path.as_os_str() == "-" {
+                return Err(distgrad::Error::Input(
+                    "worker processes read the program from a file: give its path, not -".into(),
+                ));
+            }
+            // Every worker runs the whole check and gets the same report.
+            let mut args = vec![
+                "--program".to_string(),
+                path.display().to_string(),
+                "--gradcheck".into(),
+                "--timeout-secs".into(),
+                "60".into(),
+            ];
+            args.extend(a.check.to_args());
+            let done = super::launch::workers_over_relay(
+                "gradcheck",
+                plan.world(),
+                t == TransportArg::Direct,
+                &args,
+            )?;
+            let texts: Vec<String> = done
+                .iter()
+                .map(|d| String::from_utf8_lossy(&d.stdout).into_owned())
+                .collect();
+            if let Some(r) = texts.iter().position(|t| *t != texts[0]) {
+                return Err(distgrad::Error::Input(format!(
+                    "the workers' reports differ (rank 0 and rank {r}):\n{}\n{}",
+                    texts[0], texts[r]
+                )));
+            }
+            texts.into_iter().next().unwrap_or_default()
+        }
+    };
+    print!("{text}");
+    Ok(exit_code(&text))
 }
 
-fn exit_code(r: &distgrad::gradcheck::Report) -> u8 {
-    match r.verdict() {
+/// The exit code of a rendered report (its last line is the verdict).
+fn exit_code(text: &str) -> u8 {
+    match text.trim_end().lines().last().unwrap_or_default() {
         "PASS" => 0,
         "INCONCLUSIVE" => 3,
         _ => 1,
     }
 }
 
-fn options(a: &GradcheckArgs) -> Options {
-    Options {
-        eps: a.eps,
-        rtol: a.rtol,
-        atol: a.atol,
-        directions: a.directions,
-        seed: a.seed,
-        ..Options::default()
-    }
+/// Run this rank's part of a program's check in a worker (every rank prints the report).
+pub async fn worker_check<C: distgrad::Communicator>(
+    comm: &C,
+    plan: &distgrad::program::Plan,
+    flags: &CheckFlags,
+) -> distgrad::Result<String> {
+    Ok(
+        distgrad::gradcheck::check_program_on(comm, plan, &flags.options())
+            .await?
+            .render(),
+    )
 }
 
 /// `--random N`: check N random programs, print each failure's program and report, and a summary.
 fn random(a: &GradcheckArgs, n: u64) -> distgrad::Result<u8> {
     use distgrad::program::{RandomOptions, random_program};
-    let o = options(a);
+    if a.transport != TransportArg::Local {
+        return Err(distgrad::Error::Input(
+            "--random runs its programs on in-process ranks (--transport local)".into(),
+        ));
+    }
+    let o = a.check.options();
     let ro = RandomOptions {
-        objective: a.objective.map(|o| match o {
-            ObjectiveArg::SumOfRankLosses => ObjectiveName::SumOfRankLosses,
-            ObjectiveArg::Replicated => ObjectiveName::Replicated,
-        }),
+        objective: a.check.objective.map(ObjectiveArg::name),
         ..RandomOptions::default()
     };
     let o = Options {
@@ -149,7 +268,7 @@ fn random(a: &GradcheckArgs, n: u64) -> distgrad::Result<u8> {
     let (mut passed, mut refused, mut failed, mut inconclusive) =
         (0u64, 0u64, Vec::new(), Vec::new());
     let started = std::time::Instant::now();
-    for seed in a.seed..a.seed.saturating_add(n) {
+    for seed in a.check.seed..a.check.seed.saturating_add(n) {
         let p = random_program(seed, &ro);
         let plan = match p.plan(a.world.or(Some(p.world))) {
             Ok(plan) => plan,
@@ -174,7 +293,7 @@ fn random(a: &GradcheckArgs, n: u64) -> distgrad::Result<u8> {
     }
     println!(
         "{n} random programs from seed {}: {passed} passed, {} failed {:?}, {} inconclusive (exact ties) {:?}, {refused} refused by the plan (the replicated objective's rules); {:.1} s",
-        a.seed,
+        a.check.seed,
         failed.len(),
         failed,
         inconclusive.len(),

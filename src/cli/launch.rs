@@ -65,6 +65,61 @@ impl Drop for LocalRelay {
     }
 }
 
+/// Run `distgrad worker` once per rank against a relay started here (room "demo"), each given
+/// the room token in its environment, `args` added to every command line, with direct TCP links
+/// between them if `direct`; returns each rank's output. Says where on stderr.
+pub fn workers_over_relay(
+    what: &str,
+    world: usize,
+    direct: bool,
+    args: &[String],
+) -> distgrad::Result<Vec<Finished>> {
+    let relay = LocalRelay::start(distgrad::relay::RelayConfig::default())?;
+    let url = relay.url.clone();
+    let token = distgrad::relay::random_token();
+    eprintln!(
+        "{what}: relay at {url}, room \"demo\", {world} worker processes{}",
+        if direct {
+            ", data over direct links"
+        } else {
+            ""
+        }
+    );
+    let exe = std::env::current_exe().map_err(|e| distgrad::Error::Input(e.to_string()))?;
+    let children: Vec<_> = (0..world)
+        .map(|r| {
+            std::process::Command::new(&exe)
+                .args(["worker", "--relay", &url, "--room", "demo", "--json"])
+                .env(TOKEN_ENV, &token)
+                .args(["--world", &world.to_string(), "--rank", &r.to_string()])
+                .args(args)
+                .args(if direct {
+                    &["--direct", "127.0.0.1:0"][..]
+                } else {
+                    &[][..]
+                })
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+        })
+        .collect();
+    let done = wait_ranks("worker", children)
+        .into_iter()
+        .collect::<Result<Vec<_>, String>>()
+        .map_err(distgrad::Error::Input);
+    relay.stop();
+    let done = done?;
+    // Say which pairs linked directly (the workers' own report).
+    for d in &done {
+        for line in String::from_utf8_lossy(&d.stderr).lines() {
+            if line.contains("direct links") {
+                eprintln!("{what}: {line}");
+            }
+        }
+    }
+    Ok(done)
+}
+
 /// Where a parent hands the room token to its rank processes (not on their command lines,
 /// which other local users can read).
 pub const TOKEN_ENV: &str = "DISTGRAD_TOKEN";

@@ -187,7 +187,8 @@ pub fn runtime(multi: bool) -> distgrad::Result<tokio::runtime::Runtime> {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     match &cli.cmd {
-        Some(Cmd::Vjp(_) | Cmd::Run(_) | Cmd::Gradcheck(_)) => quiet_on_closed_stdout(),
+        Some(Cmd::Vjp(_) | Cmd::Run(_)) => quiet_on_closed_stdout(),
+        Some(Cmd::Gradcheck(g)) if g.in_process() => quiet_on_closed_stdout(),
         Some(Cmd::Train(t)) if t.backend == train::Backend::Local => quiet_on_closed_stdout(),
         _ => {}
     }

@@ -84,7 +84,17 @@ fn run_program(
         ..distgrad::CommOptions::default()
     };
     let runs = distgrad::program::run_local(&plan, opts)?;
-    if a.json {
+    print_runs(&program, &plan, &runs, a.json)
+}
+
+/// Every rank's loss and gradients: a table, or JSON (one object per rank).
+pub fn print_runs(
+    program: &distgrad::program::Program,
+    plan: &distgrad::program::Plan,
+    runs: &[distgrad::program::RankRun],
+    json: bool,
+) -> distgrad::Result<()> {
+    if json {
         let v: Vec<serde_json::Value> = runs
             .iter()
             .enumerate()

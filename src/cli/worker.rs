@@ -1,5 +1,6 @@
-//! `distgrad worker`: one rank of a relay room, running a case (built-in example or file) forward
-//! and backward and printing its share of the answer.
+//! `distgrad worker`: one rank of a relay room, running a case (built-in example or file) or a
+//! program forward and backward and printing its share of the answer, or checking a program's
+//! gradients with the room's other ranks (`--gradcheck`: every rank prints the report).
 
 use distgrad::collective::Kind;
 use distgrad::transport::Transport as _;
@@ -33,6 +34,15 @@ pub struct WorkerArgs {
     /// A case file instead of the built-in example.
     #[arg(long)]
     case: Option<std::path::PathBuf>,
+    /// A program file instead of a case: this rank's loss and gradients (see `distgrad run`).
+    #[arg(long, conflicts_with = "case")]
+    program: Option<std::path::PathBuf>,
+    /// With --program: check its gradients across the room's ranks (every rank prints the report).
+    #[arg(long, requires = "program")]
+    gradcheck: bool,
+    /// How to check (with --gradcheck).
+    #[command(flatten)]
+    check: super::gradcheck::CheckFlags,
     /// Print this rank's result as one JSON line.
     #[arg(long)]
     json: bool,
@@ -94,10 +104,36 @@ impl Example {
     }
 }
 
+/// What a worker runs.
+enum Job {
+    Case(vjp::Prepared),
+    Program(distgrad::program::Plan),
+    Check(distgrad::program::Plan),
+}
+
+/// What a worker prints.
+enum Done {
+    Case(vjp::RankResult),
+    Program(distgrad::program::RankRun),
+    Check(String),
+}
+
 /// Run `distgrad worker`.
 pub fn run(o: WorkerArgs) -> distgrad::Result<()> {
-    let case = o.example.case(o.case.as_deref(), o.world)?;
-    let prepared = vjp::Prepared::new(&case)?;
+    let job = match &o.program {
+        Some(path) => {
+            let program = o.check.apply(super::gradcheck::read_program(path)?);
+            let plan = program.plan(Some(o.world))?;
+            if o.gradcheck {
+                Job::Check(plan)
+            } else {
+                Job::Program(plan)
+            }
+        }
+        None => Job::Case(vjp::Prepared::new(
+            &o.example.case(o.case.as_deref(), o.world)?,
+        )?),
+    };
     let world =
         u32::try_from(o.world).map_err(|_| distgrad::Error::Input("world too large".into()))?;
     let timeout = std::time::Duration::from_secs(o.timeout_secs.max(1));
@@ -158,10 +194,32 @@ pub fn run(o: WorkerArgs) -> distgrad::Result<()> {
                 ..vjp::case_options()
             },
         );
-        let r = vjp::run_rank(&comm, &prepared).await;
+        let r = match &job {
+            Job::Case(prepared) => vjp::run_rank(&comm, prepared).await.map(Done::Case),
+            Job::Program(plan) => distgrad::program::run_rank(&comm, plan, None, true)
+                .await
+                .map(Done::Program),
+            Job::Check(plan) => super::gradcheck::worker_check(&comm, plan, &o.check)
+                .await
+                .map(Done::Check),
+        };
         comm.into_transport().close().await;
         r
     })?;
+    let result = match result {
+        Done::Case(r) => r,
+        Done::Program(run) => {
+            println!(
+                "{}",
+                serde_json::to_string(&run).map_err(|e| distgrad::Error::Input(e.to_string()))?
+            );
+            return Ok(());
+        }
+        Done::Check(text) => {
+            print!("{text}");
+            return Ok(());
+        }
+    };
     if o.json {
         println!(
             "{}",

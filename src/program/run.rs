@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 /// One rank's run of a program.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RankRun {
     /// This rank's loss (`None`: the loss does not exist on this rank).
     pub loss: Option<f32>,
