@@ -1149,38 +1149,7 @@ impl Report {
 }
 
 fn table<const N: usize>(s: &mut String, header: &[&str; N], rows: &[[String; N]]) {
-    let widths: Vec<usize> = (0..N)
-        .map(|c| {
-            rows.iter()
-                .map(|r| r[c].chars().count())
-                .chain([header[c].len()])
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let line = |cells: Vec<&str>| {
-        cells
-            .iter()
-            .zip(&widths)
-            .map(|(c, w)| format!("{c:<w$}"))
-            .collect::<Vec<_>>()
-            .join(" | ")
-            .trim_end()
-            .to_string()
-    };
-    let _ = writeln!(s, "{}", line(header.to_vec()));
-    let _ = writeln!(
-        s,
-        "{}",
-        widths
-            .iter()
-            .map(|w| "-".repeat(*w))
-            .collect::<Vec<_>>()
-            .join("-+-")
-    );
-    for r in rows {
-        let _ = writeln!(s, "{}", line(r.iter().map(String::as_str).collect()));
-    }
+    s.push_str(&crate::vjp::text_table(header, rows));
 }
 
 /// The check's inputs for a program: its inputs with the values of `plan`.

@@ -727,36 +727,44 @@ pub fn render_table(case: &Case, out: &CaseOutput) -> String {
         })
         .collect();
     let header = ["rank", "inputs", "outputs", "cotangents", "grads"];
-    let widths: Vec<usize> = (0..5)
+    s.push_str(&text_table(&header, &rows));
+    s
+}
+
+/// A plain-text table: columns padded to their widest cell, `|` between them, a `-+-` rule under
+/// the header, trailing spaces trimmed (the tables of `vjp`, `run` and `gradcheck`).
+pub fn text_table<R: AsRef<[String]>>(header: &[&str], rows: &[R]) -> String {
+    let widths: Vec<usize> = (0..header.len())
         .map(|c| {
             rows.iter()
-                .map(|r| r[c].chars().count())
-                .chain([header[c].len()])
+                .map(|r| r.as_ref().get(c).map_or(0, |x| x.chars().count()))
+                .chain([header[c].chars().count()])
                 .max()
                 .unwrap_or(0)
         })
         .collect();
-    let line = |cells: &[&str]| {
+    let line = |cells: &mut dyn Iterator<Item = &str>| {
         cells
-            .iter()
             .zip(&widths)
             .map(|(c, w)| format!("{c:<w$}"))
             .collect::<Vec<_>>()
             .join(" | ")
+            .trim_end()
+            .to_string()
     };
-    let _ = writeln!(s, "{}", line(&header));
-    let _ = writeln!(
-        s,
-        "{}",
-        widths
+    let mut s = line(&mut header.iter().copied());
+    s.push('\n');
+    s.push_str(
+        &widths
             .iter()
             .map(|w| "-".repeat(*w))
             .collect::<Vec<_>>()
-            .join("-+-")
+            .join("-+-"),
     );
-    for r in &rows {
-        let cells: Vec<&str> = r.iter().map(String::as_str).collect();
-        let _ = writeln!(s, "{}", line(&cells).trim_end());
+    s.push('\n');
+    for r in rows {
+        s.push_str(&line(&mut r.as_ref().iter().map(String::as_str)));
+        s.push('\n');
     }
     s
 }

@@ -142,36 +142,7 @@ pub fn print_runs(
             row
         })
         .collect();
-    let widths: Vec<usize> = (0..header.len())
-        .map(|c| {
-            rows.iter()
-                .map(|r| r[c].chars().count())
-                .chain([header[c].chars().count()])
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let line = |cells: &[String]| {
-        cells
-            .iter()
-            .zip(&widths)
-            .map(|(c, w)| format!("{c:<w$}"))
-            .collect::<Vec<_>>()
-            .join(" | ")
-            .trim_end()
-            .to_string()
-    };
-    println!("{}", line(&header));
-    println!(
-        "{}",
-        widths
-            .iter()
-            .map(|w| "-".repeat(*w))
-            .collect::<Vec<_>>()
-            .join("-+-")
-    );
-    for r in &rows {
-        println!("{}", line(r));
-    }
+    let header: Vec<&str> = header.iter().map(String::as_str).collect();
+    print!("{}", distgrad::vjp::text_table(&header, &rows));
     Ok(())
 }
