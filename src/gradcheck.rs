@@ -262,12 +262,7 @@ where
     let xs: Vec<Var> = inputs
         .iter()
         .zip(values)
-        .map(|(inp, t)| match (inp.grad, shared(inp, o.objective)) {
-            (true, true) => tape.var_invariant(t, &world),
-            (true, false) => tape.var(t),
-            (false, true) => tape.constant_invariant(t, &world),
-            (false, false) => tape.constant(t),
-        })
+        .map(|(inp, t)| tape.leaf(t, inp.grad, inp.replicated.then_some(&world)))
         .collect();
     let loss = f(comm, &tape, xs.clone()).await?;
     let share = match &loss {

@@ -143,15 +143,23 @@ impl Tape {
     /// values keeps them invariant, so the loss is still counted once. In the default mode this is
     /// the same as [`Tape::constant`].
     pub fn constant_invariant(&self, value: Tensor, group: &Group) -> Var {
-        let inv = (self.objective() == Objective::Replicated).then(|| group.clone());
-        self.push_var(value, false, inv)
+        self.leaf(value, false, Some(group))
     }
 
     /// Replicated mode: a leaf requiring a gradient whose value is identical on every rank of `group`
     /// (a replicated parameter). In the default mode this is the same as [`Tape::var`].
     pub fn var_invariant(&self, value: Tensor, group: &Group) -> Var {
-        let inv = (self.objective() == Objective::Replicated).then(|| group.clone());
-        self.push_var(value, true, inv)
+        self.leaf(value, true, Some(group))
+    }
+
+    /// A leaf with or without gradient (`grad`), invariant over `invariant_over` where given (in
+    /// replicated mode; in the default mode every leaf is per-rank): [`Tape::var`],
+    /// [`Tape::constant`] and their invariant forms in one call, for inputs described by data.
+    pub fn leaf(&self, value: Tensor, grad: bool, invariant_over: Option<&Group>) -> Var {
+        let inv = invariant_over
+            .filter(|_| self.objective() == Objective::Replicated)
+            .cloned();
+        self.push_var(value, grad, inv)
     }
 
     /// Stop recording until the guard is dropped (works across `.await`).

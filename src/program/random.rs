@@ -82,6 +82,17 @@ fn local(op: LocalOp, ins: &[&str], out: &str, ranks: Option<Vec<usize>>) -> Ste
 }
 
 impl Gen {
+    /// A live value of `shape`, at random (the pool always holds the one just made).
+    fn same_shape(&mut self, shape: &[usize]) -> String {
+        let same: Vec<String> = self
+            .pool
+            .iter()
+            .filter(|(_, s)| s.as_slice() == shape)
+            .map(|(n, _)| n.clone())
+            .collect();
+        self.rng.pick(&same)
+    }
+
     fn name(&mut self) -> String {
         self.fresh += 1;
         format!("v{}", self.fresh)
@@ -164,14 +175,8 @@ impl Gen {
                 self.pool.push((out, shape));
             }
             2 => {
-                // A binary op with another value of the same shape, or a matmul.
-                let same: Vec<String> = self
-                    .pool
-                    .iter()
-                    .filter(|(_, s)| *s == shape)
-                    .map(|(n, _)| n.clone())
-                    .collect();
-                let y = self.rng.pick(&same);
+                // A binary op with another value of the same shape.
+                let y = self.same_shape(&shape);
                 let op = self
                     .rng
                     .pick(&[LocalOp::Add {}, LocalOp::Sub {}, LocalOp::Mul {}]);
@@ -442,13 +447,7 @@ pub fn random_program(seed: u64, o: &RandomOptions) -> Program {
     }
     // The loss: the sum of the last value times a value of the same shape.
     let (last, shape) = g.pool.last().cloned().unwrap_or_default();
-    let same: Vec<String> = g
-        .pool
-        .iter()
-        .filter(|(_, s)| *s == shape)
-        .map(|(n, _)| n.clone())
-        .collect();
-    let other = g.rng.pick(&same);
+    let other = g.same_shape(&shape);
     let p = g.name();
     g.steps
         .push(local(LocalOp::Mul {}, &[&last, &other], &p, None));

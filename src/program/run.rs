@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use super::check::{What, lists_outputs};
-use super::{LocalOp, ObjectiveName, Plan};
+use super::{LocalOp, Plan};
 use crate::autograd::{Tape, Var};
 use crate::collective::{Communicator, Group};
 use crate::error::{Error, Result};
@@ -52,20 +52,12 @@ pub(crate) fn input_vars<C: Communicator>(
     plan: &Plan,
     values: &[Tensor],
 ) -> Vec<Var> {
-    let replicated_objective = plan.program.objective == ObjectiveName::Replicated;
+    let world = comm.world();
     plan.program
         .inputs
         .iter()
         .zip(values)
-        .map(|(inp, t)| {
-            let t = t.clone();
-            match (inp.grad, inp.replicated && replicated_objective) {
-                (true, true) => tape.var_invariant(t, &comm.world()),
-                (true, false) => tape.var(t),
-                (false, true) => tape.constant_invariant(t, &comm.world()),
-                (false, false) => tape.constant(t),
-            }
-        })
+        .map(|(inp, t)| tape.leaf(t.clone(), inp.grad, inp.replicated.then_some(&world)))
         .collect()
 }
 
