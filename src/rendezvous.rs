@@ -5,7 +5,14 @@
 //!
 //! Protocol, one request per line on a TCP connection: `SET <key> <len>\n<len bytes>` (answer
 //! `OK\n`) and `GET <key>\n` (waits until the key exists, answers `<len>\n<len bytes>`). Keys are
-//! printable ASCII without spaces; values are at most [`MAX_VALUE`] bytes.
+//! printable ASCII without spaces; values are at most [`MAX_VALUE`] bytes, lines at most
+//! [`MAX_LINE`] (a longer one ends the connection).
+//!
+//! **Secret**: with a shared secret (`DISTGRAD_STORE_SECRET`, the same on every rank; our own
+//! launcher makes one) every connection first sends `AUTH <secret>\n`; the store answers `OK\n`,
+//! or `DENIED\n` and closes, comparing in constant time. A `MASTER_ADDR` that is not a loopback
+//! address needs one: anyone who reached the store could otherwise read the NCCL id or plant a
+//! false one. The store listens only where `MASTER_ADDR` says.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -17,6 +24,12 @@ use crate::error::{Error, Result};
 
 /// Largest value the store keeps.
 pub const MAX_VALUE: usize = 1 << 20;
+
+/// Longest request or answer line, newline included.
+pub const MAX_LINE: usize = 512;
+
+/// The environment variable holding the store's shared secret.
+pub const SECRET_VAR: &str = "DISTGRAD_STORE_SECRET";
 
 fn err(detail: impl Into<String>) -> Error {
     Error::Input(format!("rendezvous: {}", detail.into()))
@@ -33,6 +46,8 @@ pub struct LaunchEnv {
     pub local_rank: usize,
     /// The store's address (`MASTER_ADDR:MASTER_PORT`).
     pub master: String,
+    /// The store's shared secret ([`SECRET_VAR`]); required unless `MASTER_ADDR` is loopback.
+    pub secret: Option<String>,
 }
 
 impl LaunchEnv {
@@ -72,11 +87,33 @@ impl LaunchEnv {
         } else {
             format!("{addr}:{port}")
         };
+        let secret = get(SECRET_VAR).filter(|s| !s.is_empty());
+        let bare = addr.trim_start_matches('[').trim_end_matches(']');
+        let loopback = bare == "localhost"
+            || bare
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback());
+        if secret.is_none() && !loopback {
+            return Err(err(format!(
+                "MASTER_ADDR={addr} is reachable from other machines: set {SECRET_VAR} to the \
+                 same random value on every rank (e.g. `openssl rand -hex 16`) so that only \
+                 this launch's ranks can use the rendezvous store"
+            )));
+        }
+        if let Some(s) = &secret
+            && (s.len() > MAX_LINE / 2 || !s.bytes().all(|b| b.is_ascii_graphic()))
+        {
+            return Err(err(format!(
+                "{SECRET_VAR} must be printable ASCII without spaces, at most {} bytes",
+                MAX_LINE / 2
+            )));
+        }
         Ok(Some(LaunchEnv {
             rank,
             world,
             local_rank,
             master,
+            secret,
         }))
     }
 
@@ -98,8 +135,10 @@ pub struct StoreServer {
 }
 
 impl StoreServer {
-    /// Listen on `addr` (port 0: any free port) and serve in background threads.
-    pub fn start(addr: &str) -> Result<StoreServer> {
+    /// Listen on `addr` (port 0: any free port) and serve in background threads; with `secret`,
+    /// only to connections that present it.
+    pub fn start(addr: &str, secret: Option<&str>) -> Result<StoreServer> {
+        let secret: Arc<Option<String>> = Arc::new(secret.map(str::to_string));
         let listener =
             TcpListener::bind(addr).map_err(|e| err(format!("cannot listen on {addr}: {e}")))?;
         let addr = listener.local_addr().map_err(|e| err(e.to_string()))?;
@@ -117,9 +156,10 @@ impl StoreServer {
                         Ok((s, _)) => {
                             let t = table.clone();
                             let st = st.clone();
+                            let secret = secret.clone();
                             let _ = std::thread::Builder::new()
                                 .name("rendezvous-conn".into())
-                                .spawn(move || serve(s, &t, &st));
+                                .spawn(move || serve(s, &t, &st, secret.as_deref()));
                         }
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                             std::thread::sleep(Duration::from_millis(5));
@@ -147,17 +187,47 @@ impl Drop for StoreServer {
 
 type Shared = (Mutex<Table>, Condvar);
 
-fn serve(s: TcpStream, table: &Shared, stop: &std::sync::atomic::AtomicBool) {
+/// Read one line of at most [`MAX_LINE`] bytes into `line`: `false` at the end of the stream, on
+/// an error, on a longer line or on one that is not UTF-8.
+fn read_bounded_line(r: &mut impl BufRead, line: &mut String) -> bool {
+    line.clear();
+    let mut raw = Vec::new();
+    match r.take(MAX_LINE as u64).read_until(b'\n', &mut raw) {
+        Ok(n) if n > 0 && raw.ends_with(b"\n") => match String::from_utf8(raw) {
+            Ok(s) => {
+                *line = s;
+                true
+            }
+            Err(_) => false,
+        },
+        _ => false,
+    }
+}
+
+fn serve(s: TcpStream, table: &Shared, stop: &std::sync::atomic::AtomicBool, secret: Option<&str>) {
     let _ = s.set_nonblocking(false);
     let Ok(w) = s.try_clone() else { return };
     let mut w = w;
     let mut r = BufReader::new(s);
     let mut line = String::new();
+    if let Some(secret) = secret {
+        // Bounded wait for the secret: a silent connection does not hold a thread for long.
+        let _ = r.get_ref().set_read_timeout(Some(Duration::from_secs(10)));
+        let given = read_bounded_line(&mut r, &mut line)
+            .then(|| line.trim_end().strip_prefix("AUTH "))
+            .flatten();
+        if !given.is_some_and(|g| crate::wire::secret_eq(g, secret)) {
+            let _ = w.write_all(b"DENIED\n");
+            return;
+        }
+        if w.write_all(b"OK\n").is_err() {
+            return;
+        }
+        let _ = r.get_ref().set_read_timeout(None);
+    }
     loop {
-        line.clear();
-        match r.read_line(&mut line) {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {}
+        if !read_bounded_line(&mut r, &mut line) {
+            return;
         }
         let parts: Vec<&str> = line.trim_end().split(' ').collect();
         let reply: Vec<u8> = match parts.as_slice() {
@@ -212,8 +282,9 @@ pub struct Store {
 }
 
 impl Store {
-    /// Connect to `addr`, retrying until `timeout` (rank 0 may not be listening yet).
-    pub fn connect(addr: &str, timeout: Duration) -> Result<Store> {
+    /// Connect to `addr`, retrying until `timeout` (rank 0 may not be listening yet), and present
+    /// `secret` where the store has one.
+    pub fn connect(addr: &str, timeout: Duration, secret: Option<&str>) -> Result<Store> {
         let deadline = Instant::now() + timeout;
         let s = loop {
             match TcpStream::connect(addr) {
@@ -230,11 +301,37 @@ impl Store {
         s.set_read_timeout(Some(timeout))
             .map_err(|e| err(e.to_string()))?;
         let w = s.try_clone().map_err(|e| err(e.to_string()))?;
-        Ok(Store {
+        let mut store = Store {
             r: BufReader::new(s),
             w,
             timeout,
-        })
+        };
+        if let Some(secret) = secret {
+            store
+                .w
+                .write_all(format!("AUTH {secret}\n").as_bytes())
+                .map_err(|e| err(format!("sending the secret to {addr}: {e}")))?;
+            let answer = store.answer_line().unwrap_or_default();
+            if answer != "OK\n" {
+                return Err(err(format!(
+                    "the store at {addr} refused this rank's {SECRET_VAR} (it must be the same \
+                     on every rank)"
+                )));
+            }
+        }
+        Ok(store)
+    }
+
+    /// The store's next answer line (bounded like its requests).
+    fn answer_line(&mut self) -> std::io::Result<String> {
+        let mut line = String::new();
+        if read_bounded_line(&mut self.r, &mut line) {
+            Ok(line)
+        } else {
+            Err(std::io::Error::other(
+                "no answer line (closed, timed out, or too long)",
+            ))
+        }
     }
 
     fn check_key(key: &str) -> Result<()> {
@@ -255,9 +352,8 @@ impl Store {
         self.w
             .write_all(&msg)
             .map_err(|e| err(format!("SET {key}: {e}")))?;
-        let mut line = String::new();
-        self.r
-            .read_line(&mut line)
+        let line = self
+            .answer_line()
             .map_err(|e| err(format!("SET {key}: {e}")))?;
         if line != "OK\n" {
             return Err(err(format!("SET {key}: unexpected answer {line:?}")));
@@ -271,8 +367,7 @@ impl Store {
         self.w
             .write_all(format!("GET {key}\n").as_bytes())
             .map_err(|e| err(format!("GET {key}: {e}")))?;
-        let mut line = String::new();
-        self.r.read_line(&mut line).map_err(|e| {
+        let line = self.answer_line().map_err(|e| {
             err(format!(
                 "GET {key}: no value within {:?} ({e})",
                 self.timeout
@@ -313,6 +408,7 @@ mod tests {
             ("WORLD_SIZE", "4"),
             ("MASTER_ADDR", "10.0.0.1"),
             ("MASTER_PORT", "29500"),
+            (SECRET_VAR, "f00d"),
         ]))
         .unwrap()
         .unwrap();
@@ -322,9 +418,20 @@ mod tests {
                 rank: 2,
                 world: 4,
                 local_rank: 2,
-                master: "10.0.0.1:29500".into()
+                master: "10.0.0.1:29500".into(),
+                secret: Some("f00d".into()),
             }
         );
+        // Reachable from other machines without a secret: refused, saying how to set one.
+        let e = LaunchEnv::from_vars(vars(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains(SECRET_VAR) && e.contains("10.0.0.1"), "{e}");
         let e = LaunchEnv::from_vars(vars(&[
             ("RANK", "0"),
             ("WORLD_SIZE", "1"),
@@ -362,7 +469,7 @@ mod tests {
 
     #[test]
     fn ranks_exchange_values_through_the_store() {
-        let server = StoreServer::start("127.0.0.1:0").unwrap();
+        let server = StoreServer::start("127.0.0.1:0", Some("s3")).unwrap();
         let addr = server.addr().to_string();
         let n = 4;
         std::thread::scope(|s| {
@@ -370,7 +477,8 @@ mod tests {
                 .map(|r| {
                     let addr = addr.clone();
                     s.spawn(move || {
-                        let mut st = Store::connect(&addr, Duration::from_secs(10)).unwrap();
+                        let mut st =
+                            Store::connect(&addr, Duration::from_secs(10), Some("s3")).unwrap();
                         // Rank 0 publishes an id; everyone reads it, publishes its own value,
                         // and reads every other rank's.
                         if r == 0 {
@@ -400,17 +508,51 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap().to_string();
         drop(l);
-        let e = Store::connect(&addr, Duration::from_millis(200))
+        let e = Store::connect(&addr, Duration::from_millis(200), None)
             .err()
             .unwrap()
             .to_string();
         assert!(e.contains(&addr), "{e}");
         // A key nobody sets: GET times out instead of hanging.
-        let server = StoreServer::start("127.0.0.1:0").unwrap();
+        let server = StoreServer::start("127.0.0.1:0", None).unwrap();
         let mut st =
-            Store::connect(&server.addr().to_string(), Duration::from_millis(300)).unwrap();
+            Store::connect(&server.addr().to_string(), Duration::from_millis(300), None).unwrap();
         let e = st.get("never").unwrap_err().to_string();
         assert!(e.contains("never"), "{e}");
         assert!(st.set("bad key", b"x").is_err());
+    }
+
+    /// A store with a secret serves only connections that present it; a line longer than
+    /// [`MAX_LINE`] ends the connection instead of growing the store's memory.
+    #[test]
+    fn the_store_checks_its_secret_and_bounds_lines() {
+        let server = StoreServer::start("127.0.0.1:0", Some("right")).unwrap();
+        let addr = server.addr().to_string();
+        let t = Duration::from_secs(5);
+        for wrong in [None, Some("wrong"), Some("righ")] {
+            match (wrong, Store::connect(&addr, t, wrong)) {
+                (Some(_), Err(e)) => assert!(e.to_string().contains(SECRET_VAR), "{e}"),
+                // Without a secret the first request is taken as the secret and refused.
+                (None, Ok(mut st)) => {
+                    let e = st.set("k", b"v").unwrap_err().to_string();
+                    assert!(e.contains("SET k"), "{e}");
+                }
+                (w, r) => panic!("{w:?}: {:?}", r.map(|_| "connected")),
+            }
+        }
+        let mut st = Store::connect(&addr, t, Some("right")).unwrap();
+        st.set("k", b"v").unwrap();
+        assert_eq!(st.get("k").unwrap(), b"v");
+        // A line without end: the store closes the connection after MAX_LINE bytes.
+        let mut raw = TcpStream::connect(&addr).unwrap();
+        raw.set_read_timeout(Some(t)).unwrap();
+        raw.write_all(b"AUTH right\n").unwrap();
+        let mut ok = [0u8; 3];
+        raw.read_exact(&mut ok).unwrap();
+        assert_eq!(&ok, b"OK\n");
+        let _ = raw.write_all(&vec![b'G'; 4 * MAX_LINE]);
+        let mut rest = Vec::new();
+        let n = raw.read_to_end(&mut rest).unwrap_or(0);
+        assert_eq!(n, 0, "the store answered a {}-byte line", 4 * MAX_LINE);
     }
 }

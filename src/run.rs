@@ -162,7 +162,7 @@ where
     let server = rt.spawn(crate::relay::serve(listener, relay, async {
         let _ = stop_rx.await;
     }));
-    let token = crate::relay::random_token();
+    let token = crate::relay::random_token().map_err(io)?;
     let world_u32 =
         u32::try_from(world).map_err(|_| Error::invalid("run_over_relay", "world too large"))?;
     let results = std::thread::scope(|s| {

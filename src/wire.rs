@@ -81,6 +81,18 @@ impl Tag {
     };
 }
 
+/// Whether two secrets (room tokens, stream keys, store secrets) are equal, in time that does not
+/// depend on where they differ (an attacker timing refusals learns nothing of the prefix).
+pub fn secret_eq(a: &str, b: &str) -> bool {
+    secret_eq_bytes(a.as_bytes(), b.as_bytes())
+}
+
+/// [`secret_eq`] for bytes.
+pub fn secret_eq_bytes(a: &[u8], b: &[u8]) -> bool {
+    use subtle::ConstantTimeEq;
+    bool::from(a.ct_eq(b))
+}
+
 /// Header length in bytes.
 pub const HEADER_LEN: usize = 24;
 /// A relay's data-frame payload limit unless it is configured otherwise, and the fragment size

@@ -42,6 +42,7 @@ fn env(rank: usize, world: usize, port: u16) -> LaunchEnv {
         world,
         local_rank: rank,
         master: format!("127.0.0.1:{port}"),
+        secret: Some("nccl-test-secret".into()),
     }
 }
 

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common_relay::{
     Child, Event, Raw, TestRelay, WAIT, all_ok, frame, join_opts, names_lost_rank, rank_runtime,
-    run_ranks,
+    run_ranks, tok,
 };
 use distgrad::collective::Kind;
 use distgrad::relay::RelayConfig;
@@ -837,7 +837,7 @@ fn join_refusals_say_why_and_leave_the_room_unchanged() {
     let url = relay.url();
     rank_runtime().block_on(async {
         let (mut creator, w) = Raw::join(&url, "guarded", Some("s3cret"), 2, 0).await;
-        assert_eq!(w.token, "s3cret", "the room takes the creator's token");
+        assert_eq!(w.token, tok("s3cret"), "the room takes the creator's token");
         assert_eq!((w.rank, w.world, w.members.clone()), (0, 2, vec![0]));
 
         let mut j = join_opts("guarded", "wrong", 2, 1);
@@ -845,7 +845,7 @@ fn join_refusals_say_why_and_leave_the_room_unchanged() {
         let d = relay_detail(WsTransport::connect(&url, j.clone()).await, "wrong token");
         assert!(d.contains("wrong token"), "wrong token refusal says: {d:?}");
         assert!(
-            !d.contains("s3cret"),
+            !d.contains(&tok("s3cret")),
             "the refusal leaks the room token: {d:?}"
         );
 
@@ -853,7 +853,7 @@ fn join_refusals_say_why_and_leave_the_room_unchanged() {
         let d = relay_detail(WsTransport::connect(&url, j.clone()).await, "no token");
         assert!(d.contains("wrong token"), "join without token says: {d:?}");
 
-        j.token = Some("s3cret".into());
+        j.token = Some(tok("s3cret"));
         j.world = 3;
         let d = relay_detail(WsTransport::connect(&url, j.clone()).await, "world 3 vs 2");
         assert!(
@@ -894,7 +894,10 @@ fn join_refusals_say_why_and_leave_the_room_unchanged() {
         let t = WsTransport::connect(&url, j.clone())
             .await
             .expect("the right token, world and rank must be accepted");
-        assert_eq!((t.rank(), t.world(), t.token()), (1, 2, "s3cret"));
+        assert_eq!(
+            (t.rank(), t.world(), t.token()),
+            (1, 2, tok("s3cret").as_str())
+        );
         match creator.next_control().await {
             Control::Ready { members } => assert_eq!(
                 members,
@@ -958,8 +961,8 @@ fn room_without_token_gets_a_random_one() {
         let (mut a, w) = Raw::join(&url, "rnd", None, 2, 0).await;
         assert_eq!(
             w.token.len(),
-            24,
-            "random token should be 12 bytes hex: {:?}",
+            32,
+            "random token should be 16 bytes (128 bits) hex: {:?}",
             w.token
         );
         assert!(
@@ -1151,7 +1154,7 @@ fn killed_worker(direct: bool) {
         Command::new(BIN)
             // The token as the CLI's own parents pass it (not on the command line).
             .args(["worker", "--relay", &url, "--room", "loss"])
-            .env("DISTGRAD_TOKEN", "tk")
+            .env("DISTGRAD_TOKEN", tok("tk"))
             .args([
                 "--world",
                 "3",
@@ -2006,7 +2009,8 @@ fn refused_join_creates_no_room() {
         // The only room slot is still free, and the name is not held with the attacker's token.
         let (_owner, w) = Raw::join(&url, "squatted", Some("owner"), 2, 0).await;
         assert_eq!(
-            w.token, "owner",
+            w.token,
+            tok("owner"),
             "the room was created by the refused joins"
         );
     });
@@ -2083,7 +2087,7 @@ async fn raw_join(url: &str, room: &str, world: u32, rank: u32, stream: bool) ->
     let mut c = Raw::connect(url).await;
     c.send_control(&Control::Join {
         room: room.into(),
-        token: Some("t".into()),
+        token: Some(tok("t")),
         world,
         rank: Some(rank),
         stream,
@@ -2315,7 +2319,7 @@ fn local_stream_socket_is_private_checked_falls_back_and_is_removed() {
         let mut c = Raw::connect(&url).await;
         c.send_control(&Control::Join {
             room: "nopath".into(),
-            token: Some("t".into()),
+            token: Some(tok("t")),
             world: 2,
             rank: Some(0),
             stream: false,
@@ -2332,7 +2336,7 @@ fn local_stream_socket_is_private_checked_falls_back_and_is_removed() {
         let mut c = Raw::connect(&url).await;
         c.send_control(&Control::Join {
             room: "uds".into(),
-            token: Some("t".into()),
+            token: Some(tok("t")),
             world: 2,
             rank: Some(0),
             stream: true,
@@ -2421,7 +2425,7 @@ fn local_stream_socket_is_private_checked_falls_back_and_is_removed() {
         let mut c = Raw::connect(&url).await;
         c.send_control(&Control::Join {
             room: "gone".into(),
-            token: Some("t".into()),
+            token: Some(tok("t")),
             world: 2,
             rank: Some(1),
             stream: true,

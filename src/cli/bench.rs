@@ -399,7 +399,8 @@ fn processes(
     memcpy: f64,
 ) -> distgrad::Result<()> {
     let relay = LocalRelay::start(relay_cfg)?;
-    let token = distgrad::relay::random_token();
+    let token =
+        distgrad::relay::random_token().map_err(|e| distgrad::Error::Input(e.to_string()))?;
     let exe = std::env::current_exe().map_err(|e| distgrad::Error::Input(e.to_string()))?;
     let ops: Vec<&str> = a.ops.iter().map(|o| o.name()).collect();
     let children: Vec<_> = (0..a.world)

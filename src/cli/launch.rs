@@ -76,7 +76,8 @@ pub fn workers_over_relay(
 ) -> distgrad::Result<Vec<Finished>> {
     let relay = LocalRelay::start(distgrad::relay::RelayConfig::default())?;
     let url = relay.url.clone();
-    let token = distgrad::relay::random_token();
+    let token =
+        distgrad::relay::random_token().map_err(|e| distgrad::Error::Input(e.to_string()))?;
     eprintln!(
         "{what}: relay at {url}, room \"demo\", {world} worker processes{}",
         if direct {
@@ -260,6 +261,9 @@ pub fn per_gpu(world: usize, what: &str) -> distgrad::Result<()> {
         .map_err(|e| distgrad::Error::Input(format!("cannot find this program: {e}")))?;
     let args: Vec<String> = std::env::args().skip(1).collect();
     eprintln!("{what}: {world} processes (one per GPU), store at 127.0.0.1:{port}");
+    // Only this launch's ranks may use the store (other users of the machine reach loopback too).
+    let secret =
+        distgrad::relay::random_token().map_err(|e| distgrad::Error::Input(e.to_string()))?;
     let children: Vec<_> = (0..world)
         .map(|r| {
             std::process::Command::new(&exe)
@@ -269,6 +273,7 @@ pub fn per_gpu(world: usize, what: &str) -> distgrad::Result<()> {
                 .env("LOCAL_RANK", r.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
+                .env(distgrad::rendezvous::SECRET_VAR, &secret)
                 .spawn()
                 .map_err(|e| distgrad::Error::Input(format!("starting rank {r}: {e}")))
         })

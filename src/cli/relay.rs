@@ -28,6 +28,21 @@ pub struct RelayArgs {
     /// Close connections silent for this many seconds.
     #[arg(long, default_value_t = 30)]
     idle_timeout_secs: u64,
+    /// Seconds a new connection has to send its join (and an announced data stream to attach).
+    #[arg(long, default_value_t = 10)]
+    join_timeout_secs: u64,
+    /// Most connections open at once from one address (a class behind one NAT shares one).
+    #[arg(long, default_value_t = 512)]
+    max_conns_per_addr: usize,
+    /// Most rooms that have not filled yet, per address that created them.
+    #[arg(long, default_value_t = 64)]
+    max_waiting_rooms_per_addr: usize,
+    /// Close a room that has not filled this many seconds after it was created.
+    #[arg(long, default_value_t = 300)]
+    room_fill_secs: u64,
+    /// Least estimated strength in bits of a room token a client chooses (0: any token).
+    #[arg(long, default_value_t = 128)]
+    min_token_bits: u32,
     /// Allowed browser origins (repeat or comma-separate); default: any.
     #[arg(long, value_delimiter = ',')]
     allowed_origin: Option<Vec<String>>,
@@ -50,12 +65,16 @@ pub fn run(a: RelayArgs) -> distgrad::Result<()> {
         max_rooms: a.max_rooms,
         max_pending_bytes: a.max_pending_bytes,
         idle_timeout: std::time::Duration::from_secs(a.idle_timeout_secs),
+        join_timeout: std::time::Duration::from_secs(a.join_timeout_secs),
+        max_conns_per_addr: a.max_conns_per_addr,
+        max_waiting_rooms_per_addr: a.max_waiting_rooms_per_addr,
+        room_fill_timeout: std::time::Duration::from_secs(a.room_fill_secs),
+        min_token_bits: a.min_token_bits,
         allowed_origins: a.allowed_origin,
         static_dir: a.static_dir,
         streams: !a.no_streams,
         splice: !a.no_splice,
         local_streams: !a.no_local_streams,
-        ..Default::default()
     };
     serve(&a.addr, cfg)
 }
@@ -89,6 +108,23 @@ fn serve(addr: &str, cfg: distgrad::relay::RelayConfig) -> distgrad::Result<()> 
                 }
             );
         }
+        println!(
+            "limits: rooms {} (world <= {}); per address {} connections, {} rooms waiting to \
+             fill; a room fills within {}s; join within {}s; idle {}s; frames <= {} bytes; \
+             client-chosen tokens >= {} bits; origins: {}",
+            cfg.max_rooms,
+            cfg.max_members,
+            cfg.max_conns_per_addr,
+            cfg.max_waiting_rooms_per_addr,
+            cfg.room_fill_timeout.as_secs(),
+            cfg.join_timeout.as_secs(),
+            cfg.idle_timeout.as_secs(),
+            cfg.max_frame,
+            cfg.min_token_bits,
+            cfg.allowed_origins
+                .as_ref()
+                .map_or_else(|| "any".to_string(), |o| o.join(", ")),
+        );
         if let Some(d) = &cfg.static_dir {
             println!("serving {} at http://{local}/", d.display());
         }

@@ -218,6 +218,133 @@ impl CallSig {
     }
 }
 
+/// Least length of a [`CallSig::record`] (a digest record is 76 bytes).
+pub const MIN_RECORD: usize = 80;
+
+/// Form bytes of a [`CallSig::record`].
+const RECORD_WHOLE: u8 = 0;
+const RECORD_DIGEST: u8 = 1;
+
+/// What a call check can compare of a signature too long for its record: kind, op, root and
+/// SHA-256 digests of the shape and of the extra arguments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Digest {
+    kind: u8,
+    op: u8,
+    root: u64,
+    /// `None`: no shape known on that rank (agrees with any).
+    shape: Option<[u8; 32]>,
+    extra: [u8; 32],
+}
+
+fn sha256_u64s(xs: &[u64]) -> [u8; 32] {
+    use sha2::Digest as _;
+    let mut h = sha2::Sha256::new();
+    h.update((xs.len() as u64).to_le_bytes());
+    for x in xs {
+        h.update(x.to_le_bytes());
+    }
+    h.finalize().into()
+}
+
+impl CallSig {
+    fn digest(&self) -> Digest {
+        let shape: Option<Vec<u64>> = self
+            .shape
+            .as_ref()
+            .map(|s| s.iter().map(|&d| d as u64).collect());
+        Digest {
+            kind: self.kind as u8,
+            op: self.op.map_or(u8::MAX, ReduceOp::to_u8),
+            root: self.root.map_or(u64::MAX, |r| r as u64),
+            shape: shape.as_deref().map(sha256_u64s),
+            extra: sha256_u64s(&self.extra),
+        }
+    }
+
+    /// This signature in exactly `len` bytes (at least [`MIN_RECORD`]), for call checks that
+    /// exchange fixed-size records (NCCL's all_gather of one record per rank): the whole encoding
+    /// where it fits, else kind, op, root and digests of shape and arguments, so a long signature
+    /// (a permute of many pairs, a tensor of many dimensions) is still compared on every rank.
+    pub fn record(&self, len: usize) -> Vec<u8> {
+        let len = len.max(MIN_RECORD);
+        let mut rec = vec![0u8; len];
+        let enc = self.encode();
+        if 5 + enc.len() <= len {
+            rec[0] = RECORD_WHOLE;
+            rec[1..5].copy_from_slice(&(enc.len() as u32).to_le_bytes());
+            rec[5..5 + enc.len()].copy_from_slice(&enc);
+        } else {
+            let d = self.digest();
+            rec[0] = RECORD_DIGEST;
+            rec[1] = d.kind;
+            rec[2] = d.op;
+            rec[3] = u8::from(d.shape.is_some());
+            rec[4..12].copy_from_slice(&d.root.to_le_bytes());
+            rec[12..44].copy_from_slice(&d.shape.unwrap_or_default());
+            rec[44..76].copy_from_slice(&d.extra);
+        }
+        rec
+    }
+
+    /// Compare another rank's [`CallSig::record`] with this call: `Ok` if they describe the same
+    /// call (shapes compared only where both know one, as [`CallSig::agrees`]), else a
+    /// description of the other call for the error.
+    pub fn agrees_record(&self, theirs: &[u8]) -> Result<(), String> {
+        match theirs.first() {
+            Some(&RECORD_WHOLE) if theirs.len() >= 5 => {
+                let n = u32::from_le_bytes([theirs[1], theirs[2], theirs[3], theirs[4]]) as usize;
+                let Some(sig) = theirs.get(5..5 + n).and_then(CallSig::decode) else {
+                    return Err("an unreadable call".into());
+                };
+                // Where ours did not fit whole, only the digest forms can be compared (the other
+                // rank's call then differs anyway, or ours would not be longer).
+                let agree = if 5 + self.encode().len() <= theirs.len() {
+                    self.agrees(&sig)
+                } else {
+                    digests_agree(&self.digest(), &sig.digest())
+                };
+                if agree { Ok(()) } else { Err(sig.to_string()) }
+            }
+            Some(&RECORD_DIGEST) if theirs.len() >= 76 => {
+                let mut shape = [0u8; 32];
+                shape.copy_from_slice(&theirs[12..44]);
+                let mut extra = [0u8; 32];
+                extra.copy_from_slice(&theirs[44..76]);
+                let d = Digest {
+                    kind: theirs[1],
+                    op: theirs[2],
+                    root: u64::from_le_bytes(theirs[4..12].try_into().unwrap_or_default()),
+                    shape: (theirs[3] != 0).then_some(shape),
+                    extra,
+                };
+                if digests_agree(&self.digest(), &d) {
+                    return Ok(());
+                }
+                let name = Kind::ALL
+                    .get(usize::from(d.kind))
+                    .map_or("an unknown collective", |k| k.name());
+                let hex: String = d.extra[..4].iter().map(|b| format!("{b:02x}")).collect();
+                Err(format!(
+                    "{name}(a signature too long to send whole; arguments digest {hex}…)"
+                ))
+            }
+            _ => Err("an unreadable call".into()),
+        }
+    }
+}
+
+fn digests_agree(a: &Digest, b: &Digest) -> bool {
+    a.kind == b.kind
+        && a.op == b.op
+        && a.root == b.root
+        && a.extra == b.extra
+        && match (&a.shape, &b.shape) {
+            (Some(x), Some(y)) => x == y,
+            _ => true,
+        }
+}
+
 struct Reader<'a>(&'a [u8]);
 
 impl Reader<'_> {
@@ -281,5 +408,70 @@ mod tests {
             assert_eq!(CallSig::decode(&enc[..cut]), None, "truncated at {cut}");
         }
         assert_eq!(CallSig::decode(&[200, 0, 0, 0]), None);
+    }
+
+    /// Fixed-size records (NCCL's call check): short signatures travel whole, long ones (a permute
+    /// of many pairs, many dimensions) as digests, and both forms still tell every difference.
+    #[test]
+    fn records_compare_long_signatures_too() {
+        const LEN: usize = 256;
+        let permute = |pairs: u64, last: u64| {
+            let mut extra: Vec<u64> = (0..2 * pairs).collect();
+            *extra.last_mut().unwrap() = last;
+            CallSig::new(Kind::Permute).shape(&[4]).extra(extra)
+        };
+        let short = permute(3, 99);
+        assert_eq!(short.record(LEN)[0], RECORD_WHOLE);
+        let long = permute(40, 99);
+        assert!(
+            long.encode().len() + 5 > LEN,
+            "the test needs a signature too long"
+        );
+        assert_eq!(long.record(LEN)[0], RECORD_DIGEST);
+        // Same calls agree, in both forms.
+        assert_eq!(short.agrees_record(&short.record(LEN)), Ok(()));
+        assert_eq!(long.agrees_record(&long.record(LEN)), Ok(()));
+        // The last pair differs: before, such a long check was skipped and passed.
+        let other = permute(40, 98);
+        let e = long.agrees_record(&other.record(LEN)).unwrap_err();
+        assert!(e.starts_with("permute(a signature too long"), "{e}");
+        assert!(other.agrees_record(&long.record(LEN)).is_err());
+        // A long call against a short one (either side), other kinds, ops, roots, shapes.
+        assert!(long.agrees_record(&short.record(LEN)).is_err());
+        assert!(short.agrees_record(&long.record(LEN)).is_err());
+        let many_dims: Vec<usize> = vec![1; 40];
+        let a = CallSig::new(Kind::AllReduce)
+            .op(ReduceOp::Sum)
+            .shape(&many_dims);
+        assert_eq!(a.record(LEN)[0], RECORD_DIGEST);
+        assert_eq!(a.agrees_record(&a.record(LEN)), Ok(()));
+        let mut dims2 = many_dims.clone();
+        dims2[39] = 2;
+        let b = CallSig::new(Kind::AllReduce)
+            .op(ReduceOp::Sum)
+            .shape(&dims2);
+        assert!(a.agrees_record(&b.record(LEN)).is_err(), "shapes differ");
+        let c = CallSig::new(Kind::AllReduce)
+            .op(ReduceOp::Max)
+            .shape(&many_dims);
+        assert!(a.agrees_record(&c.record(LEN)).is_err(), "ops differ");
+        // A rank that knows no shape agrees with any (as `agrees`), in the digest form too.
+        let mut unknown = CallSig::new(Kind::Scatter).root(1).extra((0..40).collect());
+        let known = unknown.clone().shape(&[3, 5]);
+        assert_eq!(known.agrees_record(&unknown.record(LEN)), Ok(()));
+        unknown.root = Some(2);
+        assert!(
+            known.agrees_record(&unknown.record(LEN)).is_err(),
+            "roots differ"
+        );
+        // Garbage is an unreadable call, never a pass.
+        for bad in [
+            &[][..],
+            &[7u8; LEN][..],
+            &[0u8, 255, 255, 255, 255][..],
+            &[1u8; 10][..],
+        ] {
+            assert_eq!(short.agrees_record(bad), Err("an unreadable call".into()));
+        }
     }
 }

@@ -11,7 +11,8 @@
 //!   broadcast, all_gather natively; gather, scatter, all_to_all, permute and send/recv as grouped
 //!   NCCL send/recv (a list is one buffer per peer part, or one packed buffer where NCCL takes one).
 //! - **Call checks**: before each collective the ranks all_gather their call signatures (a 256-byte
-//!   record: kind, op, root, shape, arguments) and fail with [`Error::Mismatch`] naming both ranks
+//!   record: kind, op, root, shape, arguments; a signature too long for it is sent as SHA-256 digests
+//!   of its shape and arguments, [`CallSig::record`], so the check is never skipped) and fail with [`Error::Mismatch`] naming both ranks
 //!   when they differ, instead of NCCL hanging or mixing buffers. [`NcclOptions::check_calls`] turns
 //!   it off. A rank that never calls still hangs NCCL: NCCL has no receive timeout.
 //! - **Data path** ([`DataPath`]): host staging (tensor → host → CUDA buffer → NCCL → host → the
@@ -306,14 +307,23 @@ impl NcclComm {
             });
         }
         let server = if env.rank == 0 {
-            Some(StoreServer::start(&env.master).or_else(|_| {
-                let port = env.master.rsplit(':').next().unwrap_or("0");
-                StoreServer::start(&format!("0.0.0.0:{port}"))
-            })?)
+            // Only where MASTER_ADDR says (never every interface): it must be rank 0's address.
+            Some(
+                StoreServer::start(&env.master, env.secret.as_deref()).map_err(|e| {
+                    Error::Nccl {
+                        op: "init",
+                        rank: Some(0),
+                        detail: format!(
+                            "{e} (MASTER_ADDR must name an address of rank 0's machine)"
+                        ),
+                    }
+                })?,
+            )
         } else {
             None
         };
-        let mut store = Store::connect(&env.master, opts.rendezvous_timeout)?;
+        let mut store =
+            Store::connect(&env.master, opts.rendezvous_timeout, env.secret.as_deref())?;
         let ctx = CudaContext::new(env.local_rank).map_err(|e| nccl_err("init", env.rank, e))?;
         let stream = ctx.default_stream();
         // Before the NCCL id is shared: a rank failing here leaves the others waiting only for the
@@ -512,14 +522,8 @@ impl NcclComm {
         if !self.opts.check_calls || group.size() == 1 {
             return Ok(());
         }
-        let enc = sig.encode();
-        if enc.len() + 4 > SIG_BYTES {
-            // Too long to compare whole (huge permutations): compare kind and op only.
-            return Ok(());
-        }
-        let mut rec = vec![0u8; SIG_BYTES];
-        rec[..4].copy_from_slice(&(enc.len() as u32).to_le_bytes());
-        rec[4..4 + enc.len()].copy_from_slice(&enc);
+        // Long signatures travel as digests: the check is never skipped.
+        let rec = sig.record(SIG_BYTES);
         let send = self
             .stream
             .clone_htod(&rec)
@@ -535,18 +539,14 @@ impl NcclComm {
             .clone_dtoh(&recv)
             .map_err(|e| self.err("call check", e))?;
         for (r, rec) in all.chunks(SIG_BYTES).enumerate() {
-            let len = u32::from_le_bytes([rec[0], rec[1], rec[2], rec[3]]) as usize;
-            let theirs = rec.get(4..4 + len).and_then(CallSig::decode);
-            let agrees = theirs.as_ref().is_some_and(|t| t.agrees(sig));
-            if !agrees {
+            if let Err(peer_call) = sig.agrees_record(rec) {
                 return Err(Error::Mismatch {
                     group: group.id(),
                     seq,
                     rank: self.rank,
                     call: sig.to_string(),
                     peer: group.global(r),
-                    peer_call: theirs
-                        .map_or_else(|| "an unreadable call".into(), |t| t.to_string()),
+                    peer_call,
                 });
             }
         }

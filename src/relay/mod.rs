@@ -9,13 +9,25 @@
 //! members on the relay's host attach theirs to a Unix-domain socket instead
 //! ([`RelayConfig::local_streams`]); see `src/relay/stream.rs`.
 //!
+//! **Admission** (with [`serve`], which sees each connection's source address): at most
+//! [`RelayConfig::max_conns_per_addr`] open connections and
+//! [`RelayConfig::max_waiting_rooms_per_addr`] rooms that have not filled yet per source address,
+//! so one address flooding connections or half-full rooms cannot lock others out; a room must
+//! fill within [`RelayConfig::room_fill_timeout`] (its members are told why it closed), an
+//! announced data stream must attach within [`RelayConfig::join_timeout`], and a connection that
+//! sends nothing within that time is dropped. Room tokens chosen by clients must be at least
+//! [`RelayConfig::min_token_bits`] strong ([`token_bits`]); tokens the relay makes are 128 bits
+//! from the OS generator ([`random_token`]). Tokens and stream keys are compared in constant time.
+//!
 //! One connection = one task reading the socket plus one writer task draining a queue. The queue of
 //! each member is bounded in BYTES (`max_pending_bytes`): a sender whose destination is slow waits
 //! for room in that queue before reading its own socket further, so a slow receiver slows its
 //! senders (TCP backpressure) instead of growing the relay's memory.
 
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -32,7 +44,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use crate::wire::{
     Control, DEFAULT_FRAME_PAYLOAD, HEADER_LEN, Header, LEFT_CLEANLY, MAX_FRAME_PAYLOAD,
-    MIN_FRAME_PAYLOAD,
+    MIN_FRAME_PAYLOAD, secret_eq,
 };
 
 mod stream;
@@ -52,8 +64,18 @@ pub struct RelayConfig {
     pub max_pending_bytes: usize,
     /// A connection silent this long (no frame, no pong to the relay's pings) is closed.
     pub idle_timeout: Duration,
-    /// Time a new connection has to send its `join`.
+    /// Time a new connection has to send its first byte and its `join`, and a member that
+    /// announced a data stream has to attach it.
     pub join_timeout: Duration,
+    /// Most connections open at once from one source address (WebSockets, data streams, page
+    /// loads). A class behind one NAT address shares it. Only with [`serve`].
+    pub max_conns_per_addr: usize,
+    /// Most rooms created from one source address that have not filled yet. Only with [`serve`].
+    pub max_waiting_rooms_per_addr: usize,
+    /// A room that has not filled this long after it was created is closed; its members are told.
+    pub room_fill_timeout: Duration,
+    /// Least estimated strength ([`token_bits`]) of a room token a client chooses; 0 takes any.
+    pub min_token_bits: u32,
     /// If set, browsers must present one of these `Origin` headers.
     pub allowed_origins: Option<Vec<String>>,
     /// Serve this folder (the built web app) at `/`.
@@ -92,8 +114,19 @@ impl RelayConfig {
                 self.max_pending_bytes, self.max_frame
             ));
         }
-        if self.idle_timeout.is_zero() || self.join_timeout.is_zero() {
-            return Err("idle_timeout and join_timeout must be above zero".into());
+        if self.idle_timeout.is_zero()
+            || self.join_timeout.is_zero()
+            || self.room_fill_timeout.is_zero()
+        {
+            return Err(
+                "idle_timeout, join_timeout and room_fill_timeout must be above zero".into(),
+            );
+        }
+        if self.max_conns_per_addr == 0 || self.max_waiting_rooms_per_addr == 0 {
+            return Err(format!(
+                "max_conns_per_addr ({}) and max_waiting_rooms_per_addr ({}) must be at least 1",
+                self.max_conns_per_addr, self.max_waiting_rooms_per_addr
+            ));
         }
         if let Some(d) = &self.static_dir
             && !d.is_dir()
@@ -113,6 +146,11 @@ impl Default for RelayConfig {
             max_pending_bytes: 16 << 20,
             idle_timeout: Duration::from_secs(30),
             join_timeout: Duration::from_secs(10),
+            // A class of 60 behind one NAT address, a few tabs each, plus page loads.
+            max_conns_per_addr: 512,
+            max_waiting_rooms_per_addr: 64,
+            room_fill_timeout: Duration::from_secs(300),
+            min_token_bits: 128,
             allowed_origins: None,
             static_dir: None,
             streams: true,
@@ -158,7 +196,11 @@ struct Member {
 }
 
 struct Room {
+    /// Tells this room from a later one of the same name.
+    id: u64,
     token: String,
+    /// The address it was created from (counted against that address's waiting rooms).
+    creator: Option<IpAddr>,
     world: u32,
     members: HashMap<u32, Member>,
     /// True once `ready` was announced: late joiners then are replacements, which we refuse.
@@ -174,6 +216,10 @@ struct Shared {
     conns: Arc<Semaphore>,
     /// The path of the Unix-domain socket for local data streams, once it listens.
     local_path: OnceLock<String>,
+    /// Open connections per source address.
+    addr_conns: Mutex<HashMap<IpAddr, usize>>,
+    /// The next room's id.
+    next_room: AtomicU64,
 }
 
 /// Permits of `Shared::conns` (far above any real number of connections).
@@ -187,8 +233,8 @@ impl Shared {
     /// Where frames from `seat` to rank `dst` go: `Err` if `dst` is outside the room's world,
     /// `Ok(None)` if it left.
     fn dest(&self, seat: &Seat, dst: u32) -> Result<Option<Link>, String> {
-        let rooms = self.rooms();
-        let room = rooms.get(&seat.room).ok_or("room vanished")?;
+        let mut rooms = self.rooms();
+        let room = seat.room_in(&mut rooms).ok_or("room vanished")?;
         if dst >= room.world {
             return Err(format!(
                 "destination rank {dst} outside world {}",
@@ -214,6 +260,48 @@ fn ready_check(r: &mut Room) -> bool {
     true
 }
 
+/// One open connection counted against its source address (uncounted when dropped).
+pub(super) struct AddrSlot {
+    shared: Arc<Shared>,
+    ip: IpAddr,
+}
+
+impl AddrSlot {
+    /// Count a new connection from `ip`, or say why it is refused (the address is at its cap).
+    fn take(shared: &Arc<Shared>, ip: IpAddr) -> Result<AddrSlot, String> {
+        let ip = ip.to_canonical();
+        let mut conns = shared.addr_conns.lock().unwrap_or_else(|e| e.into_inner());
+        let n = conns.entry(ip).or_insert(0);
+        if *n >= shared.cfg.max_conns_per_addr {
+            return Err(format!(
+                "too many connections from {ip} ({} open, the relay's limit per address)",
+                *n
+            ));
+        }
+        *n += 1;
+        Ok(AddrSlot {
+            shared: shared.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for AddrSlot {
+    fn drop(&mut self) {
+        let mut conns = self
+            .shared
+            .addr_conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = conns.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                conns.remove(&self.ip);
+            }
+        }
+    }
+}
+
 /// Permits (bytes) of one member's outgoing queue: at least 1, at most what a `u32` acquire can take.
 fn queue_budget(cfg: &RelayConfig) -> usize {
     cfg.max_pending_bytes.clamp(1, u32::MAX as usize)
@@ -225,18 +313,78 @@ fn queue_cost(cfg: &RelayConfig, len: usize) -> u32 {
     len.clamp(1, queue_budget(cfg)) as u32
 }
 
-/// A random token (hex).
-pub fn random_token() -> String {
-    let mut b = [0u8; 12];
-    // If the OS has no entropy source something is badly wrong; fall back to time-based bytes.
-    if getrandom::fill(&mut b).is_err() {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        b.copy_from_slice(&t.to_le_bytes()[..12]);
+/// A random token: 128 bits from the operating system's generator, as 32 hex digits. Fails if the
+/// generator does (there is no weaker fallback).
+pub fn random_token() -> std::io::Result<String> {
+    let mut b = [0u8; 16];
+    getrandom::fill(&mut b).map_err(|e| {
+        std::io::Error::other(format!(
+            "the operating system's random number generator failed ({e}): cannot make a token"
+        ))
+    })?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+/// Estimated bits of guessing work a token chosen by a client offers: its length times the bits
+/// per character of the smallest alphabet it fits (hex digits 4, letters and digits and `-_.~`
+/// about 6, other characters 6.6), or of its distinct characters when it repeats a few (so
+/// `aaaa…` or `abab…` count for little). An estimate, not a proof: a token from a generator
+/// (32 hex digits, 22 base64url characters) reaches 128; words and names do not.
+pub fn token_bits(token: &str) -> u32 {
+    let chars: Vec<char> = token.chars().collect();
+    if chars.is_empty() {
+        return 0;
     }
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    let hex = chars.iter().all(char::is_ascii_hexdigit)
+        && !(chars.iter().any(char::is_ascii_lowercase)
+            && chars.iter().any(char::is_ascii_uppercase));
+    let mut alphabet = 0u32;
+    if hex {
+        alphabet = 16;
+    } else {
+        let has = |f: fn(&char) -> bool| chars.iter().any(f);
+        for (present, size) in [
+            (has(char::is_ascii_digit), 10),
+            (has(char::is_ascii_lowercase), 26),
+            (has(char::is_ascii_uppercase), 26),
+            (has(|c| "-_.~".contains(*c)), 4),
+            (
+                has(|c| !c.is_ascii_alphanumeric() && !"-_.~".contains(*c)),
+                30,
+            ),
+        ] {
+            if present {
+                alphabet += size;
+            }
+        }
+    }
+    let mut distinct = chars.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    // A generator's output of this length shows at least this many distinct characters (all but
+    // certainly): fewer means a pattern, and only the distinct ones count.
+    let expected = chars.len().min(8);
+    let per_char = if distinct.len() >= expected {
+        f64::from(alphabet).log2()
+    } else {
+        (distinct.len().max(1) as f64).log2()
+    };
+    (per_char * chars.len() as f64)
+        .floor()
+        .min(f64::from(u32::MAX)) as u32
+}
+
+/// Why a token a client chose is too weak for `cfg`, if it is.
+fn weak_token(cfg: &RelayConfig, token: &str) -> Option<String> {
+    let bits = token_bits(token);
+    (bits < cfg.min_token_bits).then(|| {
+        format!(
+            "the room token is too weak (about {bits} bits; this relay asks for at least {}): \
+             use 32 random hex digits or 22 random letters and digits, or leave the token out \
+             and the relay makes one",
+            cfg.min_token_bits
+        )
+    })
 }
 
 /// The relay's routes: `/ws` (WebSocket) and, with `static_dir`, the files of the web app.
@@ -254,6 +402,8 @@ pub fn router(cfg: RelayConfig) -> Router {
         stopping: tokio::sync::watch::channel(false).1,
         conns,
         local_path: OnceLock::new(),
+        addr_conns: Mutex::default(),
+        next_room: AtomicU64::new(0),
     }))
 }
 
@@ -293,6 +443,8 @@ pub async fn serve(
         stopping: stop_rx,
         conns: conns.clone(),
         local_path: OnceLock::new(),
+        addr_conns: Mutex::default(),
+        next_room: AtomicU64::new(0),
     });
     // Same-host members' data streams: a Unix-domain socket (removed when `_local` drops).
     #[cfg(unix)]
@@ -333,7 +485,8 @@ async fn ws_handler(
     peer: Option<Extension<ConnectInfo<stream::PeerAddr>>>,
     State(shared): State<Arc<Shared>>,
 ) -> Response {
-    let on_host = on_host(peer.map(|Extension(ConnectInfo(a))| a.0));
+    let peer = peer.map(|Extension(ConnectInfo(a))| a.0);
+    let on_host = on_host(peer);
     if let Some(allowed) = &shared.cfg.allowed_origins {
         let origin = headers.get("origin").and_then(|o| o.to_str().ok());
         // Native clients send no Origin; only browsers are subject to the list.
@@ -348,7 +501,7 @@ async fn ws_handler(
     let hard = shared.cfg.max_frame.saturating_mul(2).max(64 << 10);
     ws.max_message_size(hard)
         .max_frame_size(hard)
-        .on_upgrade(move |socket| connection(socket, shared, on_host))
+        .on_upgrade(move |socket| connection(socket, shared, on_host, peer.map(|a| a.ip())))
 }
 
 /// Whether a member connected from `peer` is on the relay's host (a loopback address, IPv4-mapped
@@ -362,11 +515,21 @@ fn on_host(peer: Option<std::net::SocketAddr>) -> bool {
 #[derive(Clone)]
 struct Seat {
     room: String,
+    /// The room's id (a later room of the same name is another room).
+    room_id: u64,
     rank: u32,
 }
 
-/// `on_host`: the member reached us on a loopback address (so it may use our Unix-domain socket).
-async fn connection(socket: WebSocket, shared: Arc<Shared>, on_host: bool) {
+impl Seat {
+    /// This member's room, if it still exists.
+    fn room_in<'a>(&self, rooms: &'a mut HashMap<String, Room>) -> Option<&'a mut Room> {
+        rooms.get_mut(&self.room).filter(|r| r.id == self.room_id)
+    }
+}
+
+/// `on_host`: the member reached us on a loopback address (so it may use our Unix-domain socket);
+/// `peer`: its address, where known (rooms it creates count against it).
+async fn connection(socket: WebSocket, shared: Arc<Shared>, on_host: bool, peer: Option<IpAddr>) {
     let _open = shared.conns.clone().try_acquire_owned().ok();
     let (mut sink, mut stream) = socket.split();
     let (tx, mut rx) = mpsc::unbounded_channel::<Out>();
@@ -434,7 +597,7 @@ async fn connection(socket: WebSocket, shared: Arc<Shared>, on_host: bool) {
         kill,
     };
 
-    let seat = match join(&shared, &mut stream, &link, on_host).await {
+    let seat = match join(&shared, &mut stream, &link, on_host, peer).await {
         Ok(seat) => seat,
         Err(reason) => {
             send_error(&tx, &reason);
@@ -485,10 +648,11 @@ fn control(msg: &Control) -> String {
 /// Wait for the join message and seat the client, or say why not. The Unix-domain socket is named
 /// only to members `on_host` (others could not reach it, and need not know where it is).
 async fn join(
-    shared: &Shared,
+    shared: &Arc<Shared>,
     stream: &mut futures::stream::SplitStream<WebSocket>,
     link: &Link,
     on_host: bool,
+    peer: Option<IpAddr>,
 ) -> Result<Seat, String> {
     let tx = &link.tx;
     let first = tokio::time::timeout(shared.cfg.join_timeout, stream.next())
@@ -524,11 +688,32 @@ async fn join(
     {
         return Err(format!("rank {k} outside world {world}"));
     }
+    if let Some(t) = &token
+        && !shared.rooms().contains_key(&room)
+        && let Some(why) = weak_token(cfg, t)
+    {
+        return Err(why);
+    }
+    // Made before the lock (it may fail); used only if this join creates the room.
+    let fresh_token = match &token {
+        Some(_) => None,
+        None => Some(random_token().map_err(|e| e.to_string())?),
+    };
+    let key = match wants_stream && shared.cfg.streams {
+        true => Some(random_token().map_err(|e| e.to_string())?),
+        false => None,
+    };
+    let peer = peer.map(|ip| ip.to_canonical());
     let mut rooms = shared.rooms();
     let n_rooms = rooms.len();
+    let waiting_here = rooms
+        .values()
+        .filter(|r| !r.started && peer.is_some() && r.creator == peer)
+        .count();
+    let mut created = None;
     let r = match rooms.get_mut(&room) {
         Some(r) => {
-            if token.as_deref() != Some(r.token.as_str()) {
+            if !token.as_deref().is_some_and(|t| secret_eq(t, &r.token)) {
                 return Err(format!("wrong token for room {room:?}"));
             }
             if r.world != world {
@@ -543,8 +728,20 @@ async fn join(
             if n_rooms >= cfg.max_rooms {
                 return Err(format!("relay is full ({} rooms)", cfg.max_rooms));
             }
+            if let Some(ip) = peer
+                && waiting_here >= cfg.max_waiting_rooms_per_addr
+            {
+                return Err(format!(
+                    "{ip} already has {waiting_here} rooms waiting for members (the relay's \
+                     limit per address): join one of them, or wait until they fill or close"
+                ));
+            }
+            let id = shared.next_room.fetch_add(1, Ordering::Relaxed);
+            created = Some(id);
             rooms.entry(room.clone()).or_insert(Room {
-                token: token.unwrap_or_else(random_token),
+                id,
+                token: token.or(fresh_token).unwrap_or_default(),
+                creator: peer,
                 world,
                 members: HashMap::new(),
                 started: false,
@@ -560,7 +757,7 @@ async fn join(
             .find(|k| !r.members.contains_key(k))
             .ok_or_else(|| format!("room {room:?} is full"))?,
     };
-    let key = (wants_stream && shared.cfg.streams).then(random_token);
+    let room_id = r.id;
     r.members.insert(
         rank,
         Member {
@@ -592,7 +789,63 @@ async fn join(
             let _ = m.link.tx.send(Out::Text(text.clone()));
         }
     }
-    Ok(Seat { room, rank })
+    drop(rooms);
+    let announced_stream = wants_stream && shared.cfg.streams;
+    let seat = Seat {
+        room,
+        room_id,
+        rank,
+    };
+    if created.is_some() {
+        tokio::spawn(close_if_unfilled(shared.clone(), seat.clone()));
+    }
+    if announced_stream {
+        tokio::spawn(drop_if_no_stream(shared.clone(), seat.clone()));
+    }
+    Ok(seat)
+}
+
+/// Close `seat`'s room if it has not filled within the room fill timeout, telling its members.
+async fn close_if_unfilled(shared: Arc<Shared>, seat: Seat) {
+    let limit = shared.cfg.room_fill_timeout;
+    let mut stopping = shared.stopping.clone();
+    tokio::select! {
+        () = tokio::time::sleep(limit) => {}
+        () = stopped(&mut stopping) => return,
+    }
+    let mut rooms = shared.rooms();
+    let Some(r) = seat.room_in(&mut rooms).filter(|r| !r.started) else {
+        return;
+    };
+    let why = format!(
+        "room {:?} did not fill within {limit:?} ({} of {} members joined); it is closed: \
+         create it again when everyone is ready to join",
+        seat.room,
+        r.members.len(),
+        r.world
+    );
+    for m in r.members.values() {
+        m.link.budget.close();
+        let _ = m.link.kill.send(Some(why.clone()));
+    }
+    rooms.remove(&seat.room);
+}
+
+/// End `seat` if the data stream its join announced has not attached within the join timeout
+/// (its room would otherwise wait for it forever).
+async fn drop_if_no_stream(shared: Arc<Shared>, seat: Seat) {
+    let limit = shared.cfg.join_timeout;
+    tokio::time::sleep(limit).await;
+    let mut rooms = shared.rooms();
+    if let Some(m) = seat
+        .room_in(&mut rooms)
+        .and_then(|r| r.members.get(&seat.rank))
+        .filter(|m| !m.settled)
+    {
+        let _ = m.link.kill.send(Some(format!(
+            "its announced data stream did not attach within {limit:?}"
+        )));
+    }
 }
 
 /// Route a member's messages until it leaves; returns why it left.
@@ -645,9 +898,8 @@ async fn serve_member(
                         data,
                     });
                     let dst = {
-                        let rooms = shared.rooms();
-                        rooms
-                            .get(&seat.room)
+                        let mut rooms = shared.rooms();
+                        seat.room_in(&mut rooms)
                             .and_then(|r| r.members.get(&to))
                             .map(|m| (m.link.tx.clone(), m.link.budget.clone()))
                     };
@@ -663,7 +915,7 @@ async fn serve_member(
                 }
                 Ok(Control::NoStream) => {
                     let mut rooms = shared.rooms();
-                    if let Some(r) = rooms.get_mut(&seat.room) {
+                    if let Some(r) = seat.room_in(&mut rooms) {
                         if let Some(m) = r.members.get_mut(&seat.rank) {
                             m.settled = true;
                         }
@@ -722,7 +974,7 @@ async fn route(shared: &Shared, seat: &Seat, frame: Bytes) -> Result<(), String>
 
 fn leave(shared: &Shared, seat: &Seat, reason: &str) {
     let mut rooms = shared.rooms();
-    let Some(room) = rooms.get_mut(&seat.room) else {
+    let Some(room) = seat.room_in(&mut rooms) else {
         return;
     };
     if let Some(m) = room.members.remove(&seat.rank) {

@@ -31,7 +31,7 @@ use tokio::net::UnixStream;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
-use super::{Link, Out, Seat, Shared, queue_cost};
+use super::{AddrSlot, Link, Out, Seat, Shared, queue_cost};
 use crate::wire::{FLAG_MORE, HEADER_LEN, Header, STREAM_CONTROL, STREAM_MAGIC, StreamHello};
 
 /// Payloads up to this size are read whole before the destination is locked (one write).
@@ -148,7 +148,7 @@ impl StreamOut {
 
 /// The relay's listener as axum sees it: only the connections that are not data streams.
 pub(super) struct Incoming {
-    rx: mpsc::Receiver<(TcpStream, SocketAddr)>,
+    rx: mpsc::Receiver<(Counted, SocketAddr)>,
     local: SocketAddr,
 }
 
@@ -174,17 +174,28 @@ impl Incoming {
                 // Small control frames and latency-bound collectives must not wait for Nagle.
                 let _ = sock.set_nodelay(true);
                 let (tx, shared) = (tx.clone(), shared.clone());
+                // Counted in the order of arrival, before anything else runs for it.
+                let slot = AddrSlot::take(&shared, addr.ip());
                 // Sorted in its own task: a silent connection holds up nobody.
                 tokio::spawn(async move {
+                    let slot = match slot {
+                        Ok(slot) => slot,
+                        Err(why) => return refuse(sock, &why, shared.cfg.join_timeout).await,
+                    };
                     let mut first = [0u8; 1];
                     let peek = tokio::time::timeout(shared.cfg.join_timeout, sock.peek(&mut first));
-                    let is_stream = matches!(peek.await, Ok(Ok(1))) && first[0] == STREAM_MAGIC[0];
-                    if is_stream && shared.cfg.streams {
-                        attach(shared, Sock::Tcp(sock)).await;
-                    } else if !is_stream {
-                        let _ = tx.send((sock, addr)).await;
+                    match peek.await {
+                        Ok(Ok(1)) if first[0] == STREAM_MAGIC[0] && shared.cfg.streams => {
+                            attach(shared, Sock::Tcp(sock)).await;
+                        }
+                        // A stream when streams are off: dropped (its client falls back).
+                        Ok(Ok(1)) if first[0] == STREAM_MAGIC[0] => {}
+                        Ok(Ok(1)) => {
+                            let _ = tx.send((Counted { sock, _slot: slot }, addr)).await;
+                        }
+                        // Nothing within the join timeout (or closed): let it go.
+                        _ => {}
                     }
-                    // A stream when streams are off: dropped (its client falls back).
                 });
             }
         });
@@ -192,11 +203,77 @@ impl Incoming {
     }
 }
 
+/// Answer a connection over its address's cap with an HTTP 429 saying why (a WebSocket client
+/// shows the status; a browser's console shows the handshake failure), then close it.
+async fn refuse(mut sock: TcpStream, why: &str, limit: Duration) {
+    use tokio::io::AsyncWriteExt;
+    let body = format!("{why}\n");
+    let answer = format!(
+        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: text/plain; charset=utf-8\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tokio::time::timeout(limit, sock.write_all(answer.as_bytes())).await;
+    let _ = sock.shutdown().await;
+}
+
+/// A TCP connection counted against its source address while it is open.
+pub(super) struct Counted {
+    sock: TcpStream,
+    _slot: AddrSlot,
+}
+
+impl tokio::io::AsyncRead for Counted {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.sock).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Counted {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<io::Result<usize>> {
+        std::pin::Pin::new(&mut self.sock).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> std::task::Poll<io::Result<usize>> {
+        std::pin::Pin::new(&mut self.sock).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.sock.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.sock).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        std::pin::Pin::new(&mut self.sock).poll_shutdown(cx)
+    }
+}
+
 impl axum::serve::Listener for Incoming {
-    type Io = TcpStream;
+    type Io = Counted;
     type Addr = SocketAddr;
 
-    async fn accept(&mut self) -> (TcpStream, SocketAddr) {
+    async fn accept(&mut self) -> (Counted, SocketAddr) {
         match self.rx.recv().await {
             Some(c) => c,
             // The accepting task ended: nothing more will come.
@@ -242,7 +319,7 @@ impl LocalListener {
         let dir = std::env::temp_dir().join(format!(
             "distgrad-relay-{}-{}",
             std::process::id(),
-            &super::random_token()[..12]
+            &super::random_token()?[..12]
         ));
         // Fails if the name exists: never a directory someone else prepared.
         std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
@@ -343,7 +420,10 @@ fn seat(
     let r = rooms.get_mut(&hello.room).ok_or("no such room")?;
     let m = r.members.get_mut(&hello.rank).ok_or("no such member")?;
     if m.settled
-        || m.key.as_deref() != Some(hello.key.as_str())
+        || !m
+            .key
+            .as_deref()
+            .is_some_and(|k| crate::wire::secret_eq(k, &hello.key))
         || m.link.stream.set(out.clone()).is_err()
     {
         return Err("wrong key, or the member's route is already settled".into());
@@ -354,6 +434,7 @@ fn seat(
     Ok((
         Seat {
             room: hello.room.clone(),
+            room_id: r.id,
             rank: hello.rank,
         },
         kill,

@@ -170,7 +170,7 @@ async fn accept(mut s: TcpStream, me: usize, token: &str) -> std::io::Result<(Tc
     }
     let mut theirs = vec![0u8; len];
     s.read_exact(&mut theirs).await?;
-    if theirs != token.as_bytes() {
+    if !crate::wire::secret_eq_bytes(&theirs, token.as_bytes()) {
         return Err(std::io::Error::other("wrong room token"));
     }
     s.write_all(&[1]).await?;

@@ -141,12 +141,32 @@ fn relay_err(detail: impl Into<String>) -> Error {
     }
 }
 
+/// Why connecting to the relay failed; a refusal over HTTP (a relay over its per-address
+/// connection limit answers 429) with the reason the relay gave in its body.
+fn connect_error(url: &str, e: &tokio_tungstenite::tungstenite::Error) -> Error {
+    let detail = match e {
+        tokio_tungstenite::tungstenite::Error::Http(resp) => {
+            let body = resp
+                .body()
+                .as_deref()
+                .map(String::from_utf8_lossy)
+                .unwrap_or_default();
+            match body.trim() {
+                "" => format!("the relay answered {}", resp.status()),
+                why => format!("the relay answered {}: {why}", resp.status()),
+            }
+        }
+        e => e.to_string(),
+    };
+    relay_err(format!("cannot connect to {url}: {detail}"))
+}
+
 impl WsTransport {
     /// Connect to `url` (e.g. `ws://127.0.0.1:8080/ws`), join, and wait until the room is full.
     pub async fn connect(url: &str, opts: JoinOptions) -> Result<WsTransport> {
         let (ws, _) = tokio_tungstenite::connect_async_with_config(url, None, true)
             .await
-            .map_err(|e| relay_err(format!("cannot connect to {url}: {e}")))?;
+            .map_err(|e| connect_error(url, &e))?;
         // A data stream goes to the same address as the WebSocket (not through TLS).
         let relay_addr = match ws.get_ref() {
             tokio_tungstenite::MaybeTlsStream::Plain(s) => s.peer_addr().ok(),
@@ -379,10 +399,11 @@ impl WsTransport {
             mailbox,
             out: Some(tx),
             // Fragments fit the relay's frame limit as well as ours (a relay naming a limit
-            // below the protocol's floor is not believed: frames that big are refused loudly).
+            // below the protocol's floor is not believed: frames that big are refused loudly;
+            // a relay naming none has the default).
             max_payload: opts
                 .max_payload
-                .min(relay_frame.map_or(usize::MAX, |m| m.max(MIN_FRAME_PAYLOAD)))
+                .min(relay_frame.map_or(DEFAULT_FRAME_PAYLOAD, |m| m.max(MIN_FRAME_PAYLOAD)))
                 .max(1),
             send_timeout: opts.send_timeout,
             reader: Some(reader),

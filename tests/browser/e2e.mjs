@@ -20,6 +20,7 @@
 import { spawn, execFileSync } from 'node:child_process';
 import { readdirSync, statSync, mkdirSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
+import { randomBytes } from 'node:crypto';
 import { chromium } from 'playwright-core';
 import { parseArgs, sleep, startRelay, close, stateOf } from './common.mjs';
 
@@ -159,7 +160,8 @@ async function main() {
 
     // ---- 1. four tabs, every collective ----
     const room = `e2e-${NET}-${process.pid}`;
-    const url = `${base}?room=${room}&world=${WORLD}&token=t${process.pid}${NET_PARAM}`;
+    // Room tokens must be strong (128 bits: the relay refuses weaker ones it did not make).
+    const url = `${base}?room=${room}&world=${WORLD}&token=${randomBytes(16).toString('hex')}${NET_PARAM}`;
     const tLoad = Date.now();
     const pages = await openTabs(ctx, url, WORLD, errors);
     const states = await waitReady(pages, 60000);
@@ -233,7 +235,7 @@ async function main() {
       const caseFile = join(OUT, `mixed-case-${NET}.json`);
       writeFileSync(caseFile, c.caseJson);
       const mroom = `mixed-${NET}-${process.pid}`;
-      const token = `m${process.pid}`;
+      const token = randomBytes(16).toString('hex');
       const worker = spawn(BIN, ['worker', '--relay', `ws://${relay.host}/ws`, '--room', mroom, '--world', String(WORLD), '--rank', '3',
         '--token', token, '--case', caseFile, '--json', '--timeout-secs', '60'], { stdio: ['ignore', 'pipe', 'inherit'] });
       let wout = '';

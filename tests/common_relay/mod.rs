@@ -132,10 +132,18 @@ impl Drop for TestRelay {
 // Ranks over our transport
 // ---------------------------------------------------------------------------------------------
 
-/// Join options for `rank` of a room (explicit rank, given token, bounded wait for the room).
+/// A strong room token named `name`: the relay refuses client-chosen tokens below 128 bits
+/// ([`relay::token_bits`]), so the helpers here take short names ("t", "tok") and turn each into
+/// the name plus 32 fixed hex digits (distinct names stay distinct tokens).
+pub fn tok(name: &str) -> String {
+    format!("{name}-5e0c2b9f71a84d36b0e5a97c1d2f4386")
+}
+
+/// Join options for `rank` of a room (explicit rank, the token named `token` ([`tok`]), bounded
+/// wait for the room).
 pub fn join_opts(room: &str, token: &str, world: u32, rank: u32) -> JoinOptions {
     let mut j = JoinOptions::new(room, world);
-    j.token = Some(token.to_string());
+    j.token = Some(tok(token));
     j.rank = Some(rank);
     j.ready_timeout = Duration::from_secs(30);
     j
@@ -238,7 +246,78 @@ impl Raw {
         Raw { ws }
     }
 
-    /// Connect and join; panics unless the relay answers with a welcome.
+    /// Connect from the loopback address `from` (any of 127.0.0.0/8) to the relay at `addr`: the
+    /// relay counts connections and waiting rooms per source address, so one host plays several
+    /// machines. `Err`: the handshake failed (an HTTP refusal: its status and body).
+    pub async fn connect_from(
+        url: &str,
+        addr: SocketAddr,
+        from: std::net::IpAddr,
+    ) -> std::result::Result<Raw, String> {
+        let sock = tokio::net::TcpSocket::new_v4().map_err(|e| e.to_string())?;
+        sock.bind((from, 0).into())
+            .map_err(|e| format!("bind {from}: {e}"))?;
+        let tcp = tokio::time::timeout(WAIT, sock.connect(addr))
+            .await
+            .map_err(|_| "TCP connect timed out".to_string())?
+            .map_err(|e| format!("TCP connect: {e}"))?;
+        let hs = tokio_tungstenite::client_async(url, MaybeTlsStream::Plain(tcp));
+        match tokio::time::timeout(WAIT, hs).await {
+            Err(_) => Err("WebSocket handshake timed out".into()),
+            Ok(Ok((ws, _))) => Ok(Raw { ws }),
+            Ok(Err(tokio_tungstenite::tungstenite::Error::Http(r))) => Err(format!(
+                "HTTP {}: {}",
+                r.status().as_u16(),
+                String::from_utf8_lossy(r.body().as_deref().unwrap_or_default())
+            )),
+            Ok(Err(e)) => Err(e.to_string()),
+        }
+    }
+
+    /// Send a join (explicit rank) and return the relay's answer: the welcome, or the refusal.
+    pub async fn send_join(
+        &mut self,
+        room: &str,
+        token: Option<String>,
+        world: u32,
+        rank: u32,
+        stream: bool,
+    ) -> std::result::Result<Welcome, Refusal> {
+        self.send_control(&Control::Join {
+            room: room.into(),
+            token,
+            world,
+            rank: Some(rank),
+            stream,
+        })
+        .await;
+        match self.next().await {
+            Event::Text(t) => match serde_json::from_str::<Control>(&t) {
+                Ok(Control::Welcome {
+                    rank,
+                    world,
+                    token,
+                    members,
+                    ..
+                }) => Ok(Welcome {
+                    rank,
+                    world,
+                    token,
+                    members,
+                }),
+                Ok(Control::Error { message }) => {
+                    let mut r = self.expect_refusal().await;
+                    r.error = Some(message);
+                    Err(r)
+                }
+                other => panic!("joining {room:?}: expected welcome or error, got {other:?}"),
+            },
+            other => panic!("joining {room:?}: expected welcome or error, got {other:?}"),
+        }
+    }
+
+    /// Connect and join (with the token named `token`, [`tok`]; `None`: the relay makes one);
+    /// panics unless the relay answers with a welcome.
     pub async fn join(
         url: &str,
         room: &str,
@@ -249,7 +328,7 @@ impl Raw {
         let mut c = Raw::connect(url).await;
         c.send_control(&Control::Join {
             room: room.into(),
-            token: token.map(str::to_string),
+            token: token.map(tok),
             world,
             rank: Some(rank),
             stream: false,

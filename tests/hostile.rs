@@ -1,0 +1,300 @@
+//! The relay against hostile and careless clients (issue #20): one address flooding connections
+//! and half-full rooms while a legitimate room forms and runs; rooms that never fill; connections
+//! that never speak or never join; announced data streams that never attach; weak and wrong room
+//! tokens.
+//!
+//! Each client picks its source address in 127.0.0.0/8 (the relay counts per address), so one host
+//! plays a classroom's NAT address, an attacker and a student. Every wait is bounded
+//! (`common_relay::WAIT`).
+
+mod common_relay;
+
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use common_relay::{Raw, TestRelay, WAIT, all_ok, join_opts, rank_runtime, run_ranks, tok};
+use distgrad::relay::{RelayConfig, token_bits};
+use distgrad::{CommOptions, Communicator, ReduceOp, Tensor};
+
+const FLOODER: [u8; 4] = [127, 0, 0, 2];
+const NEIGHBOUR: [u8; 4] = [127, 0, 0, 3];
+
+/// A 2-rank room from 127.0.0.1 forms and runs an all_reduce; returns both ranks' results.
+fn legitimate_room(url: &str, room: &str) -> Vec<Vec<f32>> {
+    let joins = (0..2).map(|r| join_opts(room, "class", 2, r)).collect();
+    let opts = CommOptions {
+        timeout: Duration::from_secs(10),
+        ..CommOptions::default()
+    };
+    let results = run_ranks(url, joins, opts, |rank, comm| async move {
+        let x = Tensor::vector(&[rank as f32 + 1.0, 10.0]);
+        comm.all_reduce(&x, ReduceOp::Sum, &comm.world())
+            .await
+            .map(|t| t.to_vec())
+    });
+    all_ok(room, results)
+}
+
+/// Connect from `from`, retrying while the relay still counts connections that just closed.
+async fn connect_when_free(url: &str, relay: &TestRelay, from: IpAddr) -> Raw {
+    let t0 = Instant::now();
+    loop {
+        match Raw::connect_from(url, relay.addr, from).await {
+            Ok(c) => return c,
+            Err(e) if t0.elapsed() < WAIT => {
+                assert!(e.contains("429"), "unexpected refusal: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("{from} still refused {WAIT:?} after its connections closed: {e}"),
+        }
+    }
+}
+
+/// One address opens connections up to its cap (the next is refused with HTTP 429 and the reason)
+/// and creates half-full rooms up to its cap (the next is refused, saying so); meanwhile a
+/// legitimate 2-rank room from another address forms and computes the right all_reduce, and a
+/// third address still creates rooms. A flooder's room that fills stops counting against it.
+#[test]
+fn one_address_flooding_cannot_lock_out_a_legitimate_room() {
+    let relay = TestRelay::start(RelayConfig {
+        max_rooms: 16,
+        max_conns_per_addr: 8,
+        max_waiting_rooms_per_addr: 4,
+        ..RelayConfig::default()
+    });
+    let url = relay.url();
+    let rt = rank_runtime();
+    let flooder = IpAddr::from(FLOODER);
+    let want = vec![vec![3.0, 20.0]; 2];
+
+    // Connections: 8 open, the 9th refused with the reason.
+    let held = rt.block_on(async {
+        let mut held = Vec::new();
+        for i in 0..8 {
+            let c = Raw::connect_from(&url, relay.addr, flooder).await;
+            held.push(c.unwrap_or_else(|e| panic!("connection {i} within the cap: {e}")));
+        }
+        let e = Raw::connect_from(&url, relay.addr, flooder)
+            .await
+            .err()
+            .expect("the 9th connection from one address must be refused");
+        assert!(
+            e.starts_with("HTTP 429") && e.contains("too many connections from 127.0.0.2"),
+            "the refusal says: {e}"
+        );
+        held
+    });
+    assert_eq!(legitimate_room(&url, "during-conn-flood"), want);
+    drop(held);
+
+    // Waiting rooms: 4 created, the 5th refused; they last while the legitimate room runs.
+    let (rooms, tokens) = rt.block_on(async {
+        let mut rooms = Vec::new();
+        let mut tokens = Vec::new();
+        for i in 0..4 {
+            let mut c = connect_when_free(&url, &relay, flooder).await;
+            let w = c
+                .send_join(&format!("flood-{i}"), None, 2, 0, false)
+                .await
+                .unwrap_or_else(|r| panic!("waiting room {i} within the cap: {r:?}"));
+            tokens.push(w.token);
+            rooms.push(c);
+        }
+        let mut c = connect_when_free(&url, &relay, flooder).await;
+        let r = c.send_join("flood-4", None, 2, 0, false).await.unwrap_err();
+        let e = r.error.expect("an error message");
+        assert!(
+            e.contains("127.0.0.2 already has 4 rooms waiting for members"),
+            "the refusal says: {e}"
+        );
+        // Another address is not affected.
+        let mut n = Raw::connect_from(&url, relay.addr, NEIGHBOUR.into())
+            .await
+            .expect("another address connects");
+        n.send_join("neighbour", None, 2, 0, false)
+            .await
+            .expect("another address creates a room");
+        (rooms, tokens)
+    });
+    assert_eq!(legitimate_room(&url, "during-room-flood"), want);
+
+    // Filling one of its rooms frees a slot for the flooder.
+    rt.block_on(async {
+        let mut c = connect_when_free(&url, &relay, flooder).await;
+        c.send_join("flood-0", Some(tokens[0].clone()), 2, 1, false)
+            .await
+            .expect("the second member fills flood-0");
+        let mut c = connect_when_free(&url, &relay, flooder).await;
+        c.send_join("flood-5", None, 2, 0, false)
+            .await
+            .expect("a full room no longer counts as waiting");
+    });
+    drop(rooms);
+}
+
+/// A room that does not fill within `room_fill_timeout` is closed; every member is told why (how
+/// many joined), and the name can be used again.
+#[test]
+fn a_room_that_never_fills_is_closed_and_its_members_told() {
+    let relay = TestRelay::start(RelayConfig {
+        room_fill_timeout: Duration::from_secs(1),
+        ..RelayConfig::default()
+    });
+    let url = relay.url();
+    rank_runtime().block_on(async {
+        let t0 = Instant::now();
+        let (mut a, _) = Raw::join(&url, "half", Some("h"), 3, 0).await;
+        let (mut b, _) = Raw::join(&url, "half", Some("h"), 3, 1).await;
+        for (who, c) in [("rank 0", &mut a), ("rank 1", &mut b)] {
+            let r = c.expect_refusal().await;
+            let e = r.error.unwrap_or_default();
+            assert!(
+                e.contains("did not fill within 1s (2 of 3 members joined)"),
+                "{who} was told: {e:?}"
+            );
+        }
+        let took = t0.elapsed();
+        assert!(
+            took < Duration::from_secs(5),
+            "closed after {took:?}, the fill timeout is 1 s"
+        );
+        // The name is free: a new room with another token.
+        let (_c, w) = Raw::join(&url, "half", Some("other"), 2, 0).await;
+        assert_eq!(w.token, tok("other"));
+    });
+}
+
+/// Connections that send nothing, or connect but never join, are dropped within the join timeout
+/// and stop counting against their address.
+#[test]
+fn silent_and_never_joining_connections_are_freed() {
+    let relay = TestRelay::start(RelayConfig {
+        join_timeout: Duration::from_secs(1),
+        max_conns_per_addr: 2,
+        ..RelayConfig::default()
+    });
+    let url = relay.url();
+    let from = IpAddr::from([127, 0, 0, 4]);
+    rank_runtime().block_on(async {
+        use tokio::io::AsyncReadExt;
+        let t0 = Instant::now();
+        let mut silent = Vec::new();
+        for _ in 0..2 {
+            let s = tokio::net::TcpSocket::new_v4().unwrap();
+            s.bind((from, 0).into()).unwrap();
+            silent.push(s.connect(relay.addr).await.expect("TCP connect"));
+        }
+        let e = Raw::connect_from(&url, relay.addr, from).await.err();
+        assert!(
+            e.as_deref().is_some_and(|e| e.starts_with("HTTP 429")),
+            "a third connection beside two silent ones: {e:?}"
+        );
+        for s in &mut silent {
+            let mut b = [0u8; 16];
+            let n = tokio::time::timeout(WAIT, s.read(&mut b))
+                .await
+                .expect("the relay must drop a silent connection")
+                .unwrap_or(0);
+            assert_eq!(n, 0, "a silent connection got bytes");
+        }
+        let dropped = t0.elapsed();
+        assert!(
+            dropped < Duration::from_secs(5),
+            "silent connections dropped after {dropped:?}, the join timeout is 1 s"
+        );
+        // Freed: a WebSocket that then never joins is told and closed.
+        let mut c = connect_when_free(&url, &relay, from).await;
+        let r = c.expect_refusal().await;
+        let e = r.error.unwrap_or_default();
+        assert!(e.contains("no join within 1s"), "told: {e:?}");
+    });
+}
+
+/// A member whose join announced a data stream that never attaches is ended (its room would wait
+/// for it forever), saying why.
+#[test]
+fn an_announced_stream_that_never_attaches_ends_its_member() {
+    let relay = TestRelay::start(RelayConfig {
+        join_timeout: Duration::from_secs(1),
+        ..RelayConfig::default()
+    });
+    let url = relay.url();
+    rank_runtime().block_on(async {
+        let mut c = Raw::connect(&url).await;
+        c.send_join("streamless", Some(tok("s")), 2, 0, true)
+            .await
+            .expect("welcome");
+        let e = c.expect_refusal().await.error.unwrap_or_default();
+        assert!(
+            e.contains("announced data stream did not attach within 1s"),
+            "told: {e:?}"
+        );
+    });
+}
+
+/// Tokens a client chooses must be strong; the refusal says how to get one. Joining with a strong
+/// but wrong token is refused; a relay set to take any token takes a weak one.
+#[test]
+fn weak_and_wrong_tokens_are_refused() {
+    // The estimate the relay applies: generator output passes, words and patterns do not.
+    for (t, strong) in [
+        ("5e0c2b9f71a84d36b0e5a97c1d2f4386", true),
+        ("Xq3_vT9kLm2PzR8wYc4bNd", true),
+        ("tok", false),
+        ("correcthorsebattery", false),
+        ("", false),
+        (&"ab".repeat(40), false),
+        ("00000000000000000000000000000000", false),
+    ] {
+        assert_eq!(
+            token_bits(t) >= 128,
+            strong,
+            "{t:?}: {} bits",
+            token_bits(t)
+        );
+    }
+    let relay = TestRelay::default_config();
+    let url = relay.url();
+    rank_runtime().block_on(async {
+        for weak in [
+            "tok",
+            "password123",
+            "",
+            "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+        ] {
+            let mut c = Raw::connect(&url).await;
+            let r = c
+                .send_join("weak", Some(weak.into()), 2, 0, false)
+                .await
+                .unwrap_err();
+            let e = r.error.unwrap_or_default();
+            assert!(
+                e.contains("room token is too weak") && e.contains("leave the token out"),
+                "{weak:?}: told {e:?}"
+            );
+        }
+        // The weak joins created nothing: a strong token takes the name.
+        let (_a, w) = Raw::join(&url, "weak", Some("strong"), 2, 0).await;
+        assert_eq!(w.token, tok("strong"));
+        let mut c = Raw::connect(&url).await;
+        let r = c
+            .send_join("weak", Some(tok("guess")), 2, 1, false)
+            .await
+            .unwrap_err();
+        let e = r.error.unwrap_or_default();
+        assert!(e.contains("wrong token"), "told {e:?}");
+    });
+    let lax = TestRelay::start(RelayConfig {
+        min_token_bits: 0,
+        ..RelayConfig::default()
+    });
+    let url = lax.url();
+    rank_runtime().block_on(async {
+        let mut c = Raw::connect(&url).await;
+        let w = c
+            .send_join("lax", Some("tok".into()), 1, 0, false)
+            .await
+            .expect("min_token_bits 0 takes any token");
+        assert_eq!(w.token, "tok");
+    });
+}
