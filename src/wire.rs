@@ -332,10 +332,15 @@ pub enum Control {
         /// Ranks present now.
         members: Vec<u32>,
     },
-    /// Relay → all members: the room is full; collectives may start.
+    /// Relay → each member: the room is full; collectives may start.
     Ready {
         /// All ranks.
         members: Vec<u32>,
+        /// One key per rank (32 hex digits; this member's own entry empty) that only this member
+        /// and that peer were given: direct links between native members prove their ranks with
+        /// it (`src/transport/direct.rs`). Absent from relays that issue none (no direct links).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        link_keys: Option<Vec<String>>,
     },
     /// Relay → all members: a member left or was lost.
     PeerLeft {

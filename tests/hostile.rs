@@ -298,3 +298,44 @@ fn weak_and_wrong_tokens_are_refused() {
         assert_eq!(w.token, "tok");
     });
 }
+
+/// The relay's `ready` gives each pair of members one link key that only those two hold (so a
+/// third member cannot prove itself as either on a direct link; the handshake itself is tested in
+/// `src/transport/direct.rs`): the same for (a, b) and (b, a), different for every pair, 128 bits.
+#[test]
+fn each_pair_of_members_gets_its_own_link_key() {
+    let relay = TestRelay::default_config();
+    let url = relay.url();
+    rank_runtime().block_on(async {
+        let world = 4u32;
+        let mut members = Vec::new();
+        for r in 0..world {
+            members.push(Raw::join(&url, "keys", Some("k"), world, r).await.0);
+        }
+        let mut keys = Vec::new();
+        for c in &mut members {
+            let got = loop {
+                match c.next_control().await {
+                    distgrad::wire::Control::Ready { link_keys, .. } => break link_keys,
+                    distgrad::wire::Control::Members { .. } => continue,
+                    other => panic!("waiting for ready, got {other:?}"),
+                }
+            };
+            keys.push(got.expect("the relay issues link keys"));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for a in 0..world as usize {
+            assert_eq!(keys[a].len(), world as usize);
+            assert_eq!(keys[a][a], "", "rank {a}'s own entry");
+            for b in (a + 1)..world as usize {
+                let k = &keys[a][b];
+                assert_eq!(k, &keys[b][a], "pair ({a}, {b})");
+                assert!(
+                    k.len() == 32 && k.bytes().all(|c| c.is_ascii_hexdigit()),
+                    "{k:?}"
+                );
+                assert!(seen.insert(k.clone()), "pair ({a}, {b}) shares a key");
+            }
+        }
+    });
+}

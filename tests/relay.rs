@@ -899,7 +899,7 @@ fn join_refusals_say_why_and_leave_the_room_unchanged() {
             (1, 2, tok("s3cret").as_str())
         );
         match creator.next_control().await {
-            Control::Ready { members } => assert_eq!(
+            Control::Ready { members, .. } => assert_eq!(
                 members,
                 vec![0, 1],
                 "refused joins must not have changed the membership"

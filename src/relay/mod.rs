@@ -245,7 +245,9 @@ impl Shared {
     }
 }
 
-/// Announce `ready` if the room is full and every member's data route is decided.
+/// Announce `ready` if the room is full and every member's data route is decided. Each member's
+/// `ready` carries a key per peer, the same for both members of a pair and known to no one else
+/// (direct links prove ranks with it); if the OS generator fails, no keys (and no direct links).
 fn ready_check(r: &mut Room) -> bool {
     if r.started || r.members.len() as u32 != r.world || !r.members.values().all(|m| m.settled) {
         return false;
@@ -253,11 +255,37 @@ fn ready_check(r: &mut Room) -> bool {
     r.started = true;
     let mut members: Vec<u32> = r.members.keys().copied().collect();
     members.sort_unstable();
-    let text = control(&Control::Ready { members });
-    for m in r.members.values() {
-        let _ = m.link.tx.send(Out::Text(text.clone()));
+    let keys = pair_keys(r.world);
+    for (&rank, m) in &r.members {
+        let link_keys = keys.as_ref().map(|k| {
+            (0..r.world)
+                .map(|p| if p == rank { String::new() } else { k(rank, p) })
+                .collect()
+        });
+        let text = control(&Control::Ready {
+            members: members.clone(),
+            link_keys,
+        });
+        let _ = m.link.tx.send(Out::Text(text));
     }
     true
+}
+
+/// Fresh random keys for every pair of ranks of a room of `world` (128 bits each from the OS
+/// generator): `key(a, b) == key(b, a)`. `None` if the generator fails.
+fn pair_keys(world: u32) -> Option<impl Fn(u32, u32) -> String> {
+    let w = world as usize;
+    let mut bytes = vec![0u8; 16 * w * w.saturating_sub(1) / 2];
+    getrandom::fill(&mut bytes).ok()?;
+    Some(move |a: u32, b: u32| {
+        let (lo, hi) = (a.min(b) as usize, a.max(b) as usize);
+        // Pairs (lo, hi) with lo < hi, numbered row by row.
+        let i = hi * (hi - 1) / 2 + lo;
+        bytes[16 * i..16 * i + 16]
+            .iter()
+            .map(|x| format!("{x:02x}"))
+            .collect()
+    })
 }
 
 /// One open connection counted against its source address (uncounted when dropped).

@@ -7,9 +7,13 @@
 //! Each direction of a pair uses one route for its whole life (decided before the transport sends
 //! anything), so messages of one (source, tag) never overtake each other.
 //!
-//! Link setup: rank `i < j` connects to `j`'s announced address and sends a hello (magic, its rank,
-//! the room token); `j` checks the token and that `i` is a lower rank not yet linked, and answers
-//! one byte. Frames on a link: `[u32 length][24-byte wire header][payload]`, with no fragmenting
+//! Link setup proves both ranks with the key the relay gave only `i` and `j` (in `ready`; a third
+//! member of the room cannot pose as either, and nothing secret crosses the link): rank `i < j`
+//! connects to `j`'s announced address and sends magic, `i` and a random nonce; `j` answers its
+//! own nonce and an HMAC-SHA-256 of both nonces and both ranks under the pair's key ("I am `j`");
+//! `i` checks it and sends its own ("I am `i`"); `j` checks that, then that `i` is not linked yet,
+//! and only then accepts with one byte. A peer without a key (a relay that issues none) is not
+//! linked. Frames on a link: `[u32 length][24-byte wire header][payload]`, with no fragmenting
 //! and no masking; the receiver trusts the connection, not the header, for the source rank.
 
 use std::collections::HashMap;
@@ -26,10 +30,56 @@ use tokio::sync::mpsc;
 use super::{Mailbox, Tag};
 use crate::wire::{HEADER_LEN, Header};
 
-/// First bytes of a link's hello.
-const HELLO_MAGIC: u32 = 0xD6D6_0001;
-/// Longest token a hello may carry.
-const MAX_TOKEN: usize = 1024;
+/// First bytes of a link's hello (version 2: per-pair keys).
+const HELLO_MAGIC: u32 = 0xD6D6_0002;
+
+/// A pair's link key (from the relay's `ready`).
+pub(crate) type LinkKey = [u8; 16];
+
+/// The keys this member shares with each peer rank.
+pub(crate) type LinkKeys = HashMap<usize, LinkKey>;
+
+/// Parse the relay's `link_keys` (32 hex digits per rank); malformed entries (and our own, empty)
+/// are left out (no link with that rank).
+pub(crate) fn parse_keys(keys: &[String]) -> LinkKeys {
+    keys.iter()
+        .enumerate()
+        .filter_map(|(r, hex)| {
+            let mut k = [0u8; 16];
+            if hex.len() != 32 {
+                return None;
+            }
+            for (i, b) in k.iter_mut().enumerate() {
+                *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+            }
+            Some((r, k))
+        })
+        .collect()
+}
+
+/// The proof a side of the link (`role`) gives: HMAC-SHA-256 under the pair's key of the role,
+/// both ranks and both nonces.
+fn proof(key: &LinkKey, role: &[u8], lo: usize, hi: usize, n_lo: &[u8], n_hi: &[u8]) -> [u8; 32] {
+    use hmac::Mac;
+    // HMAC takes keys of any length: the error arm cannot happen; an all-zero proof never verifies
+    // against a real one.
+    let Ok(mut m) = hmac::Hmac::<sha2::Sha256>::new_from_slice(key) else {
+        return [0; 32];
+    };
+    m.update(b"distgrad direct link v2 ");
+    m.update(role);
+    m.update(&(lo as u64).to_le_bytes());
+    m.update(&(hi as u64).to_le_bytes());
+    m.update(n_lo);
+    m.update(n_hi);
+    m.finalize().into_bytes().into()
+}
+
+fn nonce() -> std::io::Result<[u8; 16]> {
+    let mut n = [0u8; 16];
+    getrandom::fill(&mut n).map_err(|e| std::io::Error::other(format!("no nonce: {e}")))?;
+    Ok(n)
+}
 
 /// The signaling payload announcing a rank's link address (`None`: this rank makes no links).
 pub(crate) fn announcement(addr: Option<SocketAddr>) -> serde_json::Value {
@@ -76,7 +126,7 @@ pub(crate) type Link = (
 pub(crate) async fn establish(
     me: usize,
     world: usize,
-    token: &str,
+    keys: &LinkKeys,
     listener: TcpListener,
     mut peers: mpsc::UnboundedReceiver<(usize, PeerKind)>,
     mailbox: Arc<Mailbox>,
@@ -87,7 +137,8 @@ pub(crate) async fn establish(
     let deadline = tokio::time::Instant::now() + timeout;
     // A peer is settled when it makes no links, when our link with it is up, or (higher ranks,
     // which we connect to) when our attempt ended. Lower ranks connect to us.
-    let mut settled = vec![false; world];
+    // Peers we share no key with are never linked.
+    let mut settled: Vec<bool> = (0..world).map(|r| !keys.contains_key(&r)).collect();
     settled[me] = true;
     let mut links = HashMap::new();
     let mut connecting = futures::stream::FuturesUnordered::new();
@@ -103,7 +154,8 @@ pub(crate) async fn establish(
                 match kind {
                     PeerKind::NoLinks => settled[r] = true,
                     PeerKind::Listening(addr) if r > me => {
-                        connecting.push(async move { (r, connect(addr, me, token).await) });
+                        let key = keys.get(&r).copied().unwrap_or_default();
+                        connecting.push(async move { (r, connect(addr, me, r, &key).await) });
                     }
                     PeerKind::Listening(_) => {}
                 }
@@ -113,16 +165,21 @@ pub(crate) async fn establish(
                 if let Ok((stream, _)) = conn {
                     hellos.push(tokio::time::timeout(
                         Duration::from_secs(2),
-                        accept(stream, me, token),
+                        accept(stream, me, keys),
                     ));
                 }
             }
             Some(hello) = hellos.next(), if !hellos.is_empty() => {
-                if let Ok(Ok((stream, r))) = hello
+                // Proven, and the first link of that rank: only now accepted (a second
+                // connection for a linked rank is dropped unanswered).
+                if let Ok(Ok((mut stream, r))) = hello
                     && !settled[r]
                 {
-                    settled[r] = true;
-                    links.insert(r, start(stream, me, r, mailbox.clone(), max_message));
+                    let ack = tokio::time::timeout(Duration::from_secs(2), stream.write_all(&[1]));
+                    if matches!(ack.await, Ok(Ok(()))) {
+                        settled[r] = true;
+                        links.insert(r, start(stream, me, r, mailbox.clone(), max_message));
+                    }
                 }
             }
             Some((r, res)) = connecting.next(), if !connecting.is_empty() => {
@@ -136,44 +193,79 @@ pub(crate) async fn establish(
     links
 }
 
-/// Connect to a higher rank and introduce ourselves; the link is up once it answers.
-async fn connect(addr: SocketAddr, me: usize, token: &str) -> std::io::Result<TcpStream> {
-    let mut s = tokio::time::timeout(Duration::from_secs(2), TcpStream::connect(addr))
+/// Connect to the higher rank `peer` at `addr`, prove who we are and check who answers (see the
+/// module docs); the link is up once it accepts.
+async fn connect(
+    addr: SocketAddr,
+    me: usize,
+    peer: usize,
+    key: &LinkKey,
+) -> std::io::Result<TcpStream> {
+    let limit = Duration::from_secs(2);
+    let timed_out = |what: &str| std::io::Error::other(format!("{what} timed out"));
+    let mut s = tokio::time::timeout(limit, TcpStream::connect(addr))
         .await
-        .map_err(|_| std::io::Error::other("connect timed out"))??;
+        .map_err(|_| timed_out("connect"))??;
     s.set_nodelay(true)?;
-    let mut hello = BytesMut::with_capacity(12 + token.len());
+    let mine = nonce()?;
+    let mut hello = BytesMut::with_capacity(24);
     hello.extend_from_slice(&HELLO_MAGIC.to_le_bytes());
     hello.extend_from_slice(&(me as u32).to_le_bytes());
-    hello.extend_from_slice(&(token.len() as u32).to_le_bytes());
-    hello.extend_from_slice(token.as_bytes());
+    hello.extend_from_slice(&mine);
     s.write_all(&hello).await?;
-    let mut ok = [0u8; 1];
-    tokio::time::timeout(Duration::from_secs(2), s.read_exact(&mut ok))
+    let mut answer = [0u8; 48];
+    tokio::time::timeout(limit, s.read_exact(&mut answer))
         .await
-        .map_err(|_| std::io::Error::other("no answer to the hello"))??;
+        .map_err(|_| timed_out("the answer to the hello"))??;
+    let (theirs, their_proof) = answer.split_at(16);
+    let want = proof(key, b"listener", me, peer, &mine, theirs);
+    if !crate::wire::secret_eq_bytes(their_proof, &want) {
+        return Err(std::io::Error::other(format!(
+            "the listener at {addr} did not prove it is rank {peer}"
+        )));
+    }
+    s.write_all(&proof(key, b"dialer", me, peer, &mine, theirs))
+        .await?;
+    let mut ok = [0u8; 1];
+    tokio::time::timeout(limit, s.read_exact(&mut ok))
+        .await
+        .map_err(|_| timed_out("the acceptance"))??;
     if ok[0] != 1 {
         return Err(std::io::Error::other("hello refused"));
     }
     Ok(s)
 }
 
-/// Read a lower rank's hello on an accepted connection; answer, and return the stream and its
-/// rank, if the token is the room's.
-async fn accept(mut s: TcpStream, me: usize, token: &str) -> std::io::Result<(TcpStream, usize)> {
-    let mut head = [0u8; 12];
+/// Read a lower rank's hello on an accepted connection and check its proof of rank (see the
+/// module docs): the stream and the proven rank, not yet accepted (the caller answers once it
+/// knows the rank is not linked yet).
+async fn accept(
+    mut s: TcpStream,
+    me: usize,
+    keys: &LinkKeys,
+) -> std::io::Result<(TcpStream, usize)> {
+    let mut head = [0u8; 24];
     s.read_exact(&mut head).await?;
     let word = |i: usize| u32::from_le_bytes([head[i], head[i + 1], head[i + 2], head[i + 3]]);
-    let (magic, rank, len) = (word(0), word(4) as usize, word(8) as usize);
-    if magic != HELLO_MAGIC || len > MAX_TOKEN || rank >= me {
-        return Err(std::io::Error::other("bad hello"));
+    let (magic, rank) = (word(0), word(4) as usize);
+    let their_nonce = &head[8..24];
+    let key = match keys.get(&rank) {
+        Some(k) if magic == HELLO_MAGIC && rank < me => k,
+        _ => return Err(std::io::Error::other("bad hello")),
+    };
+    let mine = nonce()?;
+    let mut answer = Vec::with_capacity(48);
+    answer.extend_from_slice(&mine);
+    answer.extend_from_slice(&proof(key, b"listener", rank, me, their_nonce, &mine));
+    s.write_all(&answer).await?;
+    let mut their_proof = [0u8; 32];
+    s.read_exact(&mut their_proof).await?;
+    let want = proof(key, b"dialer", rank, me, their_nonce, &mine);
+    if !crate::wire::secret_eq_bytes(&their_proof, &want) {
+        return Err(std::io::Error::other(format!(
+            "the dialer did not prove it is rank {rank}"
+        )));
     }
-    let mut theirs = vec![0u8; len];
-    s.read_exact(&mut theirs).await?;
-    if !crate::wire::secret_eq_bytes(&theirs, token.as_bytes()) {
-        return Err(std::io::Error::other("wrong room token"));
-    }
-    s.write_all(&[1]).await?;
     s.set_nodelay(true)?;
     Ok((s, rank))
 }
@@ -346,41 +438,80 @@ mod tests {
         });
     }
 
+    /// The key of the pair (a, b) in these tests.
+    fn k(a: usize, b: usize) -> LinkKey {
+        let (lo, hi) = (a.min(b) as u8, a.max(b) as u8);
+        let mut key = [lo; 16];
+        key[0] = hi;
+        key
+    }
+
+    /// The keys rank `me` of a world of 4 holds.
+    fn keys_of(me: usize) -> LinkKeys {
+        (0..4).filter(|&p| p != me).map(|p| (p, k(me, p))).collect()
+    }
+
     #[test]
-    fn the_hello_needs_the_room_token_and_a_lower_rank() {
+    fn links_prove_both_ranks_with_the_pair_key() {
         rt().block_on(async {
             let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = l.local_addr().unwrap();
-            // (our rank, their rank, their token, accepted?)
-            for (me, them, token, ok) in [
-                (2, 0, "secret", true),
-                (2, 1, "wrong", false),
-                (2, 2, "secret", false),
-                (1, 3, "secret", false),
+            // (listener's rank, dialer's claimed rank, the key the dialer uses, the rank it
+            // expects to reach, accepted?)
+            for (me, them, key, expects, ok) in [
+                (2, 0, k(0, 2), 2, true),
+                (2, 1, k(1, 2), 2, true),
+                // Rank 3 poses as rank 1 with the key it shares with rank 1: refused both ways.
+                (2, 1, k(1, 3), 2, false),
+                // Rank 0 means to reach rank 2, but rank 3 listens there.
+                (3, 0, k(0, 2), 2, false),
+                // Not a lower rank.
+                (2, 2, k(2, 2), 2, false),
+                (1, 3, k(1, 3), 1, false),
             ] {
-                let client = tokio::spawn(async move { connect(addr, them, token).await });
+                let client = tokio::spawn(async move { connect(addr, them, expects, &key).await });
                 let (s, _) = l.accept().await.unwrap();
-                let got = accept(s, me, "secret").await;
-                assert_eq!(got.is_ok(), ok, "rank {them} -> {me} with {token:?}");
-                if let Ok((_, r)) = got {
+                let got = accept(s, me, &keys_of(me)).await;
+                assert_eq!(got.is_ok(), ok, "rank {them} -> {me} (expecting {expects})");
+                if let Ok((mut s, r)) = got {
                     assert_eq!(r, them);
+                    s.write_all(&[1]).await.unwrap();
                 }
                 let dialed = client.await.unwrap();
-                assert_eq!(dialed.is_ok(), ok, "the dialing side agrees");
+                assert_eq!(dialed.is_ok(), ok, "the dialing side agrees: {dialed:?}");
+                if let (Err(e), true) = (&dialed, me != expects) {
+                    assert!(e.to_string().contains("did not prove it is rank 2"), "{e}");
+                }
             }
             // Not a hello at all: refused.
             let client = tokio::spawn(async move {
                 let mut s = TcpStream::connect(addr).await.unwrap();
-                let _ = s.write_all(b"GET / HTTP/1.1\r\n\r\n").await;
+                let _ = s
+                    .write_all(b"GET / HTTP/1.1\r\n\r\nxxxxxxxxxxxxxxxxxxxxxxxxxx")
+                    .await;
             });
             let (s, _) = l.accept().await.unwrap();
-            assert!(accept(s, 1, "secret").await.is_err());
+            assert!(accept(s, 1, &keys_of(1)).await.is_err());
             client.await.unwrap();
         });
     }
 
     #[test]
-    fn a_silent_stranger_does_not_hold_up_the_links() {
+    fn relay_keys_parse_and_bad_ones_are_left_out() {
+        let m = [
+            "",
+            "000102030405060708090a0b0c0d0e0f",
+            "short",
+            "zz0102030405060708090a0b0c0d0e0f",
+        ]
+        .map(String::from);
+        let keys = parse_keys(&m);
+        assert_eq!(keys.len(), 1);
+        assert_eq!(keys[&1], core::array::from_fn(|i| i as u8));
+    }
+
+    #[test]
+    fn a_silent_stranger_and_a_second_link_do_not_hold_up_the_links() {
         rt().block_on(async {
             let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = l.local_addr().unwrap();
@@ -391,10 +522,12 @@ mod tests {
             let l0 = TcpListener::bind("127.0.0.1:0").await.unwrap();
             tx.send((0, PeerKind::Listening(l0.local_addr().unwrap())))
                 .unwrap();
-            let dial = tokio::spawn(async move { connect(addr, 0, "tok").await });
+            let key = k(0, 1);
+            let dial = tokio::spawn(async move { connect(addr, 0, 1, &key).await });
             let mb = Arc::new(Mailbox::new(1, 2));
             let t0 = std::time::Instant::now();
-            let links = establish(1, 2, "tok", l, rx, mb, 1 << 20, Duration::from_secs(5)).await;
+            let keys: LinkKeys = [(0, k(0, 1))].into_iter().collect();
+            let links = establish(1, 2, &keys, l, rx, mb, 1 << 20, Duration::from_secs(5)).await;
             assert!(links.contains_key(&0), "rank 0 linked");
             assert!(
                 t0.elapsed() < Duration::from_secs(1),
@@ -402,6 +535,29 @@ mod tests {
                 t0.elapsed()
             );
             assert!(dial.await.unwrap().is_ok());
+        });
+    }
+
+    /// With no key for a peer (a relay that issues none), nobody waits for a link with it.
+    #[test]
+    fn peers_without_a_key_are_not_waited_for() {
+        rt().block_on(async {
+            let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let (_tx, rx) = mpsc::unbounded_channel();
+            let t0 = std::time::Instant::now();
+            let links = establish(
+                1,
+                3,
+                &LinkKeys::new(),
+                l,
+                rx,
+                Arc::new(Mailbox::new(1, 3)),
+                1 << 20,
+                Duration::from_secs(5),
+            )
+            .await;
+            assert!(links.is_empty());
+            assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
         });
     }
 

@@ -188,6 +188,7 @@ impl WsTransport {
         let mut welcome = None;
         let mut data_stream = None;
         let mut relay_frame: Option<usize> = None;
+        let mut keys = direct::LinkKeys::new();
         let wait = async {
             while let Some(msg) = stream.next().await {
                 let msg = msg.map_err(|e| relay_err(format!("while joining: {e}")))?;
@@ -232,7 +233,13 @@ impl WsTransport {
                             }
                         }
                     }
-                    Ok(Control::Ready { .. }) => return Ok(()),
+                    Ok(Control::Ready { link_keys, .. }) => {
+                        keys = link_keys
+                            .as_ref()
+                            .map(|k| direct::parse_keys(k))
+                            .unwrap_or_default();
+                        return Ok(());
+                    }
                     Ok(Control::Error { message }) => {
                         return Err(relay_err(format!("relay refused: {message}")));
                     }
@@ -381,7 +388,7 @@ impl WsTransport {
                 direct::establish(
                     rank,
                     world,
-                    &token,
+                    &keys,
                     l,
                     peer_signals,
                     mailbox.clone(),

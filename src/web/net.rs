@@ -280,7 +280,7 @@ impl Shared {
                 let _ = self.joining.unbounded_send(msg);
             }
             Control::Members { members } => self.emit(NetEvent::Members(members)),
-            Control::Ready { ref members } => {
+            Control::Ready { ref members, .. } => {
                 self.emit(NetEvent::Members(members.clone()));
                 let _ = self.joining.unbounded_send(msg);
             }

@@ -415,7 +415,7 @@ impl Raw {
     pub async fn wait_ready(&mut self) -> Vec<u32> {
         loop {
             match self.next_control().await {
-                Control::Ready { members } => return members,
+                Control::Ready { members, .. } => return members,
                 Control::Members { .. } => continue,
                 other => panic!("waiting for ready, got {other:?}"),
             }
