@@ -221,14 +221,18 @@ pub fn fragments(src: u32, dst: u32, tag: Tag, payload: &[u8], max_payload: usiz
 #[derive(Debug)]
 pub struct Reassembler {
     partial: std::collections::HashMap<(u32, Tag), (Vec<Bytes>, usize)>,
+    /// Bytes of unfinished messages per source (all its tags together).
+    unfinished: std::collections::HashMap<u32, usize>,
     max_message: usize,
 }
 
 impl Reassembler {
-    /// Accept messages up to `max_message` bytes.
+    /// Accept messages up to `max_message` bytes, and at most that many bytes of unfinished
+    /// messages per source across all its tags.
     pub fn new(max_message: usize) -> Self {
         Reassembler {
             partial: std::collections::HashMap::new(),
+            unfinished: std::collections::HashMap::new(),
             max_message,
         }
     }
@@ -246,6 +250,15 @@ impl Reassembler {
             ));
         }
         if h.more {
+            let unfinished = self.unfinished.entry(src).or_default();
+            if *unfinished + payload.len() > self.max_message {
+                return Err(format!(
+                    "rank {src} has more than {} bytes of unfinished messages (fragments of \
+                     messages it never completes)",
+                    self.max_message
+                ));
+            }
+            *unfinished += payload.len();
             let p = self.partial.entry(key).or_default();
             p.1 += payload.len();
             p.0.push(payload);
@@ -254,6 +267,9 @@ impl Reassembler {
         let Some((mut parts, total)) = self.partial.remove(&key) else {
             return Ok(Some(payload));
         };
+        if let Some(u) = self.unfinished.get_mut(&src) {
+            *u -= total;
+        }
         let total = total + payload.len();
         parts.push(payload);
         Ok(Some(concat(&parts, total)))
@@ -545,6 +561,28 @@ mod tests {
             }
         }
         assert!(err.unwrap().contains("rank 2"));
+        // Unfinished messages on many tags count together: each fits alone, all of them do not.
+        let mut r = Reassembler::new(1000);
+        let mut err = None;
+        for seq in 0..10 {
+            let f = &fragments(3, 0, tag(seq), &[5u8; 400], 300)[0];
+            let h = Header::decode(f).unwrap();
+            if let Err(e) = r.push(h.src, &h, f.slice(HEADER_LEN..)) {
+                err = Some((seq, e));
+                break;
+            }
+        }
+        let (seq, e) = err.expect("unfinished fragments must be bounded per source");
+        assert_eq!(seq, 3, "300 + 300 + 300 fit in 1000, a fourth does not");
+        assert!(e.contains("rank 3") && e.contains("unfinished"), "{e}");
+        // Finishing messages frees their bytes.
+        let mut r = Reassembler::new(1000);
+        for seq in 0..20 {
+            for f in fragments(3, 0, tag(seq), &[5u8; 400], 300) {
+                let h = Header::decode(&f).unwrap();
+                r.push(h.src, &h, f.slice(HEADER_LEN..)).unwrap();
+            }
+        }
     }
 
     #[test]

@@ -324,11 +324,10 @@ fn each_pair_of_members_gets_its_own_link_key() {
             keys.push(got.expect("the relay issues link keys"));
         }
         let mut seen = std::collections::HashSet::new();
-        for a in 0..world as usize {
-            assert_eq!(keys[a].len(), world as usize);
-            assert_eq!(keys[a][a], "", "rank {a}'s own entry");
-            for b in (a + 1)..world as usize {
-                let k = &keys[a][b];
+        for (a, mine) in keys.iter().enumerate() {
+            assert_eq!(mine.len(), world as usize);
+            assert_eq!(mine[a], "", "rank {a}'s own entry");
+            for (b, k) in mine.iter().enumerate().skip(a + 1) {
                 assert_eq!(k, &keys[b][a], "pair ({a}, {b})");
                 assert!(
                     k.len() == 32 && k.bytes().all(|c| c.is_ascii_hexdigit()),

@@ -694,6 +694,56 @@ fn close_right_after_a_large_collective_loses_nothing() {
     );
 }
 
+/// A clean leave is ordered with the data on direct links too: 50 rooms of 4 ranks linked directly
+/// each run a 16 MiB all_reduce and close at once; no rank may fail (the relay's notice that a
+/// peer left must not overtake that peer's last data on the link).
+#[test]
+fn close_right_after_large_collectives_over_direct_links_loses_nothing() {
+    const N: usize = 4 << 20; // 16 MiB per rank
+    const ROOMS: usize = 50;
+    let relay = TestRelay::default_config();
+    let url = relay.url();
+    let opts = CommOptions {
+        timeout: Duration::from_secs(30),
+        ..CommOptions::default()
+    };
+    let t0 = Instant::now();
+    let mut failures = Vec::new();
+    for round in 0..ROOMS {
+        let room = format!("direct-close-{round}");
+        let joins = (0..4)
+            .map(|r| {
+                let mut j = join_opts(&room, "t", 4, r);
+                j.direct = Some(([127, 0, 0, 1], 0).into());
+                j
+            })
+            .collect();
+        let res = run_ranks(&url, joins, opts.clone(), |_, comm| async move {
+            let x = Tensor::full(&[N], comm.rank() as f32 + 1.0);
+            let y = comm.all_reduce(&x, ReduceOp::Sum, &comm.world()).await?;
+            Ok(y.to_vec().iter().all(|&v| v == 10.0))
+        });
+        for (r, x) in res.into_iter().enumerate() {
+            match x {
+                Ok(true) => {}
+                Ok(false) => failures.push(format!("room {round} rank {r}: wrong sums")),
+                Err(e) => failures.push(format!("room {round} rank {r}: {e}")),
+            }
+        }
+    }
+    eprintln!(
+        "{ROOMS} rooms x 16 MiB all_reduce over direct links + close: {} failures in {:?}",
+        failures.len(),
+        t0.elapsed()
+    );
+    assert!(
+        failures.is_empty(),
+        "a clean leave failed a peer over direct links in {} rank-runs:\n  {}",
+        failures.len(),
+        failures.join("\n  ")
+    );
+}
+
 /// `WsTransport::close` promises to flush what is queued before closing. Rank 0 sends 24 MiB to a
 /// slow reader (rank 1), so when `close()` returns much of it is still in the socket buffers
 /// between rank 0 and the relay (backpressure). Then a peer (rank 2) sends rank 0 a small frame,

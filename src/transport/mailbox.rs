@@ -1,6 +1,11 @@
 //! Tag matching for every transport: incoming messages are delivered here by whatever reads the wire
 //! (a sender thread in-process, a socket reader natively, an `onmessage` callback in a browser), and
 //! receivers wait here for the next message of one (source, tag).
+//!
+//! What one source has delivered and no receive has taken yet is bounded
+//! ([`Mailbox::with_limit`], [`DEFAULT_MAX_UNRECEIVED`]): a peer sending to tags nobody receives
+//! cannot grow this rank's memory without end; past the bound the mailbox fails as if that peer
+//! were lost, naming it.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -13,9 +18,14 @@ use bytes::Bytes;
 use super::{Channel, Tag};
 use crate::error::{Error, Result};
 
+/// Bytes one source may have waiting unreceived in a mailbox made by [`Mailbox::new`] (2 GiB).
+pub const DEFAULT_MAX_UNRECEIVED: usize = 2 << 30;
+
 #[derive(Default)]
 struct Inner {
     queues: HashMap<(usize, Tag), VecDeque<Bytes>>,
+    /// Bytes waiting per source.
+    held: Vec<usize>,
     waiters: HashMap<(usize, Tag), Waker>,
     gone: Vec<bool>,
     poison: Option<Poison>,
@@ -44,16 +54,26 @@ impl Inner {
 /// The incoming side of one rank: per-(source, tag) FIFO queues plus the peer-lost and abort state.
 pub struct Mailbox {
     rank: usize,
+    /// Most bytes one source may have waiting unreceived.
+    limit: usize,
     inner: Mutex<Inner>,
 }
 
 impl Mailbox {
-    /// An empty mailbox for `rank` in a world of `world` ranks.
+    /// An empty mailbox for `rank` in a world of `world` ranks, holding at most
+    /// [`DEFAULT_MAX_UNRECEIVED`] unreceived bytes per source.
     pub fn new(rank: usize, world: usize) -> Self {
+        Self::with_limit(rank, world, DEFAULT_MAX_UNRECEIVED)
+    }
+
+    /// An empty mailbox holding at most `limit` unreceived bytes per source.
+    pub fn with_limit(rank: usize, world: usize, limit: usize) -> Self {
         Mailbox {
             rank,
+            limit,
             inner: Mutex::new(Inner {
                 gone: vec![false; world],
+                held: vec![0; world],
                 ..Inner::default()
             }),
         }
@@ -64,7 +84,8 @@ impl Mailbox {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A message arrived from `src`. Abort messages poison the mailbox (payload = UTF-8 reason).
+    /// A message arrived from `src`. Abort messages poison the mailbox (payload = UTF-8 reason);
+    /// a message that takes `src` past the unreceived-bytes limit poisons it as a lost peer.
     pub fn deliver(&self, src: usize, tag: Tag, payload: Bytes) {
         let mut inner = self.lock();
         if tag.channel == Channel::Abort {
@@ -72,6 +93,24 @@ impl Mailbox {
             inner.poison(Poison::Aborted { by: src, reason });
             return;
         }
+        if inner.poison.is_some() {
+            // Nothing will receive it.
+            return;
+        }
+        let Some(held) = inner.held.get_mut(src) else {
+            return;
+        };
+        if held.saturating_add(payload.len()) > self.limit {
+            let reason = format!(
+                "it sent {} bytes that no receive here has taken, above this rank's limit of {} \
+                 (messages to tags nobody receives, or a sender far ahead)",
+                *held + payload.len(),
+                self.limit
+            );
+            inner.poison(Poison::Lost { peer: src, reason });
+            return;
+        }
+        *held += payload.len();
         inner
             .queues
             .entry((src, tag))
@@ -173,6 +212,9 @@ impl Future for Recv<'_> {
             if q.is_empty() {
                 inner.queues.remove(&self.key);
             }
+            if let Some(h) = inner.held.get_mut(self.key.0) {
+                *h -= msg.len();
+            }
             return Poll::Ready(Ok(msg));
         }
         let src = self.key.0;
@@ -186,5 +228,46 @@ impl Future for Recv<'_> {
         }
         inner.waiters.insert(self.key, cx.waker().clone());
         Poll::Pending
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tag(seq: u64) -> Tag {
+        Tag {
+            channel: Channel::P2p,
+            group: 0,
+            seq,
+        }
+    }
+
+    /// One source may hold at most the limit unreceived; receiving frees room; past it, every
+    /// receive fails naming that source (as a lost peer), and other sources count separately.
+    #[test]
+    fn unreceived_bytes_are_bounded_per_source() {
+        let mb = Mailbox::with_limit(0, 3, 100);
+        let msg = |n: usize| Bytes::from(vec![1u8; n]);
+        mb.deliver(1, tag(0), msg(60));
+        mb.deliver(2, tag(0), msg(90));
+        let got = futures::executor::block_on(mb.recv(1, tag(0))).unwrap();
+        assert_eq!(got.len(), 60);
+        // Room again: 90 more from rank 1 fit.
+        mb.deliver(1, tag(1), msg(90));
+        assert!(!mb.is_aborted());
+        // 11 more do not.
+        mb.deliver(1, tag(2), msg(11));
+        assert!(mb.is_aborted());
+        match futures::executor::block_on(mb.recv(2, tag(0))) {
+            Err(Error::PeerLost { peer, reason, .. }) => {
+                assert_eq!(peer, 1);
+                assert!(
+                    reason.contains("101 bytes") && reason.contains("limit of 100"),
+                    "{reason}"
+                );
+            }
+            other => panic!("expected PeerLost naming rank 1, got {other:?}"),
+        }
     }
 }

@@ -270,13 +270,20 @@ impl WsTransport {
         let (rank, token) = welcome.ok_or_else(|| relay_err("ready before welcome"))?;
         let (rank, world) = (rank as usize, opts.world as usize);
         let mailbox = Arc::new(Mailbox::new(rank, world));
+        // Peers we have a direct link with (set once the links are up): their clean leave is the
+        // link's end, which comes after their last data on it; the relay's notice could overtake
+        // that data.
+        let linked: Linked = (0..world)
+            .map(|_| std::sync::atomic::AtomicBool::new(false))
+            .collect();
         let data_route = data_stream.as_ref().map(|(_, _, route)| *route);
         let data = data_stream.map(|(rd, wr, _)| {
             let (tx, writer) = direct::spawn_writer(wr);
             let mb = mailbox.clone();
             let max_message = opts.max_message;
+            let linked = linked.clone();
             let reader = tokio::spawn(async move {
-                let reason = read_stream(rd, &mb, rank, max_message).await;
+                let reason = read_stream(rd, &mb, &linked, rank, max_message).await;
                 mb.abort_local(&reason);
             });
             (tx, reader, writer)
@@ -295,6 +302,7 @@ impl WsTransport {
         let max_message = opts.max_message;
         let (signals, peer_signals) = mpsc::unbounded_channel();
         let direct_on = opts.direct.is_some();
+        let linked_here = linked.clone();
         // Weak: the writer must still end when the transport drops its sender.
         let replies = tx.downgrade();
         let reader = tokio::spawn(async move {
@@ -320,11 +328,8 @@ impl WsTransport {
                     Message::Text(t) => match serde_json::from_str::<Control>(&t) {
                         // A clean leave fails only receives from that rank; a lost connection
                         // fails everything, since any pending collective may depend on it.
-                        Ok(Control::PeerLeft { rank, reason }) if reason == LEFT_CLEANLY => {
-                            mb.peer_gone(rank as usize)
-                        }
                         Ok(Control::PeerLeft { rank, reason }) => {
-                            mb.peer_lost(rank as usize, &reason)
+                            peer_left(&mb, &linked_here, rank, &reason)
                         }
                         Ok(Control::Error { message }) => break format!("relay error: {message}"),
                         Ok(Control::Signal {
@@ -399,6 +404,11 @@ impl WsTransport {
             }
             None => std::collections::HashMap::new(),
         };
+        for &r in links.keys() {
+            if let Some(l) = linked.get(r) {
+                l.store(true, std::sync::atomic::Ordering::Release);
+            }
+        }
         Ok(WsTransport {
             rank,
             world,
@@ -570,14 +580,16 @@ impl Transport for WsTransport {
     }
 
     async fn abort(&self, reason: &str) {
-        for r in 0..self.world {
-            if r != self.rank {
-                let _ = self
-                    .send(r, Tag::ABORT, Bytes::copy_from_slice(reason.as_bytes()))
-                    .await;
-            }
-        }
+        // Our own receives fail first; then every peer is told at once, so a frozen peer holds
+        // the others up for one send timeout at most, not one each.
         self.mailbox.abort_local(reason);
+        let note = Bytes::copy_from_slice(reason.as_bytes());
+        futures::future::join_all(
+            (0..self.world)
+                .filter(|&r| r != self.rank)
+                .map(|r| self.send(r, Tag::ABORT, note.clone())),
+        )
+        .await;
     }
 }
 
@@ -710,9 +722,28 @@ where
 }
 
 /// Read the data stream from the relay into `mb` until it ends; returns why it ended.
+/// Per peer rank: whether our data with it goes over a direct link.
+type Linked = Arc<[std::sync::atomic::AtomicBool]>;
+
+/// The relay says `rank` left: a clean leave makes receives from it that find nothing fail, except
+/// for a peer on a direct link (its link's end says so, after its last data); a lost connection
+/// fails everything.
+fn peer_left(mb: &Mailbox, linked: &Linked, rank: u32, reason: &str) {
+    let rank = rank as usize;
+    if reason != LEFT_CLEANLY {
+        mb.peer_lost(rank, reason);
+    } else if !linked
+        .get(rank)
+        .is_some_and(|l| l.load(std::sync::atomic::Ordering::Acquire))
+    {
+        mb.peer_gone(rank);
+    }
+}
+
 async fn read_stream(
     mut rd: impl tokio::io::AsyncRead + Unpin,
     mb: &Mailbox,
+    linked: &Linked,
     me: usize,
     max_message: usize,
 ) -> String {
@@ -736,10 +767,7 @@ async fn read_stream(
             }
             match serde_json::from_slice::<Control>(&text) {
                 // In order with the data: everything the peer sent before leaving is delivered.
-                Ok(Control::PeerLeft { rank, reason }) if reason == LEFT_CLEANLY => {
-                    mb.peer_gone(rank as usize)
-                }
-                Ok(Control::PeerLeft { rank, reason }) => mb.peer_lost(rank as usize, &reason),
+                Ok(Control::PeerLeft { rank, reason }) => peer_left(mb, linked, rank, &reason),
                 Ok(_) => {}
                 Err(e) => return format!("malformed control frame from the relay: {e}"),
             }

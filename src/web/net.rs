@@ -167,6 +167,9 @@ pub struct WebJoin {
     pub channel_probe: Duration,
     /// Largest message to reassemble; a peer sending more is a protocol fault.
     pub max_message: usize,
+    /// Longest wait for a full send buffer (the relay's WebSocket, a data channel) to take a
+    /// message before the send fails: a frozen peer cannot hold a sender forever.
+    pub send_timeout: Duration,
 }
 
 impl WebJoin {
@@ -184,6 +187,7 @@ impl WebJoin {
             rtc_timeout: Duration::from_secs(10),
             channel_probe: Duration::from_secs(2),
             max_message: 1 << 30,
+            send_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -327,6 +331,7 @@ pub struct BrowserTransport {
     world: usize,
     token: String,
     ws: WebSocket,
+    send_timeout: Duration,
     links: RefCell<Vec<Option<Link>>>,
     /// Every pair channel opened (also those whose hello went unanswered: still listened to).
     channels: RefCell<Vec<BroadcastChannel>>,
@@ -482,6 +487,7 @@ impl BrowserTransport {
             rank,
             world,
             token: token.unwrap_or_default(),
+            send_timeout: opts.send_timeout,
             ws,
             links: RefCell::new(vec![None; world]),
             channels: RefCell::new(Vec::new()),
@@ -791,11 +797,19 @@ impl BrowserTransport {
     }
 
     async fn push_ws(&self, frame: &[u8]) -> Result<()> {
-        while self.ws.buffered_amount() > WS_HIGH_WATER {
-            if self.ws.ready_state() != WebSocket::OPEN {
-                break;
+        let room = async {
+            while self.ws.buffered_amount() > WS_HIGH_WATER {
+                if self.ws.ready_state() != WebSocket::OPEN {
+                    break;
+                }
+                sleep(Duration::from_millis(1)).await;
             }
-            sleep(Duration::from_millis(1)).await;
+        };
+        if within(self.send_timeout, room).await.is_none() {
+            return Err(self.transport_err(format!(
+                "the connection to the relay accepted nothing for {:?} (its send buffer stayed full)",
+                self.send_timeout
+            )));
         }
         if self.ws.ready_state() != WebSocket::OPEN {
             return Err(self.transport_err(
@@ -809,9 +823,18 @@ impl BrowserTransport {
     }
 
     async fn push_rtc(&self, dc: &RtcDataChannel, dst: usize, frame: &[u8]) -> Result<()> {
-        while dc.buffered_amount() > RTC_HIGH_WATER && dc.ready_state() == RtcDataChannelState::Open
-        {
-            sleep(Duration::from_millis(1)).await;
+        let room = async {
+            while dc.buffered_amount() > RTC_HIGH_WATER
+                && dc.ready_state() == RtcDataChannelState::Open
+            {
+                sleep(Duration::from_millis(1)).await;
+            }
+        };
+        if within(self.send_timeout, room).await.is_none() {
+            return Err(self.transport_err(format!(
+                "the data channel to rank {dst} accepted nothing for {:?} (a frozen tab?)",
+                self.send_timeout
+            )));
         }
         if dc.ready_state() != RtcDataChannelState::Open {
             return Err(self.transport_err(format!("the data channel to rank {dst} is closed")));
@@ -894,15 +917,17 @@ impl Transport for BrowserTransport {
     }
 
     async fn abort(&self, reason: &str) {
-        for r in 0..self.world {
-            if r != self.rank {
-                let _ = self
-                    .send(r, Tag::ABORT, Bytes::copy_from_slice(reason.as_bytes()))
-                    .await;
-            }
-        }
+        // Our own receives fail first; then every peer is told at once (a frozen tab holds the
+        // others up for one send wait at most, not one each).
         if let Some(mb) = self.shared.mailbox.borrow().as_ref() {
             mb.abort_local(reason);
         }
+        let note = Bytes::copy_from_slice(reason.as_bytes());
+        futures::future::join_all(
+            (0..self.world)
+                .filter(|&r| r != self.rank)
+                .map(|r| self.send(r, Tag::ABORT, note.clone())),
+        )
+        .await;
     }
 }
