@@ -63,6 +63,7 @@
 //! - [`train`]: data-parallel training through the collectives' duals (`distgrad train`).
 //! - `rendezvous` (native): launcher variables (RANK, WORLD_SIZE, ...) and a TCP store for
 //!   multi-process launches.
+//! - `tls` (native): the TLS crypto provider of the relay's HTTPS and of `wss://` members.
 //! - `nccl` (feature `native-nccl`): the NCCL communicator (wgpu compute, NCCL collectives).
 //! - [`error`]: the one error enum.
 //!
@@ -104,6 +105,8 @@ pub mod relay;
 pub mod rendezvous;
 pub mod run;
 pub mod tensor;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod tls;
 pub mod train;
 pub mod transport;
 pub mod vjp;

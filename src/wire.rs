@@ -339,6 +339,11 @@ pub enum Control {
         /// their own limit).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         max_frame: Option<usize>,
+        /// The STUN/TURN servers the relay's operator configured, as WebRTC's `iceServers` (an
+        /// array of `{urls, username?, credential?}`): tabs use them for their data channels.
+        /// Absent: none (tabs reach each other only through host candidates, e.g. on one LAN).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ice_servers: Option<serde_json::Value>,
     },
     /// Client → relay: the data stream the join announced could not be attached; data goes
     /// through the WebSocket.

@@ -43,6 +43,21 @@ pub struct RelayArgs {
     /// Least estimated strength in bits of a room token a client chooses (0: any token).
     #[arg(long, default_value_t = 128)]
     min_token_bits: u32,
+    /// Serve HTTPS and wss:// with this PEM certificate chain (browsers give WebGPU only to
+    /// secure pages); needs --tls-key.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
+    /// A STUN or TURN server for the tabs' WebRTC links (repeat; e.g. stun:stun.example.org:3478).
+    /// Default: none, tabs link only through host candidates (one network).
+    #[arg(long)]
+    ice_server: Vec<String>,
+    /// STUN/TURN servers with credentials: a JSON file holding a WebRTC `iceServers` array
+    /// (`[{"urls": "turn:…", "username": "…", "credential": "…"}]`), added to --ice-server.
+    #[arg(long)]
+    ice_servers_file: Option<std::path::PathBuf>,
     /// Allowed browser origins (repeat or comma-separate); default: any.
     #[arg(long, value_delimiter = ',')]
     allowed_origin: Option<Vec<String>>,
@@ -59,7 +74,37 @@ pub struct RelayArgs {
 
 /// Run `distgrad relay`.
 pub fn run(a: RelayArgs) -> distgrad::Result<()> {
+    let tls = match (&a.tls_cert, &a.tls_key) {
+        (Some(cert), Some(key)) => Some(
+            distgrad::relay::tls_config(cert, key)
+                .map_err(|e| distgrad::Error::Input(format!("relay: TLS: {e}")))?,
+        ),
+        _ => None,
+    };
+    let mut ice: Vec<serde_json::Value> = a
+        .ice_server
+        .iter()
+        .map(|u| serde_json::json!({ "urls": u }))
+        .collect();
+    if let Some(f) = &a.ice_servers_file {
+        let text = std::fs::read_to_string(f)
+            .map_err(|e| distgrad::Error::Input(format!("{}: {e}", f.display())))?;
+        match serde_json::from_str(&text) {
+            Ok(serde_json::Value::Array(more)) => ice.extend(more),
+            Ok(_) => {
+                return Err(distgrad::Error::Input(format!(
+                    "{}: expected a JSON array of ICE servers",
+                    f.display()
+                )));
+            }
+            Err(e) => {
+                return Err(distgrad::Error::Input(format!("{}: {e}", f.display())));
+            }
+        }
+    }
     let cfg = distgrad::relay::RelayConfig {
+        tls,
+        ice_servers: (!ice.is_empty()).then_some(serde_json::Value::Array(ice)),
         max_frame: a.max_frame,
         max_members: a.max_members,
         max_rooms: a.max_rooms,
@@ -89,7 +134,17 @@ fn serve(addr: &str, cfg: distgrad::relay::RelayConfig) -> distgrad::Result<()> 
         let local = listener
             .local_addr()
             .map_err(|e| distgrad::Error::Input(e.to_string()))?;
-        println!("distgrad relay listening on ws://{local}/ws");
+        let (ws, http) = if cfg.tls.is_some() {
+            ("wss", "https")
+        } else {
+            ("ws", "http")
+        };
+        println!("distgrad relay listening on {ws}://{local}/ws");
+        if cfg.tls.is_some() {
+            println!(
+                "TLS on (plain ws:// and http:// on the same port still work, e.g. behind a proxy)"
+            );
+        }
         println!(
             "native members' data streams (same port): {}",
             match (cfg.streams, cfg.splice) {
@@ -125,8 +180,21 @@ fn serve(addr: &str, cfg: distgrad::relay::RelayConfig) -> distgrad::Result<()> 
                 .as_ref()
                 .map_or_else(|| "any".to_string(), |o| o.join(", ")),
         );
+        match cfg.ice_servers.as_ref().and_then(|v| v.as_array()) {
+            Some(list) => println!(
+                "ICE servers for the tabs' WebRTC links: {}",
+                list.iter()
+                    .map(|s| s["urls"].to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            None => println!(
+                "ICE servers: none (tabs link through host candidates; tabs on other networks \
+                 use the relay; --ice-server adds STUN/TURN)"
+            ),
+        }
         if let Some(d) = &cfg.static_dir {
-            println!("serving {} at http://{local}/", d.display());
+            println!("serving {} at {http}://{local}/", d.display());
         }
         // Ctrl-C or SIGTERM (kill, service managers): stop cleanly, which also removes the
         // Unix-domain socket's directory. The handlers exist before anything is served: the

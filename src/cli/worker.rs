@@ -28,6 +28,9 @@ pub struct WorkerArgs {
     /// DISTGRAD_TOKEN, which keeps it off the command line (where other local users can see it).
     #[arg(long, env = super::launch::TOKEN_ENV, hide_env_values = true)]
     token: Option<String>,
+    /// For a wss:// relay with a self-signed certificate: trust this PEM certificate too.
+    #[arg(long, env = "DISTGRAD_CA_CERT")]
+    ca_cert: Option<std::path::PathBuf>,
     /// The built-in example to run.
     #[command(flatten)]
     example: Example,
@@ -141,6 +144,7 @@ pub fn run(o: WorkerArgs) -> distgrad::Result<()> {
     let mut join = distgrad::transport::ws::JoinOptions::new(&o.room, world);
     join.rank = o.rank;
     join.token = o.token.clone();
+    join.ca_cert = o.ca_cert.clone();
     join.direct = o.direct;
     join.stream = !o.no_stream;
     join.ready_timeout = fill;

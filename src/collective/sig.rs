@@ -224,6 +224,24 @@ pub const MIN_RECORD: usize = 80;
 /// Form bytes of a [`CallSig::record`].
 const RECORD_WHOLE: u8 = 0;
 const RECORD_DIGEST: u8 = 1;
+/// A rank whose own arguments are wrong: the reason instead of a call ([`refusal_record`]).
+const RECORD_REFUSED: u8 = 2;
+
+/// A record in place of a call, for a rank whose arguments are wrong: `reason` (cut to fit) in
+/// exactly `len` bytes (at least [`MIN_RECORD`]). Every other rank's check then fails naming this
+/// rank and the reason, so the whole group fails together instead of waiting for its call.
+pub fn refusal_record(reason: &str, len: usize) -> Vec<u8> {
+    let len = len.max(MIN_RECORD);
+    let mut cut = reason.len().min(len - 5);
+    while !reason.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let mut rec = vec![0u8; len];
+    rec[0] = RECORD_REFUSED;
+    rec[1..5].copy_from_slice(&(cut as u32).to_le_bytes());
+    rec[5..5 + cut].copy_from_slice(&reason.as_bytes()[..cut]);
+    rec
+}
 
 /// What a call check can compare of a signature too long for its record: kind, op, root and
 /// SHA-256 digests of the shape and of the extra arguments.
@@ -328,6 +346,14 @@ impl CallSig {
                 Err(format!(
                     "{name}(a signature too long to send whole; arguments digest {hex}…)"
                 ))
+            }
+            Some(&RECORD_REFUSED) if theirs.len() >= 5 => {
+                let n = u32::from_le_bytes([theirs[1], theirs[2], theirs[3], theirs[4]]) as usize;
+                let why = theirs
+                    .get(5..5 + n)
+                    .map(String::from_utf8_lossy)
+                    .unwrap_or_default();
+                Err(format!("no call: its arguments are wrong ({why})"))
             }
             _ => Err("an unreadable call".into()),
         }
@@ -464,6 +490,19 @@ mod tests {
             known.agrees_record(&unknown.record(LEN)).is_err(),
             "roots differ"
         );
+        // A rank whose arguments are wrong: every other rank is told why, whatever its call.
+        let refusal = refusal_record("scatter: the root must pass the list", LEN);
+        for sig in [&short, &long, &a] {
+            let e = sig.agrees_record(&refusal).unwrap_err();
+            assert_eq!(
+                e,
+                "no call: its arguments are wrong (scatter: the root must pass the list)"
+            );
+        }
+        let long_reason = "é".repeat(300);
+        let cut = refusal_record(&long_reason, LEN);
+        assert_eq!(cut.len(), LEN);
+        assert!(short.agrees_record(&cut).unwrap_err().contains("éé"));
         // Garbage is an unreadable call, never a pass.
         for bad in [
             &[][..],

@@ -13,8 +13,10 @@
 //! - **Call checks**: before each collective the ranks all_gather their call signatures (a 256-byte
 //!   record: kind, op, root, shape, arguments; a signature too long for it is sent as SHA-256 digests
 //!   of its shape and arguments, [`CallSig::record`], so the check is never skipped) and fail with [`Error::Mismatch`] naming both ranks
-//!   when they differ, instead of NCCL hanging or mixing buffers. [`NcclOptions::check_calls`] turns
-//!   it off. A rank that never calls still hangs NCCL: NCCL has no receive timeout.
+//!   when they differ, instead of NCCL hanging or mixing buffers. A rank whose own arguments are
+//!   wrong (a root outside the group, a list of the wrong length, bad splits or pairs) still takes
+//!   part, sending the reason instead of a call, so every rank fails together naming it.
+//!   [`NcclOptions::check_calls`] turns it off. A rank that never calls still hangs NCCL: NCCL has no receive timeout.
 //! - **Data path** ([`DataPath`]): host staging (tensor → host → CUDA buffer → NCCL → host → the
 //!   input's device), or shared memory: wgpu tensors on the communicator's own GPU are copied on the
 //!   GPU into Vulkan memory that CUDA imported ([`shared`]), NCCL works there, and the results are
@@ -511,8 +513,36 @@ impl NcclComm {
         &self.opts.device
     }
 
+    /// The call check where this rank's own arguments may be wrong (`sig` is then the error): a
+    /// rank with wrong arguments still takes part in the check, sending the reason instead of a
+    /// call, so its peers fail with it (naming it) instead of waiting for it inside NCCL.
+    fn check_args(&self, comm: &Comm, group: &Group, sig: Result<CallSig>) -> Result<()> {
+        match sig {
+            Ok(sig) => self.check(comm, group, &sig),
+            Err(e) => {
+                let rec = crate::collective::sig::refusal_record(&e.to_string(), SIG_BYTES);
+                // The peers learn the reason from the exchange; our own error is the one to give.
+                let _ = self.exchange_records(comm, group, rec, None);
+                Err(e)
+            }
+        }
+    }
+
     /// Compare every rank's call with this one (see the module docs).
     fn check(&self, comm: &Comm, group: &Group, sig: &CallSig) -> Result<()> {
+        // Long signatures travel as digests: the check is never skipped.
+        self.exchange_records(comm, group, sig.record(SIG_BYTES), Some(sig))
+    }
+
+    /// All-gather one check record per rank (`rec`, ours) and compare each with `sig` (`None`: we
+    /// only tell the others why we have no call).
+    fn exchange_records(
+        &self,
+        comm: &Comm,
+        group: &Group,
+        rec: Vec<u8>,
+        sig: Option<&CallSig>,
+    ) -> Result<()> {
         let seq = {
             let mut s = self.seqs.borrow_mut();
             let e = s.entry(group.id()).or_insert(0);
@@ -522,8 +552,6 @@ impl NcclComm {
         if !self.opts.check_calls || group.size() == 1 {
             return Ok(());
         }
-        // Long signatures travel as digests: the check is never skipped.
-        let rec = sig.record(SIG_BYTES);
         let send = self
             .stream
             .clone_htod(&rec)
@@ -538,6 +566,7 @@ impl NcclComm {
             .stream
             .clone_dtoh(&recv)
             .map_err(|e| self.err("call check", e))?;
+        let Some(sig) = sig else { return Ok(()) };
         for (r, rec) in all.chunks(SIG_BYTES).enumerate() {
             if let Err(peer_call) = sig.agrees_record(rec) {
                 return Err(Error::Mismatch {
@@ -787,9 +816,11 @@ impl Communicator for NcclComm {
     }
 
     async fn broadcast(&self, x: &Tensor, root: usize, group: &Group) -> Result<Tensor> {
-        group.check_rank("broadcast", "root", root)?;
         let (c, me) = self.comm(group, "broadcast")?;
-        self.check(&c, group, &Spec::Broadcast { root }.sig().shape(x.shape()))?;
+        let sig = group
+            .check_rank("broadcast", "root", root)
+            .map(|()| Spec::Broadcast { root }.sig().shape(x.shape()));
+        self.check_args(&c, group, sig)?;
         let dev = x.device();
         let mut recv = self.output("broadcast", x.numel(), &dev)?;
         if me == root {
@@ -809,9 +840,11 @@ impl Communicator for NcclComm {
         op: ReduceOp,
         group: &Group,
     ) -> Result<Option<Tensor>> {
-        group.check_rank("reduce", "root", root)?;
         let (c, me) = self.comm(group, "reduce")?;
-        self.check(&c, group, &Spec::Reduce { root, op }.sig().shape(x.shape()))?;
+        let sig = group
+            .check_rank("reduce", "root", root)
+            .map(|()| Spec::Reduce { root, op }.sig().shape(x.shape()));
+        self.check_args(&c, group, sig)?;
         let dev = x.device();
         let send = self.input("reduce", &[x])?;
         let mut recv = if me == root {
@@ -845,9 +878,11 @@ impl Communicator for NcclComm {
     }
 
     async fn gather(&self, x: &Tensor, root: usize, group: &Group) -> Result<Option<Vec<Tensor>>> {
-        group.check_rank("gather", "root", root)?;
         let (c, me) = self.comm(group, "gather")?;
-        self.check(&c, group, &Spec::Gather { root }.sig().shape(x.shape()))?;
+        let sig = group
+            .check_rank("gather", "root", root)
+            .map(|()| Spec::Gather { root }.sig().shape(x.shape()));
+        self.check_args(&c, group, sig)?;
         let n = x.numel();
         if me != root {
             let send = self.input("gather", &[x])?;
@@ -874,19 +909,29 @@ impl Communicator for NcclComm {
     }
 
     async fn scatter(&self, xs: Option<&[Tensor]>, root: usize, group: &Group) -> Result<Tensor> {
-        group.check_rank("scatter", "root", root)?;
         let (c, me) = self.comm(group, "scatter")?;
-        let mut sig = Spec::Scatter { root }.sig();
+        let sig = Spec::Scatter { root }.sig();
+        if let Err(e) = group.check_rank("scatter", "root", root) {
+            self.check_args(&c, group, Err(e.clone()))?;
+            return Err(e);
+        }
         if me == root {
-            let xs = xs.ok_or_else(|| {
-                Error::invalid(
-                    "scatter",
-                    format!("the root (group rank {root}) must pass the list"),
-                )
-            })?;
-            let shape = list_shape("scatter", xs, group.size())?;
-            sig = sig.shape(&shape);
-            self.check(&c, group, &sig)?;
+            let args = xs
+                .ok_or_else(|| {
+                    Error::invalid(
+                        "scatter",
+                        format!("the root (group rank {root}) must pass the list"),
+                    )
+                })
+                .and_then(|xs| Ok((xs, list_shape("scatter", xs, group.size())?)));
+            let (xs, shape) = match args {
+                Ok(a) => a,
+                Err(e) => {
+                    self.check_args(&c, group, Err(e.clone()))?;
+                    return Err(e);
+                }
+            };
+            self.check(&c, group, &sig.shape(&shape))?;
             // Tell the others the shape (a fixed-size head: NCCL needs equal counts on both
             // sides), then send each its tensor. The numbers travel as the bits of u32s in f32
             // slots (exact at any size); a shape the head cannot hold is sent as the marker
@@ -982,8 +1027,13 @@ impl Communicator for NcclComm {
 
     async fn reduce_scatter(&self, xs: &[Tensor], op: ReduceOp, group: &Group) -> Result<Tensor> {
         let (c, _) = self.comm(group, "reduce_scatter")?;
-        let shape = list_shape("reduce_scatter", xs, group.size())?;
-        self.check(&c, group, &Spec::ReduceScatter { op }.sig().shape(&shape))?;
+        let shape = list_shape("reduce_scatter", xs, group.size());
+        let sig = shape
+            .as_ref()
+            .map(|s| Spec::ReduceScatter { op }.sig().shape(s))
+            .map_err(Clone::clone);
+        self.check_args(&c, group, sig)?;
+        let shape = shape?;
         let n = xs[0].numel();
         let dev = xs[0].device();
         let refs: Vec<&Tensor> = xs.iter().collect();
@@ -998,8 +1048,13 @@ impl Communicator for NcclComm {
 
     async fn all_to_all(&self, xs: &[Tensor], group: &Group) -> Result<Vec<Tensor>> {
         let (c, me) = self.comm(group, "all_to_all")?;
-        let shape = list_shape("all_to_all", xs, group.size())?;
-        self.check(&c, group, &Spec::AllToAll {}.sig().shape(&shape))?;
+        let shape = list_shape("all_to_all", xs, group.size());
+        let sig = shape
+            .as_ref()
+            .map(|s| Spec::AllToAll {}.sig().shape(s))
+            .map_err(Clone::clone);
+        self.check_args(&c, group, sig)?;
+        let shape = shape?;
         let n = xs[0].numel();
         let dev = xs[0].device();
         let peers: Vec<usize> = (0..group.size()).filter(|&r| r != me).collect();
@@ -1036,25 +1091,22 @@ impl Communicator for NcclComm {
     ) -> Result<Tensor> {
         let (c, me) = self.comm(group, "all_to_all_single")?;
         let g = group.size();
-        if in_splits.len() != g || out_splits.len() != g {
-            return Err(Error::invalid(
+        let rows = x.shape().first().copied().unwrap_or(0);
+        let row: usize = x.shape().iter().skip(1).product();
+        let sig = if in_splits.len() != g || out_splits.len() != g {
+            Err(Error::invalid(
                 "all_to_all_single",
                 format!("splits must have {g} entries (group size)"),
-            ));
-        }
-        let rows = x.shape().first().copied().unwrap_or(0);
-        if in_splits.iter().sum::<usize>() != rows {
-            return Err(Error::invalid(
+            ))
+        } else if in_splits.iter().sum::<usize>() != rows {
+            Err(Error::invalid(
                 "all_to_all_single",
                 format!("in_splits {in_splits:?} do not add up to the {rows} rows of the input"),
-            ));
-        }
-        let row: usize = x.shape().iter().skip(1).product();
-        self.check(
-            &c,
-            group,
-            &CallSig::new(Kind::AllToAllSingle).extra(vec![row as u64]),
-        )?;
+            ))
+        } else {
+            Ok(CallSig::new(Kind::AllToAllSingle).extra(vec![row as u64]))
+        };
+        self.check_args(&c, group, sig)?;
         let dev = x.device();
         let send = self.input("all_to_all_single", &[x])?;
         let mut starts = Vec::with_capacity(g);
@@ -1120,16 +1172,14 @@ impl Communicator for NcclComm {
 
     async fn permute(&self, x: &Tensor, pairs: &[(usize, usize)], group: &Group) -> Result<Tensor> {
         let (c, me) = self.comm(group, "permute")?;
-        check_pairs("permute", pairs, group.size())?;
-        let extra: Vec<u64> = pairs
-            .iter()
-            .flat_map(|&(a, b)| [a as u64, b as u64])
-            .collect();
-        self.check(
-            &c,
-            group,
-            &CallSig::new(Kind::Permute).shape(x.shape()).extra(extra),
-        )?;
+        let sig = check_pairs("permute", pairs, group.size()).map(|()| {
+            let extra: Vec<u64> = pairs
+                .iter()
+                .flat_map(|&(a, b)| [a as u64, b as u64])
+                .collect();
+            CallSig::new(Kind::Permute).shape(x.shape()).extra(extra)
+        });
+        self.check_args(&c, group, sig)?;
         let n = x.numel();
         let dev = x.device();
         let to: Vec<usize> = pairs.iter().filter(|p| p.0 == me).map(|p| p.1).collect();

@@ -76,6 +76,13 @@ pub struct RelayConfig {
     pub room_fill_timeout: Duration,
     /// Least estimated strength ([`token_bits`]) of a room token a client chooses; 0 takes any.
     pub min_token_bits: u32,
+    /// Serve HTTPS and `wss://` with this certificate ([`tls_config`]) on the same port (plain
+    /// HTTP and data streams still work there; a connection opening with a TLS handshake gets
+    /// TLS). Only with [`serve`].
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// STUN/TURN servers handed to the tabs for WebRTC, as an `iceServers` array
+    /// ([`check_ice_servers`]); `None`: tabs use host candidates only.
+    pub ice_servers: Option<serde_json::Value>,
     /// If set, browsers must present one of these `Origin` headers.
     pub allowed_origins: Option<Vec<String>>,
     /// Serve this folder (the built web app) at `/`.
@@ -128,6 +135,9 @@ impl RelayConfig {
                 self.max_conns_per_addr, self.max_waiting_rooms_per_addr
             ));
         }
+        if let Some(ice) = &self.ice_servers {
+            check_ice_servers(ice)?;
+        }
         if let Some(d) = &self.static_dir
             && !d.is_dir()
         {
@@ -151,6 +161,8 @@ impl Default for RelayConfig {
             max_waiting_rooms_per_addr: 64,
             room_fill_timeout: Duration::from_secs(300),
             min_token_bits: 128,
+            tls: None,
+            ice_servers: None,
             allowed_origins: None,
             static_dir: None,
             streams: true,
@@ -413,6 +425,82 @@ fn weak_token(cfg: &RelayConfig, token: &str) -> Option<String> {
             cfg.min_token_bits
         )
     })
+}
+
+/// Whether `ice` is a WebRTC `iceServers` array: objects with `urls` (a `stun:`, `turn:` or
+/// `turns:` URL, or a non-empty array of them) and optional string `username` and `credential`,
+/// nothing else; otherwise what is wrong.
+pub fn check_ice_servers(ice: &serde_json::Value) -> std::result::Result<(), String> {
+    let list = ice
+        .as_array()
+        .ok_or("ICE servers must be a JSON array of {urls, username?, credential?}")?;
+    for (i, s) in list.iter().enumerate() {
+        let obj = s
+            .as_object()
+            .ok_or_else(|| format!("ICE server {i} is not an object"))?;
+        let url_ok = |u: &serde_json::Value| {
+            u.as_str().is_some_and(|u| {
+                ["stun:", "turn:", "turns:"]
+                    .iter()
+                    .any(|p| u.starts_with(p))
+            })
+        };
+        match obj.get("urls") {
+            Some(u) if url_ok(u) => {}
+            Some(serde_json::Value::Array(us)) if !us.is_empty() && us.iter().all(url_ok) => {}
+            _ => {
+                return Err(format!(
+                    "ICE server {i}: `urls` must be a stun:, turn: or turns: URL or a list of them"
+                ));
+            }
+        }
+        for (k, v) in obj {
+            match k.as_str() {
+                "urls" => {}
+                "username" | "credential" if v.is_string() => {}
+                _ => return Err(format!("ICE server {i}: unexpected field {k:?}")),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A TLS configuration for [`RelayConfig::tls`] from PEM files: the certificate chain (leaf first)
+/// and its private key (PKCS#8, PKCS#1 or SEC1). Errors name the file and what is wrong.
+pub fn tls_config(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> std::io::Result<Arc<rustls::ServerConfig>> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let bad = |what: &std::path::Path, e: &dyn std::fmt::Display| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{}: {e}", what.display()),
+        )
+    };
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+        .map_err(|e| bad(cert, &e))?
+        .collect::<Result<_, _>>()
+        .map_err(|e| bad(cert, &e))?;
+    if chain.is_empty() {
+        return Err(bad(cert, &"no certificate in the file"));
+    }
+    let key_der = PrivateKeyDer::from_pem_file(key).map_err(|e| bad(key, &e))?;
+    let mut cfg = rustls::ServerConfig::builder_with_provider(crate::tls::provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad(cert, &e))?
+        .with_no_client_auth()
+        .with_single_cert(chain, key_der)
+        .map_err(|e| {
+            bad(
+                cert,
+                &format!("the certificate and key do not go together: {e}"),
+            )
+        })?;
+    // WebSockets upgrade HTTP/1.1.
+    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(cfg))
 }
 
 /// The relay's routes: `/ws` (WebSocket) and, with `static_dir`, the files of the web app.
@@ -809,6 +897,7 @@ async fn join(
         // Named only where it differs from the default, which every member assumes anyway: a
         // member of an earlier build (which refuses unknown fields) still joins a default relay.
         max_frame: (shared.cfg.max_frame != DEFAULT_FRAME_PAYLOAD).then_some(shared.cfg.max_frame),
+        ice_servers: shared.cfg.ice_servers.clone(),
     })));
     // A full room whose last data streams are still attaching announces `ready` shortly.
     if !ready_check(r) && members.len() as u32 != world {

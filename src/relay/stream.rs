@@ -148,7 +148,7 @@ impl StreamOut {
 
 /// The relay's listener as axum sees it: only the connections that are not data streams.
 pub(super) struct Incoming {
-    rx: mpsc::Receiver<(Counted, SocketAddr)>,
+    rx: mpsc::Receiver<(Conn, SocketAddr)>,
     local: SocketAddr,
 }
 
@@ -190,8 +190,23 @@ impl Incoming {
                         }
                         // A stream when streams are off: dropped (its client falls back).
                         Ok(Ok(1)) if first[0] == STREAM_MAGIC[0] => {}
+                        // A TLS handshake (ClientHello), where the relay has a certificate.
+                        Ok(Ok(1)) if first[0] == 0x16 && shared.cfg.tls.is_some() => {
+                            let Some(cfg) = shared.cfg.tls.clone() else {
+                                return;
+                            };
+                            let plain = Counted { sock, _slot: slot };
+                            let tls = tokio_rustls::TlsAcceptor::from(cfg).accept(plain);
+                            if let Ok(Ok(s)) =
+                                tokio::time::timeout(shared.cfg.join_timeout, tls).await
+                            {
+                                let _ = tx.send((Conn::Tls(Box::new(s)), addr)).await;
+                            }
+                        }
                         Ok(Ok(1)) => {
-                            let _ = tx.send((Counted { sock, _slot: slot }, addr)).await;
+                            let _ = tx
+                                .send((Conn::Plain(Counted { sock, _slot: slot }), addr))
+                                .await;
                         }
                         // Nothing within the join timeout (or closed): let it go.
                         _ => {}
@@ -269,11 +284,81 @@ impl tokio::io::AsyncWrite for Counted {
     }
 }
 
+/// An HTTP connection to the relay: plain, or TLS where the relay has a certificate.
+pub(super) enum Conn {
+    Plain(Counted),
+    Tls(Box<tokio_rustls::server::TlsStream<Counted>>),
+}
+
+impl tokio::io::AsyncRead for Conn {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+            Conn::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl tokio::io::AsyncWrite for Conn {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Conn::Plain(s) => std::pin::Pin::new(s).poll_write(cx, buf),
+            Conn::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> std::task::Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Conn::Plain(s) => std::pin::Pin::new(s).poll_write_vectored(cx, bufs),
+            Conn::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Conn::Plain(s) => s.is_write_vectored(),
+            Conn::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(s) => std::pin::Pin::new(s).poll_flush(cx),
+            Conn::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(s) => std::pin::Pin::new(s).poll_shutdown(cx),
+            Conn::Tls(s) => std::pin::Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
 impl axum::serve::Listener for Incoming {
-    type Io = Counted;
+    type Io = Conn;
     type Addr = SocketAddr;
 
-    async fn accept(&mut self) -> (Counted, SocketAddr) {
+    async fn accept(&mut self) -> (Conn, SocketAddr) {
         match self.rx.recv().await {
             Some(c) => c,
             // The accepting task ended: nothing more will come.

@@ -78,6 +78,9 @@ pub struct JoinOptions {
     pub local_stream: bool,
     /// Hears the relay's welcome (see [`OnWelcome`]); none by default.
     pub on_welcome: Option<OnWelcome>,
+    /// For a `wss://` relay: also trust this PEM certificate (a relay with a self-signed one);
+    /// certificates from public authorities are trusted anyway.
+    pub ca_cert: Option<std::path::PathBuf>,
 }
 
 impl JoinOptions {
@@ -97,6 +100,7 @@ impl JoinOptions {
             stream: true,
             local_stream: true,
             on_welcome: None,
+            ca_cert: None,
         }
     }
 }
@@ -141,6 +145,32 @@ fn relay_err(detail: impl Into<String>) -> Error {
     }
 }
 
+/// A TLS client trusting the public authorities and the certificate(s) in the PEM file `pem`.
+fn tls_connector(pem: &std::path::Path) -> Result<tokio_tungstenite::Connector> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let bad =
+        |e: &dyn std::fmt::Display| relay_err(format!("CA certificate {}: {e}", pem.display()));
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(pem)
+        .map_err(|e| bad(&e))?
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| bad(&e))?;
+    if certs.is_empty() {
+        return Err(bad(&"no certificate in the file"));
+    }
+    for c in certs {
+        roots.add(c).map_err(|e| bad(&e))?;
+    }
+    let cfg = rustls::ClientConfig::builder_with_provider(crate::tls::provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad(&e))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(tokio_tungstenite::Connector::Rustls(Arc::new(cfg)))
+}
+
 /// Why connecting to the relay failed; a refusal over HTTP (a relay over its per-address
 /// connection limit answers 429) with the reason the relay gave in its body.
 fn connect_error(url: &str, e: &tokio_tungstenite::tungstenite::Error) -> Error {
@@ -164,7 +194,11 @@ fn connect_error(url: &str, e: &tokio_tungstenite::tungstenite::Error) -> Error 
 impl WsTransport {
     /// Connect to `url` (e.g. `ws://127.0.0.1:8080/ws`), join, and wait until the room is full.
     pub async fn connect(url: &str, opts: JoinOptions) -> Result<WsTransport> {
-        let (ws, _) = tokio_tungstenite::connect_async_with_config(url, None, true)
+        let connector = match &opts.ca_cert {
+            Some(pem) => Some(tls_connector(pem)?),
+            None => None,
+        };
+        let (ws, _) = tokio_tungstenite::connect_async_tls_with_config(url, None, true, connector)
             .await
             .map_err(|e| connect_error(url, &e))?;
         // A data stream goes to the same address as the WebSocket (not through TLS).

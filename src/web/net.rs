@@ -208,6 +208,8 @@ struct Shared {
     /// Largest frame payload sent through the relay: [`RELAY_MAX_PAYLOAD`], or less where the
     /// relay's welcome says its limit is lower.
     relay_payload: Cell<usize>,
+    /// The relay's STUN/TURN servers (`iceServers` JSON), if it named any.
+    ice_servers: RefCell<Option<String>>,
 }
 
 impl Shared {
@@ -267,9 +269,11 @@ impl Shared {
                 ref members,
                 ref token,
                 max_frame,
+                ref ice_servers,
                 ..
             } => {
                 self.rank.set(Some(rank as usize));
+                *self.ice_servers.borrow_mut() = ice_servers.as_ref().map(|v| v.to_string());
                 if let Some(m) = max_frame {
                     self.relay_payload
                         .set(m.clamp(MIN_FRAME_PAYLOAD, RELAY_MAX_PAYLOAD));
@@ -406,6 +410,7 @@ impl BrowserTransport {
             listener: RefCell::new(Some(on_event)),
             closed: RefCell::new(None),
             relay_payload: Cell::new(RELAY_MAX_PAYLOAD),
+            ice_servers: RefCell::new(None),
         });
         let ws =
             WebSocket::new(&opts.url).map_err(|e| js_err(&format!("WebSocket {}", opts.url), e))?;
@@ -619,7 +624,16 @@ impl BrowserTransport {
     ) -> std::result::Result<RtcDataChannel, String> {
         let e = |what: &str, v: JsValue| format!("{what}: {}", js_err("", v));
         let cfg = RtcConfiguration::new();
-        cfg.set_ice_servers(&js_sys::Array::new());
+        // The relay operator's STUN/TURN servers, else none (host candidates: one network).
+        let servers = self
+            .shared
+            .ice_servers
+            .borrow()
+            .as_deref()
+            .and_then(|t| js_sys::JSON::parse(t).ok())
+            .and_then(|v| v.dyn_into::<js_sys::Array>().ok())
+            .unwrap_or_default();
+        cfg.set_ice_servers(&servers);
         let pc = RtcPeerConnection::new_with_configuration(&cfg)
             .map_err(|v| e("RTCPeerConnection", v))?;
         self.peers.borrow_mut().push(pc.clone());
