@@ -48,7 +48,9 @@
 //! - [`wire`]: the one wire format (data-frame header, tags, JSON control messages) of relay and
 //!   clients.
 //! - [`pool`]: recycled host buffers and their byte views, shared by wire, transports and compute.
-//! - `relay` (native): the WebSocket relay server: rooms, ranks, routing, signaling, static files.
+//! - `relay` (native): the WebSocket relay server: rooms, ranks, routing, signaling, static files,
+//!   data streams (`relay/stream.rs`), per-address admission limits, TLS. It imports no client
+//!   transport.
 //! - [`run`]: run N ranks in one process: as threads (`run_local`) or interleaved on one task
 //!   ([`run::run_interleaved`], also in a browser page).
 //! - `web` (wasm32): the browser side: the rank page and the WebSocket + WebRTC transport.
@@ -58,7 +60,7 @@
 //! - [`gradcheck`](mod@gradcheck): the distributed gradient check (central differences of the
 //!   global objective, every rank re-running per coordinate) behind `distgrad gradcheck`.
 //! - [`lesson`]: the teaching demo's lessons (JSON in `www/lessons/`) and their traces, shown by
-//!   the page and printed by `distgrad run`.
+//!   the page and printed by `distgrad run`; one file per lesson kind.
 //! - [`bench`](mod@bench): the benchmarks behind `distgrad bench`.
 //! - [`train`]: data-parallel training through the collectives' duals (`distgrad train`).
 //! - `rendezvous` (native): launcher variables (RANK, WORLD_SIZE, ...) and a TCP store for

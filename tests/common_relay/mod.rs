@@ -9,6 +9,10 @@
 //! - [`Child`]: a child process that is killed when dropped (no stray workers if a test panics).
 #![allow(dead_code)]
 
+mod helpers;
+#[allow(unused_imports)]
+pub use helpers::*;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::rc::Rc;
