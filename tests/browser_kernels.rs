@@ -131,13 +131,13 @@ fn framing_for_data_channels_round_trips() {
     };
     let big: Vec<u8> = (0..(600 * 1024u32)).map(|i| (i % 251) as u8).collect();
     let small = b"sig".to_vec();
-    let max = distgrad::web::net::RTC_MAX_MESSAGE - HEADER_LEN;
+    let max = distgrad::transport::browser::RTC_MAX_MESSAGE - HEADER_LEN;
     let fa = fragments(3, 1, tag(5), &big, max);
     let fb = fragments(3, 1, tag(6), &small, max);
     assert_eq!(fa.len(), 3);
     assert!(
         fa.iter()
-            .all(|f| f.len() <= distgrad::web::net::RTC_MAX_MESSAGE)
+            .all(|f| f.len() <= distgrad::transport::browser::RTC_MAX_MESSAGE)
     );
     let mut r = Reassembler::new(1 << 30);
     let mut got = Vec::new();

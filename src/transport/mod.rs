@@ -3,14 +3,19 @@
 //! A [`Transport`] sends a message to a rank under a [`Tag`] and receives the next message from a rank
 //! under a tag; messages between one pair of ranks with one tag arrive in the order they were sent.
 //! Incoming messages of every transport land in a [`Mailbox`], the one place that does tag matching,
-//! peer loss and abort. Implementations: [`local`] (ranks as threads of one process) and, natively, `ws`
-//! (WebSocket through the relay, with `direct` TCP links between native ranks where they can make
-//! them).
+//! peer loss and abort. Implementations: [`local`] (ranks as threads of one process); natively
+//! `ws` (WebSocket through the relay, with `direct` TCP links between native ranks where they can
+//! make them); in a browser `browser` (the relay's WebSocket, WebRTC data channels and
+//! BroadcastChannels between tabs). The two relay clients share [`route`]: how a peer's leave is
+//! taken when data with it goes over a link of its own, and how an abort reaches every peer.
 
+#[cfg(target_arch = "wasm32")]
+pub mod browser;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod direct;
 pub mod local;
 pub mod mailbox;
+pub mod route;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod ws;
 

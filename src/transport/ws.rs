@@ -21,11 +21,12 @@ use futures::{SinkExt, StreamExt};
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
 
+use super::route::{self, Linked, peer_left};
 use super::{Mailbox, Tag, Transport, direct};
 use crate::error::{Error, Result};
 use crate::wire::{
-    Control, DEFAULT_FRAME_PAYLOAD, HEADER_LEN, Header, LEFT_CLEANLY, MAX_STREAM_PAYLOAD,
-    MIN_FRAME_PAYLOAD, Reassembler, STREAM_CONTROL, StreamHello, fragments,
+    Control, DEFAULT_FRAME_PAYLOAD, HEADER_LEN, Header, MAX_STREAM_PAYLOAD, MIN_FRAME_PAYLOAD,
+    Reassembler, STREAM_CONTROL, StreamHello, fragments,
 };
 
 /// Called once when the relay admits this member, before the room is full (joining may then wait
@@ -307,9 +308,7 @@ impl WsTransport {
         // Peers we have a direct link with (set once the links are up): their clean leave is the
         // link's end, which comes after their last data on it; the relay's notice could overtake
         // that data.
-        let linked: Linked = (0..world)
-            .map(|_| std::sync::atomic::AtomicBool::new(false))
-            .collect();
+        let linked = Arc::new(Linked::new(world));
         let data_route = data_stream.as_ref().map(|(_, _, route)| *route);
         let data = data_stream.map(|(rd, wr, _)| {
             let (tx, writer) = direct::spawn_writer(wr);
@@ -439,9 +438,7 @@ impl WsTransport {
             None => std::collections::HashMap::new(),
         };
         for &r in links.keys() {
-            if let Some(l) = linked.get(r) {
-                l.store(true, std::sync::atomic::Ordering::Release);
-            }
+            linked.set(r);
         }
         Ok(WsTransport {
             rank,
@@ -614,16 +611,7 @@ impl Transport for WsTransport {
     }
 
     async fn abort(&self, reason: &str) {
-        // Our own receives fail first; then every peer is told at once, so a frozen peer holds
-        // the others up for one send timeout at most, not one each.
-        self.mailbox.abort_local(reason);
-        let note = Bytes::copy_from_slice(reason.as_bytes());
-        futures::future::join_all(
-            (0..self.world)
-                .filter(|&r| r != self.rank)
-                .map(|r| self.send(r, Tag::ABORT, note.clone())),
-        )
-        .await;
+        route::abort_all(self, Some(&self.mailbox), reason).await;
     }
 }
 
@@ -756,24 +744,6 @@ where
 }
 
 /// Read the data stream from the relay into `mb` until it ends; returns why it ended.
-/// Per peer rank: whether our data with it goes over a direct link.
-type Linked = Arc<[std::sync::atomic::AtomicBool]>;
-
-/// The relay says `rank` left: a clean leave makes receives from it that find nothing fail, except
-/// for a peer on a direct link (its link's end says so, after its last data); a lost connection
-/// fails everything.
-fn peer_left(mb: &Mailbox, linked: &Linked, rank: u32, reason: &str) {
-    let rank = rank as usize;
-    if reason != LEFT_CLEANLY {
-        mb.peer_lost(rank, reason);
-    } else if !linked
-        .get(rank)
-        .is_some_and(|l| l.load(std::sync::atomic::Ordering::Acquire))
-    {
-        mb.peer_gone(rank);
-    }
-}
-
 async fn read_stream(
     mut rd: impl tokio::io::AsyncRead + Unpin,
     mb: &Mailbox,

@@ -37,8 +37,9 @@ use web_sys::{
     RtcPeerConnection, RtcSdpType, RtcSessionDescriptionInit, WebSocket,
 };
 
+use super::route;
+use super::{Mailbox, Tag, Transport};
 use crate::error::{Error, Result};
-use crate::transport::{Mailbox, Tag, Transport};
 use crate::wire::{
     Control, HEADER_LEN, Header, LEFT_CLEANLY, MIN_FRAME_PAYLOAD, Reassembler, fragments,
 };
@@ -931,17 +932,7 @@ impl Transport for BrowserTransport {
     }
 
     async fn abort(&self, reason: &str) {
-        // Our own receives fail first; then every peer is told at once (a frozen tab holds the
-        // others up for one send wait at most, not one each).
-        if let Some(mb) = self.shared.mailbox.borrow().as_ref() {
-            mb.abort_local(reason);
-        }
-        let note = Bytes::copy_from_slice(reason.as_bytes());
-        futures::future::join_all(
-            (0..self.world)
-                .filter(|&r| r != self.rank)
-                .map(|r| self.send(r, Tag::ABORT, note.clone())),
-        )
-        .await;
+        let mb = self.shared.mailbox.borrow().clone();
+        route::abort_all(self, mb.as_deref(), reason).await;
     }
 }

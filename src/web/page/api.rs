@@ -1,0 +1,231 @@
+//! `window.distgrad` (the page's API for tests and scripts) and the controls' handlers.
+
+use super::*;
+
+pub(super) fn promise<F>(fut: F) -> js_sys::Promise
+where
+    F: std::future::Future<Output = Result<String>> + 'static,
+{
+    wasm_bindgen_futures::future_to_promise(async move {
+        fut.await
+            .map(|s| JsValue::from_str(&s))
+            .map_err(|e| JsValue::from_str(&e.to_string()))
+    })
+}
+
+pub(super) fn set_fn(obj: &js_sys::Object, name: &str, f: &JsValue) {
+    let _ = js_sys::Reflect::set(obj, &JsValue::from_str(name), f);
+}
+
+pub(super) fn on(id: &str, event: &str, f: impl Fn(web_sys::Event) + 'static) {
+    if let Some(e) = el::<HtmlElement>(id) {
+        let c = Closure::<dyn Fn(web_sys::Event)>::new(f);
+        let _ = e.add_event_listener_with_callback(event, c.as_ref().unchecked_ref());
+        c.forget();
+    }
+}
+
+pub(super) fn parse_control(what: &str) -> Result<Bus> {
+    Ok(match what {
+        "step" => Bus::Step,
+        "back" => Bus::Back,
+        "reset" => Bus::Reset,
+        "play" => Bus::Play,
+        "pause" => Bus::Pause,
+        o => {
+            return Err(Error::Input(format!(
+                "unknown control {o:?} (step, back, reset, play, pause)"
+            )));
+        }
+    })
+}
+
+/// Load this page for `room` (a new one: `token` None), keeping the other URL parameters (device,
+/// relay, and net unless `net` gives the data path chosen in the lobby).
+pub(super) fn go_to_room(room: &str, world: &str, token: Option<&str>, net: Option<&str>) {
+    let Some(w) = web_sys::window() else { return };
+    let ok = world
+        .parse::<usize>()
+        .is_ok_and(|n| (1..=vjp::MAX_WORLD).contains(&n));
+    if !ok || room.is_empty() {
+        show_notice(&format!(
+            "a room needs a name and 1..{} ranks",
+            vjp::MAX_WORLD
+        ));
+        return;
+    }
+    let q = web_sys::UrlSearchParams::new_with_str(&w.location().search().unwrap_or_default()).ok();
+    let mut search = format!("room={}&world={world}", enc(room));
+    if let Some(t) = token.filter(|t| !t.is_empty()) {
+        search.push_str(&format!("&token={}", enc(t)));
+    }
+    for key in ["net", "device", "relay"] {
+        let v = match (key, net) {
+            // The default needs no parameter.
+            ("net", Some(n)) => Some(n.to_string()).filter(|n| n != Links::default().name()),
+            _ => q.as_ref().and_then(|q| q.get(key)),
+        };
+        if let Some(v) = v {
+            search.push_str(&format!("&{key}={}", enc(&v)));
+        }
+    }
+    let _ = w.location().set_search(&search);
+}
+
+/// `window.distgrad` and the page's handlers.
+pub(super) fn install_api() {
+    let Some(w) = web_sys::window() else { return };
+    let api = js_sys::Object::new();
+    let f = Closure::<dyn Fn() -> String>::new(|| {
+        state(|s| serde_json::to_string(s).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}")))
+    });
+    set_fn(&api, "state", f.as_ref());
+    f.forget();
+    let f = Closure::<dyn Fn() -> String>::new(|| {
+        view(|v| serde_json::to_string(&v.trace).unwrap_or_else(|_| "null".into()))
+    });
+    set_fn(&api, "lessonTrace", f.as_ref());
+    f.forget();
+    let f = Closure::<dyn Fn(String) -> js_sys::Promise>::new(|name: String| {
+        promise(async move {
+            let a = app()?;
+            request(&a, Bus::Lesson { name }).await?;
+            Ok("requested".into())
+        })
+    });
+    set_fn(&api, "startLesson", f.as_ref());
+    f.forget();
+    let f = Closure::<dyn Fn(String) -> js_sys::Promise>::new(|what: String| {
+        promise(async move {
+            let a = app()?;
+            request(&a, parse_control(&what)?).await?;
+            Ok("requested".into())
+        })
+    });
+    set_fn(&api, "control", f.as_ref());
+    f.forget();
+    let f = Closure::<dyn Fn(String) -> js_sys::Promise>::new(|json: String| {
+        promise(async move {
+            let app = app()?;
+            let case = vjp::parse_case(&json)?;
+            let r = run_case(&app, &case).await;
+            let me = app.comm.as_ref().map_or(0, |c| c.rank());
+            match &r {
+                Ok(r) => {
+                    let mut all = vec![
+                        RankResult {
+                            outputs: Vec::new(),
+                            grads: Vec::new(),
+                            dual: Vec::new()
+                        };
+                        me
+                    ];
+                    all.push(r.clone());
+                    show_results(&case, &all, Some(me));
+                }
+                Err(e) => show_error(&format!("{} failed: {e}", case.collective)),
+            }
+            serde_json::to_string(&r?).map_err(|e| Error::Input(e.to_string()))
+        })
+    });
+    set_fn(&api, "runCase", f.as_ref());
+    f.forget();
+    let f = Closure::<dyn Fn(String, String, u32) -> js_sys::Promise>::new(
+        |collective: String, op: String, root: u32| {
+            promise(async move {
+                request_from_form(collective, op, root as usize).await?;
+                Ok("requested".into())
+            })
+        },
+    );
+    set_fn(&api, "request", f.as_ref());
+    f.forget();
+    let f = Closure::<dyn Fn(u32) -> js_sys::Promise>::new(|numel: u32| {
+        promise(bench_all_reduce(numel as usize))
+    });
+    set_fn(&api, "benchAllReduce", f.as_ref());
+    f.forget();
+    let _ = js_sys::Reflect::set(&w, &JsValue::from_str("distgrad"), &api);
+
+    on("create-form", "submit", |e| {
+        e.prevent_default();
+        let world = el::<HtmlInputElement>("new-world").map_or_else(String::new, |i| i.value());
+        let name = format!("room-{:06}", (js_sys::Math::random() * 1e6) as u32);
+        let net = el::<HtmlSelectElement>("new-net").map(|s| s.value());
+        go_to_room(&name, &world, None, net.as_deref());
+    });
+    on("join-form", "submit", |e| {
+        e.prevent_default();
+        let value = |id: &str| el::<HtmlInputElement>(id).map_or_else(String::new, |i| i.value());
+        let world = value("new-world");
+        go_to_room(
+            value("join-room").trim(),
+            &world,
+            Some(value("join-token").trim()),
+            None,
+        );
+    });
+    on("run-form", "submit", |e| {
+        e.prevent_default();
+        on_run_click();
+    });
+    on("lesson-form", "submit", |e| {
+        e.prevent_default();
+        let name = el::<HtmlSelectElement>("lesson").map_or_else(String::new, |s| s.value());
+        view(|v| v.inputs.iter_mut().for_each(|x| *x = None));
+        control(Bus::Lesson { name });
+    });
+    on("edit-form", "submit", |e| {
+        e.prevent_default();
+        on_edit();
+    });
+    on("step", "click", |_| control(Bus::Step));
+    on("back", "click", |_| control(Bus::Back));
+    on("reset", "click", |_| control(Bus::Reset));
+    on("play", "click", |_| {
+        control(if view(|v| v.playing) {
+            Bus::Pause
+        } else {
+            Bus::Play
+        })
+    });
+    on("copy", "click", |_| {
+        if let Some(i) = el::<HtmlInputElement>("share") {
+            i.select();
+        }
+    });
+    // Arrow keys step through the lesson (unless typing in a field).
+    if let Some(d) = doc() {
+        let c = Closure::<dyn Fn(web_sys::KeyboardEvent)>::new(|e: web_sys::KeyboardEvent| {
+            let typing = e
+                .target()
+                .and_then(|t| t.dyn_into::<web_sys::Element>().ok())
+                .is_some_and(|t| matches!(t.tag_name().as_str(), "INPUT" | "SELECT" | "TEXTAREA"));
+            if typing || view(|v| v.trace.is_none()) {
+                return;
+            }
+            match e.key().as_str() {
+                "ArrowRight" => control(Bus::Step),
+                "ArrowLeft" => control(Bus::Back),
+                _ => {}
+            }
+        });
+        let _ = d.add_event_listener_with_callback("keydown", c.as_ref().unchecked_ref());
+        c.forget();
+    }
+    if let Some(sel) = el::<HtmlSelectElement>("collective") {
+        let mut html = String::new();
+        for w in vjp::COLLECTIVES {
+            html.push_str(&format!("<option value=\"{0}\">{0}</option>", w.name()));
+        }
+        sel.set_inner_html(&html);
+        sel.set_value("all_reduce");
+    }
+    if let Some(sel) = el::<HtmlSelectElement>("op") {
+        let mut html = String::new();
+        for op in ReduceOp::ALL {
+            html.push_str(&format!("<option value=\"{0}\">{0}</option>", op.name()));
+        }
+        sel.set_inner_html(&html);
+    }
+}

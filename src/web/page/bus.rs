@@ -1,0 +1,196 @@
+//! The tab-to-tab control bus: rank 0 orders every tab's requests and announces each to every
+//! rank, on reserved group ids ([`BUS_GROUP`], [`TRACE_GROUP`]) that never mix with collectives.
+
+use super::*;
+
+pub(super) fn start_bus(app: &Rc<App>) {
+    let (me, world) = match &app.comm {
+        Some(c) => (c.rank(), c.world_size()),
+        None => (0, app.world),
+    };
+    if me != 0 {
+        // Followers: run what rank 0 announces.
+        let a = app.clone();
+        listen(app, 0, Channel::Sig, move |msg| {
+            let a = a.clone();
+            async move { perform(&a, msg).await }
+        });
+        return;
+    }
+    let (tx, mut rx) = futures::channel::mpsc::unbounded::<Bus>();
+    *app.queue.borrow_mut() = Some(tx.clone());
+    // Rank 0: every peer's requests go into the one queue.
+    if app.comm.is_some() {
+        for peer in 1..world {
+            let tx = tx.clone();
+            listen(app, peer, Channel::Data, move |msg| {
+                let _ = tx.unbounded_send(msg);
+                async {}
+            });
+        }
+    }
+    let a = app.clone();
+    spawn_local(async move {
+        use futures::StreamExt;
+        let mut seq = 0;
+        while let Some(msg) = rx.next().await {
+            // Controls become an absolute step, so every tab shows the same one.
+            let msg = match msg {
+                Bus::Step | Bus::Back | Bus::Reset => {
+                    let (step, len) =
+                        view(|v| (v.step, v.trace.as_ref().map_or(0, |t| t.steps.len())));
+                    if len == 0 {
+                        continue;
+                    }
+                    let k = match msg {
+                        Bus::Step => (step + 1).min(len - 1),
+                        Bus::Back => step.saturating_sub(1),
+                        _ => 0,
+                    };
+                    if matches!(msg, Bus::Reset) {
+                        view(|v| v.playing = false);
+                    }
+                    Bus::Goto { step: k }
+                }
+                Bus::Play => {
+                    start_playing(&a);
+                    continue;
+                }
+                Bus::Pause => {
+                    view(|v| v.playing = false);
+                    state(|s| s.playing = false);
+                    render_lesson();
+                    continue;
+                }
+                other => other,
+            };
+            if let Some(comm) = &a.comm {
+                let Ok(text) = serde_json::to_vec(&msg) else {
+                    continue;
+                };
+                let tag = Tag {
+                    group: BUS_GROUP,
+                    seq,
+                    channel: Channel::Sig,
+                };
+                seq += 1;
+                for peer in 1..world {
+                    if let Err(e) = comm
+                        .transport()
+                        .send(peer, tag, Bytes::from(text.clone()))
+                        .await
+                    {
+                        show_error(&format!("telling rank {peer}: {e}"));
+                        return;
+                    }
+                }
+            }
+            perform(&a, msg).await;
+        }
+    });
+}
+
+/// Receive bus messages from `src` on `channel` (numbered from 0) and hand each to `handle`, in
+/// order, until the transport fails.
+pub(super) fn listen<F, Fut>(app: &Rc<App>, src: usize, channel: Channel, handle: F)
+where
+    F: Fn(Bus) -> Fut + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
+    let a = app.clone();
+    spawn_local(async move {
+        let Some(comm) = &a.comm else { return };
+        for seq in 0.. {
+            let tag = Tag {
+                group: BUS_GROUP,
+                seq,
+                channel,
+            };
+            let Ok(bytes) = comm.transport().recv(src, tag).await else {
+                return;
+            };
+            match serde_json::from_slice::<Bus>(&bytes) {
+                Ok(msg) => handle(msg).await,
+                Err(e) => show_notice(&format!("rank {src} sent an unreadable bus message: {e}")),
+            }
+        }
+    });
+}
+
+/// Rank 0: step forward every [`PLAY_EVERY`] until the last step or a pause.
+pub(super) fn start_playing(app: &Rc<App>) {
+    if view(|v| std::mem::replace(&mut v.playing, true)) {
+        return;
+    }
+    state(|s| s.playing = true);
+    render_lesson();
+    let a = app.clone();
+    spawn_local(async move {
+        loop {
+            sleep(PLAY_EVERY).await;
+            let (playing, step, len) = view(|v| {
+                (
+                    v.playing,
+                    v.step,
+                    v.trace.as_ref().map_or(0, |t| t.steps.len()),
+                )
+            });
+            if !playing || step + 1 >= len {
+                view(|v| v.playing = false);
+                state(|s| s.playing = false);
+                render_lesson();
+                return;
+            }
+            if request(&a, Bus::Step).await.is_err() {
+                return;
+            }
+        }
+    });
+}
+
+/// Send a request to rank 0 (or handle it here on rank 0 and in single-tab mode).
+pub(super) async fn request(app: &App, msg: Bus) -> Result<()> {
+    let me = app.comm.as_ref().map_or(0, |c| c.rank());
+    if me == 0 {
+        let q = app.queue.borrow().clone();
+        return q
+            .and_then(|q| q.unbounded_send(msg).ok())
+            .ok_or_else(|| Error::Input("the request queue is closed".into()));
+    }
+    let comm = app
+        .comm
+        .as_ref()
+        .ok_or_else(|| Error::Input("no group".into()))?;
+    let text = serde_json::to_vec(&msg).map_err(|e| Error::Input(e.to_string()))?;
+    let tag = next_tag(&app.requests_sent, BUS_GROUP);
+    comm.transport().send(0, tag, Bytes::from(text)).await
+}
+
+/// The next tag of a numbered stream of `group` (the counter counts the messages sent).
+pub(super) fn next_tag(counter: &RefCell<u64>, group: u32) -> Tag {
+    let mut n = counter.borrow_mut();
+    let seq = *n;
+    *n += 1;
+    Tag {
+        group,
+        seq,
+        channel: Channel::Data,
+    }
+}
+
+/// What every rank does with an announcement.
+pub(super) async fn perform(app: &App, msg: Bus) {
+    match msg {
+        Bus::Run { case } => run_and_show(app, &case).await,
+        Bus::Lesson { name } => {
+            if let Err(e) = run_lesson(app, &name).await {
+                show_error(&format!("lesson {name}: {e}"));
+            }
+        }
+        Bus::Goto { step } => {
+            view(|v| v.step = step);
+            render_lesson();
+        }
+        Bus::Step | Bus::Back | Bus::Reset | Bus::Play | Bus::Pause => {}
+    }
+}

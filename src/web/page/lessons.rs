@@ -1,0 +1,343 @@
+//! The lesson view: the list, running a lesson on every tab, exchanging the traces, rendering the
+//! current step, editing a rank's input.
+
+use super::*;
+
+pub(super) async fn fetch_text(path: &str) -> Result<String> {
+    let w = web_sys::window().ok_or_else(|| Error::Input("no window".into()))?;
+    let fail = |what: &str| Error::Input(format!("fetching {path}: {what}"));
+    let resp = JsFuture::from(w.fetch_with_str(path))
+        .await
+        .map_err(|_| fail("network error"))?;
+    let resp: web_sys::Response = resp.dyn_into().map_err(|_| fail("not a response"))?;
+    if !resp.ok() {
+        return Err(fail(&format!("HTTP {}", resp.status())));
+    }
+    let text = JsFuture::from(resp.text().map_err(|_| fail("no body"))?)
+        .await
+        .map_err(|_| fail("reading the body"))?;
+    text.as_string().ok_or_else(|| fail("body is not text"))
+}
+
+#[derive(Deserialize)]
+pub(super) struct LessonIndex {
+    lessons: Vec<LessonEntry>,
+}
+
+#[derive(Deserialize)]
+pub(super) struct LessonEntry {
+    name: String,
+    title: String,
+}
+
+pub(super) async fn load_lesson_list() {
+    let list = match fetch_text("lessons/index.json").await {
+        Ok(t) => serde_json::from_str::<LessonIndex>(&t)
+            .map_err(|e| Error::Input(format!("lessons/index.json: {e}"))),
+        Err(e) => Err(e),
+    };
+    match list {
+        Ok(idx) => {
+            let mut html = String::new();
+            for l in idx.lessons {
+                html.push_str(&format!(
+                    "<option value=\"{}\">{}</option>",
+                    esc(&l.name),
+                    esc(&l.title)
+                ));
+            }
+            set_html("lesson", &html);
+        }
+        Err(e) => show_notice(&format!("no lessons: {e}")),
+    }
+}
+
+pub(super) fn lesson_name_ok(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
+pub(super) async fn run_lesson(app: &App, name: &str) -> Result<()> {
+    if !lesson_name_ok(name) {
+        return Err(Error::Input(format!("bad lesson name {name:?}")));
+    }
+    set_text("phase", &format!("running lesson {name}"));
+    let lesson = lesson::parse(&fetch_text(&format!("lessons/{name}.json")).await?)?;
+    let _busy = app.busy.lock().await;
+    let inputs = view(|v| v.inputs.clone());
+    let trace = match &app.comm {
+        None => lesson::run_simulated(&lesson, app.world, &app.device, &inputs).await?,
+        Some(comm) => {
+            let own = inputs.get(comm.rank()).cloned().flatten();
+            let mine = lesson::run_rank(comm, &lesson, own).await?;
+            let all = exchange(app, comm, mine).await?;
+            lesson::assemble(&lesson, all)?
+        }
+    };
+    let steps = trace.steps.len();
+    if let Some(sel) = el::<HtmlSelectElement>("lesson") {
+        sel.set_value(&lesson.name);
+    }
+    view(|v| {
+        v.lesson = Some(lesson.clone());
+        v.trace = Some(trace);
+        v.step = 0;
+        v.playing = false;
+    });
+    state(|s| {
+        s.lesson = Some(lesson.name.clone());
+        s.lesson_step = 0;
+        s.lesson_steps = steps;
+        s.lesson_runs += 1;
+        s.playing = false;
+    });
+    set_hidden("lesson-view", false);
+    set_text("phase", "ready");
+    render_lesson();
+    Ok(())
+}
+
+/// Send this rank's trace to every other rank and collect theirs (index = rank).
+pub(super) async fn exchange(
+    app: &App,
+    comm: &P2p<BrowserTransport>,
+    mine: RankTrace,
+) -> Result<Vec<RankTrace>> {
+    let me = comm.rank();
+    let world = comm.world_size();
+    let tag = next_tag(&app.exchanges, TRACE_GROUP);
+    let bytes = Bytes::from(serde_json::to_vec(&mine).map_err(|e| Error::Input(e.to_string()))?);
+    for p in (0..world).filter(|&p| p != me) {
+        comm.transport().send(p, tag, bytes.clone()).await?;
+    }
+    let mut all = Vec::with_capacity(world);
+    for p in 0..world {
+        if p == me {
+            all.push(mine.clone());
+            continue;
+        }
+        let recv = comm.transport().recv(p, tag);
+        let b = match futures::future::select(
+            std::pin::pin!(recv),
+            std::pin::pin!(sleep(comm.options().timeout)),
+        )
+        .await
+        {
+            futures::future::Either::Left((r, _)) => r?,
+            futures::future::Either::Right(_) => {
+                return Err(Error::Input(format!(
+                    "rank {p} sent no lesson trace within {:?}",
+                    comm.options().timeout
+                )));
+            }
+        };
+        let t: RankTrace = serde_json::from_slice(&b)
+            .map_err(|e| Error::Input(format!("rank {p}'s lesson trace: {e}")))?;
+        all.push(t);
+    }
+    Ok(all)
+}
+
+pub(super) fn render_lesson() {
+    let me = state(|s| if s.sim { None } else { s.rank });
+    let (members, world) = state(|s| (s.members.clone(), s.world));
+    let present: Vec<bool> = (0..world).map(|r| members.contains(&(r as u32))).collect();
+    let html = view(|v| {
+        let (Some(trace), Some(lesson)) = (&v.trace, &v.lesson) else {
+            return None;
+        };
+        let k = v.step.min(trace.steps.len().saturating_sub(1));
+        let st = trace.steps.get(k)?;
+        let mut table =
+            String::from("<table class=\"values\"><thead><tr><th scope=\"col\">rank</th>");
+        let names: Vec<String> = st
+            .ranks
+            .first()
+            .map(|vals| vals.iter().map(|n| n.name.clone()).collect())
+            .unwrap_or_default();
+        for n in &names {
+            table.push_str(&format!("<th scope=\"col\">{}</th>", esc(n)));
+        }
+        table.push_str("</tr></thead><tbody>");
+        for (r, vals) in st.ranks.iter().enumerate() {
+            table.push_str(&format!(
+                "<tr{}><th scope=\"row\">{r}{}</th>",
+                if me == Some(r) { " class=\"me\"" } else { "" },
+                if me == Some(r) { " (you)" } else { "" }
+            ));
+            for n in vals {
+                table.push_str(&format!("<td><code>{}</code></td>", esc(&n.show())));
+            }
+            table.push_str("</tr>");
+        }
+        table.push_str("</tbody></table>");
+        let mut note = String::new();
+        if let Some(c) = &st.collective {
+            let what = match st.phase {
+                Phase::Backward => "backward ran",
+                _ => "forward ran",
+            };
+            note = format!("{what}: <strong>{}</strong>", esc(c));
+        }
+        if lesson.kind == LessonKind::DataParallel {
+            let hashes: Vec<String> = st
+                .ranks
+                .iter()
+                .filter_map(|vals| {
+                    vals.iter()
+                        .find(|n| n.name == "replica hash")
+                        .and_then(|n| n.text.clone())
+                })
+                .collect();
+            let same = hashes.windows(2).all(|w| w[0] == w[1]);
+            note.push_str(&format!(
+                " replica hashes: {} — {}",
+                esc(&hashes.join(", ")),
+                if same {
+                    "all replicas identical ✓"
+                } else {
+                    "REPLICAS DIFFER ✗"
+                }
+            ));
+        }
+        let plot = (lesson.kind == LessonKind::DataParallel).then(|| loss_plot(trace, k));
+        Some((
+            format!("{} ", esc(&trace.title)),
+            esc(&trace.why),
+            format!("Step {k} of {}: {}", trace.steps.len() - 1, st.label),
+            diagram(world, me, &present, Some(st)),
+            table,
+            note,
+            plot,
+            k,
+            trace.steps.len(),
+            lesson.kind == LessonKind::Collective,
+            v.playing,
+        ))
+    });
+    let Some((title, why, label, svg, table, note, plot, k, len, editable, playing)) = html else {
+        return;
+    };
+    state(|s| {
+        s.lesson_step = k;
+        s.lesson_steps = len;
+    });
+    set_html("lesson-title", &title);
+    set_html("lesson-why", &why);
+    set_text("lesson-step", &label);
+    set_html("diagram", &svg);
+    set_html("lesson-table", &table);
+    set_html("lesson-note", &note);
+    match plot {
+        Some(p) => {
+            set_html("lesson-plot", &p);
+            set_hidden("lesson-plot", false);
+        }
+        None => set_hidden("lesson-plot", true),
+    }
+    set_hidden("edit-form", !editable);
+    let failed = state(|s| s.phase == "failed");
+    for (id, off) in [
+        ("step", k + 1 >= len),
+        ("back", k == 0),
+        ("reset", false),
+        ("play", false),
+    ] {
+        if let Some(b) = el::<HtmlElement>(id) {
+            if off || failed {
+                let _ = b.set_attribute("disabled", "");
+            } else {
+                let _ = b.remove_attribute("disabled");
+            }
+        }
+    }
+    set_text("play", if playing { "Pause" } else { "Play" });
+}
+
+/// "1, 6 | 2, 4": tensors separated by `|`, shaped like the lesson's inputs on `rank`.
+pub(super) fn parse_input(text: &str, rank: usize) -> Result<Vec<TensorJson>> {
+    let like: Vec<TensorJson> = view(|v| {
+        v.trace
+            .as_ref()
+            .and_then(|t| t.steps.first())
+            .and_then(|s| s.ranks.get(rank))
+            .and_then(|vals| vals.first())
+            .map(|n| n.tensors.clone())
+    })
+    .ok_or_else(|| Error::Input("start a lesson first".into()))?;
+    let parts: Vec<&str> = text.split('|').collect();
+    if parts.len() != like.len() {
+        return Err(Error::Input(format!(
+            "rank {rank} has {} input tensor(s): separate them with |",
+            like.len()
+        )));
+    }
+    parts
+        .iter()
+        .zip(&like)
+        .map(|(p, t)| {
+            let vals = p
+                .split([',', ' '])
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| {
+                    s.trim()
+                        .parse::<f32>()
+                        .ok()
+                        .filter(|x| x.is_finite())
+                        .ok_or_else(|| Error::Input(format!("{s:?} is not a finite number")))
+                })
+                .collect::<Result<Vec<f32>>>()?;
+            if vals.len() != t.data.len() {
+                return Err(Error::Input(format!(
+                    "{} number(s) given, the input has {} (shape {:?})",
+                    vals.len(),
+                    t.data.len(),
+                    t.shape
+                )));
+            }
+            Ok(TensorJson {
+                shape: t.shape.clone(),
+                data: vals.into_iter().map(Some).collect(),
+            })
+        })
+        .collect()
+}
+
+pub(super) fn on_edit() {
+    let me = state(|s| if s.sim { None } else { s.rank });
+    let rank = me.unwrap_or_else(|| {
+        el::<HtmlInputElement>("edit-rank")
+            .and_then(|i| i.value().parse::<usize>().ok())
+            .unwrap_or(0)
+    });
+    let text = el::<HtmlInputElement>("edit-x").map_or_else(String::new, |i| i.value());
+    match parse_input(&text, rank) {
+        Ok(x) => {
+            view(|v| {
+                if v.inputs.len() <= rank {
+                    v.inputs.resize(rank + 1, None);
+                }
+                v.inputs[rank] = Some(x);
+            });
+            show_notice("");
+            if let Some(name) = view(|v| v.lesson.as_ref().map(|l| l.name.clone())) {
+                control(Bus::Lesson { name });
+            }
+        }
+        Err(e) => show_notice(&format!("input not changed: {e}")),
+    }
+}
+
+pub(super) fn control(msg: Bus) {
+    spawn_local(async move {
+        let r = match app() {
+            Ok(a) => request(&a, msg).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = r {
+            show_notice(&e.to_string());
+        }
+    });
+}

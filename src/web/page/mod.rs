@@ -1,0 +1,331 @@
+//! The page (`www/index.html`): one browser tab = one rank, or N simulated ranks in one tab.
+//!
+//! The URL says which room and world (`?room=r&world=4`, plus `token` to join an existing room,
+//! `net=webrtc|channel|relay` for the data path between tabs (default `auto`: BroadcastChannels
+//! to tabs of this browser, WebRTC to others), `device=cpu|gpu|auto`, `relay=ws://...` for another
+//! relay), or `?sim=N` for N ranks simulated inside this page (no server: for a projector). The
+//! page picks the compute backend (WebGPU when the browser has an adapter, else the CPU) and says
+//! which, joins the room through the relay, connects a direct path to every peer (or says which
+//! pairs fell back to the relay, and why), and shows a share link and a diagram of the ranks with
+//! itself highlighted.
+//!
+//! Lessons ([`crate::lesson`], files in `www/lessons/`) and free runs of any collective start from
+//! any tab: the tab asks rank 0, which puts every tab's requests in one order and announces each to
+//! every rank (the "bus", on its own group ids so it never mixes with collectives). The step / play
+//! / reset controls go through the same bus, so every tab shows the same step. After a lesson runs,
+//! the tabs exchange their traces so each can draw every rank's values.
+//!
+//! For tests and scripts the page exposes `window.distgrad`: `state()` (JSON of the page's state),
+//! `lessonTrace()` (JSON of the lesson trace shown, or `null`), `startLesson(name)`, `control(what)`
+//! (`step`, `back`, `reset`, `play`, `pause`), `runCase(json)` (run this rank's part of a
+//! `distgrad vjp` case; resolves to the rank's result JSON), `request(collective, op, root)` (the
+//! Run button) and `benchAllReduce(numel)` (forward + backward of a SUM all_reduce; resolves to JSON
+//! with the milliseconds and checksums).
+//!
+//! One file per concern: the page's state, start and the types every part shares are here;
+//! `dom.rs` (DOM helpers), `params.rs` (URL parameters, share links), `ranks.rs` (network events,
+//! the ranks diagram), `bus.rs` (the control bus between tabs), `play.rs` (free play),
+//! `lessons.rs` (the lesson view), `diagram.rs` (SVG drawings, the loss plot), `bench.rs`,
+//! `api.rs` (`window.distgrad` and the handlers).
+
+mod api;
+mod bench;
+mod bus;
+mod diagram;
+mod dom;
+mod lessons;
+mod params;
+mod play;
+mod ranks;
+
+use api::*;
+use bench::*;
+use bus::*;
+use diagram::*;
+use dom::*;
+use lessons::*;
+use params::*;
+use play::*;
+use ranks::*;
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use wasm_bindgen::JsCast;
+use wasm_bindgen::prelude::*;
+use wasm_bindgen_futures::{JsFuture, spawn_local};
+use web_sys::{Document, HtmlElement, HtmlInputElement, HtmlSelectElement};
+
+use crate::backend::{Choice, Device};
+use crate::collective::{Communicator, P2p, ReduceOp};
+use crate::error::{Error, Result};
+use crate::lesson::{self, Lesson, LessonKind, Phase, RankTrace, Trace};
+use crate::transport::browser::{BrowserTransport, LinkKind, Links, NetEvent, WebJoin};
+use crate::transport::{Channel, Tag, Transport};
+use crate::vjp::{self, Case, Prepared, RankResult, TensorJson};
+use crate::{Tape, Tensor, dist};
+
+/// The bus's group id (no communicator group reaches it).
+const BUS_GROUP: u32 = u32::MAX;
+/// Group id of the lesson-trace exchange.
+const TRACE_GROUP: u32 = u32::MAX - 1;
+/// Seconds between steps when playing.
+const PLAY_EVERY: Duration = Duration::from_millis(1200);
+
+/// What `window.distgrad.state()` returns.
+#[derive(Debug, Clone, Default, Serialize)]
+struct PageState {
+    /// starting | joining | ready | failed
+    phase: String,
+    room: String,
+    world: usize,
+    /// Simulated ranks in this page (single-tab mode).
+    sim: bool,
+    rank: Option<usize>,
+    members: Vec<u32>,
+    /// per rank: "self", "webrtc", "channel", "relay" or "" (not decided yet)
+    links: Vec<String>,
+    /// why pairs fell back to the relay
+    fallbacks: Vec<String>,
+    device: String,
+    share: String,
+    error: Option<String>,
+    /// milliseconds from navigation start to "ready"
+    ready_ms: Option<f64>,
+    /// collective runs completed on this tab
+    runs: usize,
+    /// the last run's result on this rank (all ranks' in single-tab mode: rank 0's here)
+    last: Option<RankResult>,
+    last_collective: Option<String>,
+    /// lesson shown, its step and number of steps, lessons completed
+    lesson: Option<String>,
+    lesson_step: usize,
+    lesson_steps: usize,
+    lesson_runs: usize,
+    playing: bool,
+}
+
+/// Messages of the bus: requests to rank 0, and rank 0's announcements.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Bus {
+    /// Run a collective case on every rank.
+    Run {
+        case: Box<Case>,
+    },
+    /// Run a lesson on every rank.
+    Lesson {
+        name: String,
+    },
+    /// Show step `step` (announced by rank 0).
+    Goto {
+        step: usize,
+    },
+    /// Requests that rank 0 turns into a `Goto`.
+    Step,
+    Back,
+    Reset,
+    Play,
+    Pause,
+}
+
+struct App {
+    /// None in single-tab mode.
+    comm: Option<P2p<BrowserTransport>>,
+    device: Device,
+    world: usize,
+    busy: futures::lock::Mutex<()>,
+    /// Requests this rank sent to rank 0.
+    requests_sent: RefCell<u64>,
+    /// Rank 0 (and single-tab mode): requests to handle, in order.
+    queue: RefCell<Option<futures::channel::mpsc::UnboundedSender<Bus>>>,
+    /// Lesson-trace exchanges so far.
+    exchanges: RefCell<u64>,
+}
+
+/// The lesson shown.
+#[derive(Default)]
+struct View {
+    lesson: Option<Lesson>,
+    trace: Option<Trace>,
+    step: usize,
+    playing: bool,
+    /// Edited inputs, per rank (a tab edits only its own).
+    inputs: Vec<Option<Vec<TensorJson>>>,
+}
+
+thread_local! {
+    static PARAMS: RefCell<Option<Params>> = const { RefCell::new(None) };
+    static STATE: RefCell<PageState> = RefCell::new(PageState::default());
+    static APP: RefCell<Option<Rc<App>>> = const { RefCell::new(None) };
+    static VIEW: RefCell<View> = RefCell::new(View::default());
+}
+
+fn state<R>(f: impl FnOnce(&mut PageState) -> R) -> R {
+    STATE.with(|s| f(&mut s.borrow_mut()))
+}
+
+fn view<R>(f: impl FnOnce(&mut View) -> R) -> R {
+    VIEW.with(|v| f(&mut v.borrow_mut()))
+}
+
+fn app() -> Result<Rc<App>> {
+    APP.with(|a| a.borrow().clone()).ok_or_else(|| {
+        Error::Input("the page is not ready yet (waiting for the other ranks)".into())
+    })
+}
+
+#[derive(Clone)]
+struct Params {
+    room: Option<String>,
+    world: usize,
+    sim: Option<usize>,
+    token: Option<String>,
+    rank: Option<u32>,
+    /// The direct path between tabs (`net=auto|webrtc|channel|relay`; `relay`: none).
+    net: Links,
+    device: Choice,
+    relay: Option<String>,
+}
+
+/// Entry point of the web app (called by the binary's `main` on wasm32).
+pub fn start() {
+    std::panic::set_hook(Box::new(|info| {
+        show_error(&format!("internal error (please report): {info}"));
+    }));
+    install_api();
+    spawn_local(async {
+        if let Err(e) = run().await {
+            show_error(&e.to_string());
+        }
+    });
+}
+
+async fn choose_device(choice: Choice) -> Result<Device> {
+    let device = crate::backend::select(choice).await?;
+    let text = match &device {
+        Device::Cpu if choice == Choice::Cpu => "CPU (chosen with ?device=cpu)".to_string(),
+        Device::Cpu => "CPU fallback (this browser has no WebGPU adapter)".to_string(),
+        #[cfg(feature = "wgpu")]
+        Device::Gpu(g) => format!("WebGPU: {}", g.describe()),
+    };
+    state(|s| s.device = text.clone());
+    set_text("device", &text);
+    Ok(device)
+}
+
+async fn run() -> Result<()> {
+    state(|s| s.phase = "starting".into());
+    let p = params()?;
+    PARAMS.with(|x| *x.borrow_mut() = Some(p.clone()));
+    view(|v| v.inputs = vec![None; p.world]);
+    load_lesson_list().await;
+    if let Some(n) = p.sim {
+        return run_simulated_page(&p, n).await;
+    }
+    let Some(room) = p.room.clone() else {
+        // No room yet: the lobby creates one (or joins one by name and token).
+        if let Some(sel) = el::<HtmlSelectElement>("new-net") {
+            sel.set_value(p.net.name());
+        }
+        set_hidden("create", false);
+        set_hidden("lobby", true);
+        set_hidden("lesson-panel", true);
+        set_hidden("free-play", true);
+        set_text("phase", "choose a room");
+        set_text("device", "chosen when the room starts");
+        state(|s| s.phase = "lobby".into());
+        return Ok(());
+    };
+    state(|s| {
+        s.room = room.clone();
+        s.world = p.world;
+        s.links = vec![String::new(); p.world];
+    });
+    set_text("room", &room);
+    set_text("world", &p.world.to_string());
+    render_ranks();
+    set_text("phase", "choosing a compute backend");
+    let device = choose_device(p.device).await?;
+    set_text(
+        "phase",
+        &format!("waiting for {} tabs to join (share the link)", p.world),
+    );
+    state(|s| s.phase = "joining".into());
+    let url = p.relay.clone().unwrap_or_else(relay_url);
+    let mut join = WebJoin::new(&url, &room, p.world as u32);
+    join.token = p.token.clone();
+    join.rank = p.rank;
+    join.links = p.net;
+    let t = BrowserTransport::join(join, Rc::new(on_net_event)).await?;
+    let rank = t.rank();
+    render_ranks();
+    let opts = crate::collective::CommOptions {
+        device: device.clone(),
+        ..vjp::case_options()
+    };
+    let app = Rc::new(App {
+        comm: Some(P2p::new(t, opts)),
+        device,
+        world: p.world,
+        busy: futures::lock::Mutex::new(()),
+        requests_sent: RefCell::new(0),
+        queue: RefCell::new(None),
+        exchanges: RefCell::new(0),
+    });
+    ready(app, &format!("rank {rank} of {} ready", p.world));
+    Ok(())
+}
+
+async fn run_simulated_page(p: &Params, n: usize) -> Result<()> {
+    state(|s| {
+        s.sim = true;
+        s.world = n;
+        s.room = "single-tab mode".into();
+        s.members = (0..n as u32).collect();
+        s.links = vec!["simulated".into(); n];
+    });
+    set_text("room", "single tab (simulated ranks)");
+    set_text("world", &n.to_string());
+    set_text("rank", &format!("0–{} (simulated)", n - 1));
+    set_hidden("share-row", true);
+    if let Some(b) = doc().and_then(|d| d.body()) {
+        let _ = b.class_list().add_1("sim");
+    }
+    let device = choose_device(p.device).await?;
+    render_ranks();
+    let app = Rc::new(App {
+        comm: None,
+        device,
+        world: n,
+        busy: futures::lock::Mutex::new(()),
+        requests_sent: RefCell::new(0),
+        queue: RefCell::new(None),
+        exchanges: RefCell::new(0),
+    });
+    ready(app, &format!("{n} simulated ranks ready"));
+    Ok(())
+}
+
+fn ready(app: Rc<App>, what: &str) {
+    APP.with(|a| *a.borrow_mut() = Some(app.clone()));
+    start_bus(&app);
+    let ready_ms = now_ms();
+    state(|s| {
+        s.phase = "ready".into();
+        s.ready_ms = Some(ready_ms);
+    });
+    set_text(
+        "phase",
+        &format!("ready ({ready_ms:.0} ms after the page started loading)"),
+    );
+    for id in ["run", "lesson-start"] {
+        if let Some(b) = el::<HtmlElement>(id) {
+            let _ = b.remove_attribute("disabled");
+        }
+    }
+    log(&format!("distgrad: {what}"));
+}

@@ -1,0 +1,107 @@
+//! The URL's parameters, the relay's address, share links, and moving to another room.
+
+use super::*;
+
+pub(super) fn params() -> Result<Params> {
+    let w = web_sys::window().ok_or_else(|| Error::Input("no window".into()))?;
+    let search = w.location().search().unwrap_or_default();
+    let q = web_sys::UrlSearchParams::new_with_str(&search)
+        .map_err(|_| Error::Input(format!("bad query string {search:?}")))?;
+    let count = |key: &str, s: String| {
+        s.parse::<usize>()
+            .ok()
+            .filter(|w| (1..=vjp::MAX_WORLD).contains(w))
+            .ok_or_else(|| {
+                Error::Input(format!(
+                    "{key}={s:?}: expected a number 1..{}",
+                    vjp::MAX_WORLD
+                ))
+            })
+    };
+    let sim = q.get("sim").map(|s| count("sim", s)).transpose()?;
+    let world = match q.get("world") {
+        None => sim.unwrap_or(2),
+        Some(s) => count("world", s)?,
+    };
+    let device = match q.get("device").as_deref() {
+        None | Some("auto") => Choice::Auto,
+        Some("cpu") => Choice::Cpu,
+        Some("gpu") => Choice::Gpu,
+        Some(o) => {
+            return Err(Error::Input(format!(
+                "device={o:?}: expected auto, cpu or gpu"
+            )));
+        }
+    };
+    let net = match q.get("net") {
+        None => Links::default(),
+        Some(o) => Links::from_name(&o).ok_or_else(|| {
+            Error::Input(format!(
+                "net={o:?}: expected auto, webrtc, channel or relay"
+            ))
+        })?,
+    };
+    let rank = match q.get("rank") {
+        None => None,
+        Some(s) => Some(
+            s.parse::<u32>()
+                .map_err(|_| Error::Input(format!("rank={s:?}: expected a number")))?,
+        ),
+    };
+    Ok(Params {
+        room: q.get("room").filter(|r| !r.is_empty()),
+        world: sim.unwrap_or(world),
+        sim,
+        token: q.get("token").filter(|t| !t.is_empty()),
+        rank,
+        net,
+        device,
+        relay: q.get("relay"),
+    })
+}
+
+pub(super) fn relay_url() -> String {
+    let loc = web_sys::window().map(|w| w.location());
+    let host = loc
+        .as_ref()
+        .and_then(|l| l.host().ok())
+        .unwrap_or_else(|| "127.0.0.1:8080".into());
+    let secure = loc
+        .and_then(|l| l.protocol().ok())
+        .is_some_and(|p| p == "https:");
+    format!("{}://{host}/ws", if secure { "wss" } else { "ws" })
+}
+
+pub(super) fn page_base() -> String {
+    web_sys::window()
+        .map(|w| w.location())
+        .map(|l| {
+            format!(
+                "{}{}",
+                l.origin().unwrap_or_default(),
+                l.pathname().unwrap_or_default()
+            )
+        })
+        .unwrap_or_default()
+}
+
+pub(super) fn share_link(p: &Params, room: &str, token: &str) -> String {
+    let mut s = format!(
+        "{}?room={}&world={}&token={}",
+        page_base(),
+        enc(room),
+        p.world,
+        enc(token)
+    );
+    if p.net != Links::default() {
+        s.push_str(&format!("&net={}", p.net.name()));
+    }
+    if let Some(r) = &p.relay {
+        s.push_str(&format!("&relay={}", enc(r)));
+    }
+    s
+}
+
+pub(super) fn enc(s: &str) -> String {
+    String::from(js_sys::encode_uri_component(s))
+}
