@@ -39,8 +39,8 @@
 //!   permutation, splits; serde-able), call signatures derived from it, and [`P2p`]: every collective from point-to-point messages
 //!   (ring, tree, direct and pairwise algorithms, each talking through one `collective::call`
 //!   that checks every message's signature; [`AllReduceAlgo`] picks the large all_reduce's).
-//!   Imports run one way inside it: p2p → the algorithms → call (messages) → partial (local
-//!   steps), no circle.
+//!   Imports run one way inside it: p2p → the algorithms → call (messages), no circle; their
+//!   local steps are the tensor API's [`tensor::partial`], never a backend's internals.
 //! - [`transport`]: the [`transport::Transport`] trait (async, tag-matched bytes), the shared
 //!   [`transport::Mailbox`], the in-process transport and (native) the WebSocket transport with
 //!   its direct TCP links between native ranks (`transport::direct`). It moves bytes: it imports

@@ -295,7 +295,9 @@ impl<'a, T: Transport> Call<'a, T> {
 
     /// The last step of every reducing algorithm: `Avg` divides the finished sum by the group size.
     pub fn finish_reduction(&self, op: ReduceOp, acc: &mut [f32]) {
-        super::partial::finish_host(op, self.n, acc);
+        if let Some(k) = op.final_scale(self.n) {
+            crate::tensor::partial::scale_host(acc, k);
+        }
     }
 }
 
@@ -309,7 +311,7 @@ pub fn encode_tensor(t: &Tensor) -> Result<Bytes> {
 pub(crate) async fn encode_tensor_async(t: &Tensor) -> Result<Bytes> {
     Ok(encode_parts(
         t.shape(),
-        &super::partial::bytes_of(t, 0, t.numel()).await?,
+        &crate::tensor::partial::bytes_of(t, 0, t.numel()).await?,
     ))
 }
 

@@ -8,11 +8,10 @@
 use bytes::Bytes;
 
 use super::call::{Call, decode_tensor, encode_tensor_async};
-use super::partial::{Partial, bytes_of};
 use super::{ReduceOp, chunk_bounds};
-use crate::backend::cpu;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+use crate::tensor::partial::{Partial, bytes_of, fold_host};
 use crate::transport::Transport;
 
 /// Fold `parts` (index = group rank, `None` = use `own`) in rank order; scale for Avg.
@@ -22,16 +21,7 @@ fn fold<T: Transport>(
     parts: &[Option<Bytes>],
     op: ReduceOp,
 ) -> Vec<f32> {
-    let mut acc: Option<Vec<f32>> = None;
-    for p in parts {
-        match (&mut acc, p) {
-            (None, None) => acc = Some(own.to_vec()),
-            (None, Some(b)) => acc = Some(cpu::f32s_from_le_bytes(b)),
-            (Some(a), None) => cpu::reduce_into(op.combine(), a, own),
-            (Some(a), Some(b)) => cpu::reduce_into_le_bytes(op.combine(), a, b),
-        }
-    }
-    let mut acc = acc.unwrap_or_default();
+    let mut acc = fold_host(own, parts, op.combine());
     call.finish_reduction(op, &mut acc);
     acc
 }
@@ -76,9 +66,9 @@ pub(crate) async fn all_reduce_pairwise<T: Transport>(
             *p = Some(call.recv_exact(j, l * 4).await?);
         }
     }
-    let mut mine = Partial::fold_parts(x, s, l, &parts, op)?;
+    let mut mine = Partial::fold_parts(x, s, l, &parts, op.combine())?;
     drop(parts);
-    mine.finish(call.n, op)?;
+    mine.finish(op.final_scale(call.n))?;
     let mine = mine.into_bytes().await?;
     let whole = if shared && me != 0 {
         call.send(0, mine).await?;

@@ -9,7 +9,6 @@
 pub mod call;
 pub mod direct;
 pub mod p2p;
-mod partial;
 pub mod ring;
 pub mod sig;
 pub mod spec;
@@ -51,6 +50,12 @@ impl ReduceOp {
         ReduceOp::Min,
         ReduceOp::Max,
     ];
+
+    /// The scale of the last local step over a group of `n` ranks: AVG divides the finished sum
+    /// by `n`; the other ops have none.
+    pub fn final_scale(self, n: usize) -> Option<f32> {
+        (self == ReduceOp::Avg).then(|| 1.0 / n as f32)
+    }
 
     /// The elementwise combine step (Avg combines as Sum and divides at the end).
     pub fn combine(self) -> BinaryOp {

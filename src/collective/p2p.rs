@@ -242,7 +242,7 @@ impl<T: Transport> P2p<T> {
 /// GPU tensors stay on the GPU: a collective reads back only the bytes it sends (the transport
 /// boundary), a rank's own part of a result is its input itself, and received parts are uploaded
 /// to the inputs' device. The reductions fold received data in on the GPU
-/// (`partial::Partial`); small direct all_reduces and reduce_scatters, whose every contribution
+/// ([`crate::tensor::partial::Partial`]); small direct all_reduces and reduce_scatters, whose every contribution
 /// is sent anyway, fold on the host.
 /// Whether `dev` is a GPU.
 fn on_gpu(dev: &Device) -> bool {

@@ -12,9 +12,9 @@ use futures::future::try_join;
 use super::ReduceOp;
 use super::call::Call;
 use super::chunk_bounds;
-use super::partial::{Partial, bytes_of};
 use crate::error::Result;
 use crate::tensor::Tensor;
+use crate::tensor::partial::{Partial, bytes_of};
 use crate::transport::Transport;
 
 /// Send `out` to the successor while receiving from the predecessor; check the received length.
@@ -67,9 +67,9 @@ async fn all_reduce_range<T: Transport>(
         let c = (me + 2 * n - s - 1) % n;
         let (cs, cl) = chunks[c];
         let got = step(call, msg, cl * 4).await?;
-        let mut acc = Partial::combine(x, cs, cl, op, &got)?;
+        let mut acc = Partial::combine(x, cs, cl, op.combine(), &got)?;
         if s == n - 2 {
-            acc.finish(call.n, op)?;
+            acc.finish(op.final_scale(call.n))?;
         }
         msg = acc.into_bytes().await?;
     }
@@ -142,9 +142,9 @@ pub(crate) async fn reduce_scatter<T: Transport>(
     for s in 0..n - 1 {
         let b = (me + 2 * n - 2 - s) % n;
         let got = step(call, out, numel * 4).await?;
-        let mut acc = Partial::combine(&xs[b], 0, numel, op, &got)?;
+        let mut acc = Partial::combine(&xs[b], 0, numel, op.combine(), &got)?;
         if s == n - 2 {
-            acc.finish(call.n, op)?;
+            acc.finish(op.final_scale(call.n))?;
             return acc.into_tensor(xs[0].shape());
         }
         out = acc.into_bytes().await?;

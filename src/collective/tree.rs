@@ -3,9 +3,9 @@
 
 use super::ReduceOp;
 use super::call::Call;
-use super::partial::{Partial, bytes_of};
 use crate::error::Result;
 use crate::tensor::Tensor;
+use crate::tensor::partial::{Partial, bytes_of};
 use crate::transport::Transport;
 
 /// Broadcast `root`'s `x`; every rank passed a tensor of the same shape (checked by the signature).
@@ -66,7 +66,7 @@ pub(crate) async fn reduce<T: Transport>(
             let child = v | mask;
             if child < n {
                 let got = call.recv_exact(real(child), numel * 4).await?;
-                acc.fold(op, &got)?;
+                acc.fold(op.combine(), &got)?;
             }
         } else {
             call.send(real(v & !mask), acc.into_bytes().await?).await?;
@@ -74,6 +74,6 @@ pub(crate) async fn reduce<T: Transport>(
         }
         mask <<= 1;
     }
-    acc.finish(call.n, op)?;
+    acc.finish(op.final_scale(call.n))?;
     acc.into_tensor(x.shape()).map(Some)
 }

@@ -1,19 +1,20 @@
-//! The local step of every reducing collective: a partial reduction that lives where its input
-//! lives. On the host it is a `Vec<f32>` folded with the CPU kernels; for a GPU tensor it is a GPU
-//! buffer folded with the WGSL reduce-into kernel, and only what goes on the wire is read back.
-//! The ring and tree algorithms are written once against this type, so both backends run the same
-//! chunking, order and operations: bitwise the same results.
+//! The local step of every reducing collective, as part of the tensor API: a partial reduction
+//! that lives where its input lives. On the host it is a `Vec<f32>` folded with the CPU kernels;
+//! for a GPU tensor it is a GPU buffer folded with the WGSL reduce-into kernel, and only what goes
+//! on the wire is read back. The ring, tree and direct algorithms (`collective/`) are written once
+//! against this type and never touch a backend's internals, so both backends run the same
+//! chunking, order and operations: bitwise the same results. It knows elementwise combine ops
+//! ([`BinaryOp`]) and scales, not reduce ops: AVG is the collective's `Sum` then a scale.
 
 use bytes::Bytes;
 
-use super::ReduceOp;
-use crate::backend::{Storage, cpu};
+use super::Tensor;
+use crate::backend::{BinaryOp, Storage, cpu};
 use crate::error::Result;
 use crate::pool::f32_bytes;
-use crate::tensor::Tensor;
 
 /// A partial reduction: see the module docs.
-pub(crate) enum Partial {
+pub enum Partial {
     /// Host values.
     Host(Vec<f32>),
     /// A flat GPU tensor of its own (never the caller's buffer).
@@ -23,7 +24,7 @@ pub(crate) enum Partial {
 
 impl Partial {
     /// A copy of elements `start..start+len` of `x` (flattened), on `x`'s device.
-    pub(crate) fn copy_of(x: &Tensor, start: usize, len: usize) -> Result<Partial> {
+    pub fn copy_of(x: &Tensor, start: usize, len: usize) -> Result<Partial> {
         if len == 0 {
             return Ok(Partial::Host(Vec::new()));
         }
@@ -35,11 +36,11 @@ impl Partial {
     }
 
     /// `op(x[start..start+len], got)`: this rank's elements combined with received bytes.
-    pub(crate) fn combine(
+    pub fn combine(
         x: &Tensor,
         start: usize,
         len: usize,
-        op: ReduceOp,
+        op: BinaryOp,
         got: &[u8],
     ) -> Result<Partial> {
         if len == 0 {
@@ -48,7 +49,7 @@ impl Partial {
         match x.storage() {
             // One pass on the host: no copy of `x` first.
             Storage::Cpu(_) => Ok(Partial::Host(cpu::combine_le_bytes(
-                op.combine(),
+                op,
                 &x.cpu()?[start..start + len],
                 got,
             ))),
@@ -65,12 +66,12 @@ impl Partial {
     /// rank `j`'s contribution as received bytes, `None` marks this rank's own (taken from `x`).
     /// One pass over memory on the host; on the GPU the received parts are uploaded and folded in
     /// with the fused reduce-into, in the same order (bitwise the host's result).
-    pub(crate) fn fold_parts(
+    pub fn fold_parts(
         x: &Tensor,
         start: usize,
         len: usize,
         parts: &[Option<Bytes>],
-        op: ReduceOp,
+        op: BinaryOp,
     ) -> Result<Partial> {
         if len == 0 {
             return Ok(Partial::Host(Vec::new()));
@@ -86,7 +87,7 @@ impl Partial {
                     })
                     .collect();
                 let refs: Vec<&[f32]> = inputs.iter().map(|c| c.as_ref()).collect();
-                Ok(Partial::Host(cpu::fold_all(op.combine(), &refs)))
+                Ok(Partial::Host(cpu::fold_all(op, &refs)))
             }
             #[cfg(feature = "wgpu")]
             Storage::Gpu(_) => {
@@ -109,7 +110,7 @@ impl Partial {
                     })
                     .collect();
                 if let Some((first, rest)) = raw.split_first() {
-                    gpu.reduce_into_many(op.combine(), first, rest)?;
+                    gpu.reduce_into_many(op, first, rest)?;
                 }
                 Ok(bufs
                     .into_iter()
@@ -120,36 +121,34 @@ impl Partial {
     }
 
     /// `self = op(self, got)` in place.
-    pub(crate) fn fold(&mut self, op: ReduceOp, got: &[u8]) -> Result<()> {
+    pub fn fold(&mut self, op: BinaryOp, got: &[u8]) -> Result<()> {
         match self {
-            Partial::Host(v) => cpu::reduce_into_le_bytes(op.combine(), v, got),
+            Partial::Host(v) => cpu::reduce_into_le_bytes(op, v, got),
             #[cfg(feature = "wgpu")]
             Partial::Gpu(t) => {
                 if let Storage::Gpu(acc) = t.storage() {
                     let incoming = acc.gpu().upload_le_bytes(got)?;
-                    acc.gpu().reduce_into(op.combine(), acc, &incoming)?;
+                    acc.gpu().reduce_into(op, acc, &incoming)?;
                 }
             }
         }
         Ok(())
     }
 
-    /// The op's last local step over a group of `n` (AVG divides by it), as [`finish_host`].
-    pub(crate) fn finish(&mut self, n: usize, op: ReduceOp) -> Result<()> {
+    /// The reduction's last local step: multiply by `scale` where there is one (AVG: one over the
+    /// group size), as [`scale_host`].
+    pub fn finish(&mut self, scale: Option<f32>) -> Result<()> {
+        let Some(k) = scale else { return Ok(()) };
         match self {
-            Partial::Host(v) => finish_host(op, n, v),
+            Partial::Host(v) => scale_host(v, k),
             #[cfg(feature = "wgpu")]
-            Partial::Gpu(t) => {
-                if op == ReduceOp::Avg {
-                    *t = t.scale(1.0 / n as f32)?;
-                }
-            }
+            Partial::Gpu(t) => *t = t.scale(k)?,
         }
         Ok(())
     }
 
     /// The values as bytes to send (a GPU partial is read back: the transport boundary).
-    pub(crate) async fn into_bytes(self) -> Result<Bytes> {
+    pub async fn into_bytes(self) -> Result<Bytes> {
         match self {
             Partial::Host(v) => Ok(f32_bytes(v)),
             #[cfg(feature = "wgpu")]
@@ -158,7 +157,7 @@ impl Partial {
     }
 
     /// The values as a tensor of `shape`, where they are (a GPU partial is not read back).
-    pub(crate) fn into_tensor(self, shape: &[usize]) -> Result<Tensor> {
+    pub fn into_tensor(self, shape: &[usize]) -> Result<Tensor> {
         match self {
             Partial::Host(v) => Tensor::from_vec(v, shape),
             #[cfg(feature = "wgpu")]
@@ -167,18 +166,28 @@ impl Partial {
     }
 }
 
-/// The last step of every reducing algorithm on host values: `Avg` divides the finished sum by the
-/// group size `n`.
-pub(crate) fn finish_host(op: ReduceOp, n: usize, acc: &mut [f32]) {
-    if op == ReduceOp::Avg {
-        let k = 1.0 / n as f32;
-        acc.iter_mut().for_each(|v| *v *= k);
+/// The last step of a reduction on host values that has one (AVG: one over the group size).
+pub fn scale_host(acc: &mut [f32], k: f32) {
+    acc.iter_mut().for_each(|v| *v *= k);
+}
+
+/// Host values of `parts` (index = group rank, `None` = `own`) folded with `op` in rank order.
+pub fn fold_host(own: &[f32], parts: &[Option<Bytes>], op: BinaryOp) -> Vec<f32> {
+    let mut acc: Option<Vec<f32>> = None;
+    for p in parts {
+        match (&mut acc, p) {
+            (None, None) => acc = Some(own.to_vec()),
+            (None, Some(b)) => acc = Some(cpu::f32s_from_le_bytes(b)),
+            (Some(a), None) => cpu::reduce_into(op, a, own),
+            (Some(a), Some(b)) => cpu::reduce_into_le_bytes(op, a, b),
+        }
     }
+    acc.unwrap_or_default()
 }
 
 /// Elements `start..start+len` of `x` (flattened) as bytes to send: a zero-copy slice of a host
 /// tensor, a readback of only those elements of a GPU tensor.
-pub(crate) async fn bytes_of(x: &Tensor, start: usize, len: usize) -> Result<Bytes> {
+pub async fn bytes_of(x: &Tensor, start: usize, len: usize) -> Result<Bytes> {
     match x.storage() {
         Storage::Cpu(_) => Ok(x.to_le_bytes()?.slice(start * 4..(start + len) * 4)),
         #[cfg(feature = "wgpu")]

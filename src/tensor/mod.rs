@@ -2,6 +2,11 @@
 //!
 //! Tensors are values: every op returns a new tensor (out-of-place, which is what autograd needs) and
 //! clones are cheap because storage is shared. Shapes are checked here, once, before any backend runs.
+//!
+//! [`partial`]: the local step of reducing collectives (a partial reduction that stays where its
+//! input lives), so that the algorithms use this API and never a backend's internals.
+
+pub mod partial;
 
 use bytes::Bytes;
 
