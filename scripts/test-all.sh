@@ -2,8 +2,9 @@
 # Every test: the native suite (`cargo test`, GPU tests on lavapipe), the browser unit suite
 # (wasm-bindgen-test in headless Chromium with WebGPU) and the end-to-end suites: the web app built
 # with trunk, 4 tabs as ranks over the relay, over BroadcastChannels, with the page's automatic
-# choice and over WebRTC, a mixed native + browser group, a tab closed mid-run, and every lesson of
-# the teaching demo in 3 tabs and in single-tab mode.
+# choice and over WebRTC, a mixed native + browser group, a tab closed mid-run, every lesson of
+# the teaching demo in 3 tabs and in single-tab mode, and the shipped programs run and their
+# gradients checked in 3 tabs and in single-tab mode against the native CLI.
 # Installs what it needs, skipping what is already there: lavapipe, chromium + chromium-driver and
 # iproute2 (apt, as root), the wasm32 target, wasm-bindgen-cli at exactly the version in
 # Cargo.lock, trunk, and the npm packages of tests/browser (scripts/web-tools.sh).
@@ -62,6 +63,8 @@ node tests/browser/e2e.mjs --bin "$bin" --dist dist --net channel --out "$out"
 node tests/browser/e2e.mjs --bin "$bin" --dist dist --net auto --out "$out"
 say "end-to-end: every lesson of the teaching demo in 3 tabs and in single-tab mode (tests/browser/lessons.mjs)"
 node tests/browser/lessons.mjs --bin "$bin" --dist dist --out "$out"
+say "end-to-end: programs and the gradient check in 3 tabs and in single-tab mode (tests/browser/programs.mjs)"
+node tests/browser/programs.mjs --bin "$bin" --dist dist --out "$out"
 # WebRTC only inside a loopback-only network namespace, so ICE never tries another interface.
 if unshare -n true 2>/dev/null; then
   unshare -n sh -c 'ip link set lo up && exec node tests/browser/e2e.mjs --bin "$0" --dist dist --net webrtc --out "$1"' "$bin" "$out"

@@ -258,12 +258,16 @@ where
     F: AsyncFn(&C, &Tape, Vec<Var>) -> Result<Option<Var>>,
 {
     let tape = Tape::with_objective(o.objective);
-    let world = comm.world();
+    let (world, device) = (comm.world(), comm.device());
+    // The inputs live where the communicator puts what it receives.
     let xs: Vec<Var> = inputs
         .iter()
         .zip(values)
-        .map(|(inp, t)| tape.leaf(t, inp.grad, inp.replicated.then_some(&world)))
-        .collect();
+        .map(|(inp, t)| {
+            let t = t.to_device(&device)?;
+            Ok(tape.leaf(t, inp.grad, inp.replicated.then_some(&world)))
+        })
+        .collect::<Result<_>>()?;
     let loss = f(comm, &tape, xs.clone()).await?;
     let share = match &loss {
         Some(l) => {
@@ -996,13 +1000,58 @@ fn num(x: f64) -> String {
 }
 
 impl Report {
+    /// The report as JSON (what `distgrad gradcheck --json` prints and the page's test API
+    /// returns): the verdict, the point, how it was checked, one row per rank and input, the
+    /// kinks and the directions. Numbers that are not finite are `null`.
+    pub fn to_json(&self) -> serde_json::Value {
+        use serde_json::json;
+        let objective = match self.objective {
+            Objective::SumOfRankLosses => "sum_of_rank_losses",
+            Objective::Replicated => "replicated",
+        };
+        let mode = match &self.mode {
+            Mode::Coordinates => json!({"kind": "coordinates"}),
+            Mode::Directions { count, forced } => {
+                json!({"kind": "directions", "count": count, "forced": forced})
+            }
+        };
+        let rows: Vec<serde_json::Value> = self
+            .rows
+            .iter()
+            .map(|r| {
+                json!({"rank": r.rank, "input": r.input, "checked": r.checked,
+                    "max_abs": r.max_abs, "max_rel": r.max_rel, "kinks": r.kinks,
+                    "refined": r.refined, "inconclusive": r.inconclusive, "failed": r.failed,
+                    "worst": r.worst.map(|(e, b, n)| json!({"elem": e, "backward": b, "numeric": n}))})
+            })
+            .collect();
+        let kinks: Vec<serde_json::Value> = self
+            .kinks
+            .iter()
+            .map(|k| {
+                json!({"rank": k.rank, "input": k.input, "elem": k.elem,
+                    "left": k.slopes.0, "right": k.slopes.1, "backward": k.backward,
+                    "within": k.within})
+            })
+            .collect();
+        let directions: Vec<serde_json::Value> = self
+            .directions
+            .iter()
+            .map(|d| {
+                json!({"direction": d.direction, "backward": d.backward, "numeric": d.numeric,
+                    "pass": d.pass})
+            })
+            .collect();
+        json!({"verdict": self.verdict(), "world": self.world, "objective": objective,
+            "value": self.value, "mode": mode, "eps": self.eps, "rtol": self.rtol,
+            "atol": self.atol, "evaluations": self.evaluations, "rows": rows, "kinks": kinks,
+            "directions": directions})
+    }
+
     /// The table `distgrad gradcheck` prints.
     pub fn render(&self) -> String {
         let mut s = String::new();
-        let objective = match self.objective {
-            Objective::SumOfRankLosses => "sum of rank losses",
-            Objective::Replicated => "replicated (an invariant loss counts once)",
-        };
+        let objective = self.objective.describe();
         let _ = writeln!(
             s,
             "gradcheck: {} rank(s), objective {objective}, F = {} (f32 evaluation, summed in f64)",

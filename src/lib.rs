@@ -27,7 +27,8 @@
 //! ```
 //!
 //! # Layout
-//! - [`tensor`]: [`Tensor`], an immutable f32 array of any shape; shape checks live here.
+//! - [`tensor`]: [`Tensor`], an immutable f32 array of any shape; shape checks live here;
+//!   [`tensor::partial`] is the local step of every reducing collective, on the tensor's device.
 //! - [`backend`]: where numbers live and local kernels run ([`backend::cpu`] is the reference;
 //!   `backend::gpu` (feature `wgpu`) has the WGSL kernels of `shaders/`).
 //! - [`autograd`]: [`Tape`], [`Var`], local differentiable ops and backward; **the dual table** is
@@ -42,9 +43,11 @@
 //!   Imports run one way inside it: p2p → the algorithms → call (messages), no circle; their
 //!   local steps are the tensor API's [`tensor::partial`], never a backend's internals.
 //! - [`transport`]: the [`transport::Transport`] trait (async, tag-matched bytes), the shared
-//!   [`transport::Mailbox`], the in-process transport and (native) the WebSocket transport with
-//!   its direct TCP links between native ranks (`transport::direct`). It moves bytes: it imports
-//!   the wire and the buffer pool, nothing of tensors or collectives.
+//!   [`transport::Mailbox`], the in-process transport, (native) the WebSocket transport with
+//!   its direct TCP links between native ranks (`transport::direct`) and (wasm32) the browser's
+//!   (`transport::browser`: WebSocket to the relay, WebRTC data channels, BroadcastChannels).
+//!   Both relay clients share one per-peer routing and abort (`transport::route`). It moves
+//!   bytes: it imports the wire and the buffer pool, nothing of tensors or collectives.
 //! - [`wire`]: the one wire format (data-frame header, tags, JSON control messages) of relay and
 //!   clients.
 //! - [`pool`]: recycled host buffers and their byte views, shared by wire, transports and compute.
@@ -53,7 +56,8 @@
 //!   transport.
 //! - [`run`]: run N ranks in one process: as threads (`run_local`) or interleaved on one task
 //!   ([`run::run_interleaved`], also in a browser page).
-//! - `web` (wasm32): the browser side: the rank page and the WebSocket + WebRTC transport.
+//! - `web` (wasm32): the rank page, one file per concern under `web/page/` (state, DOM helpers,
+//!   URL parameters, the tabs' control bus, ranks, free play, lessons, diagram, bench, test API).
 //! - [`vjp`]: the JSON case format and runner behind `distgrad vjp`.
 //! - [`program`]: programs — named inputs, local ops and collectives (each a
 //!   [`collective::Spec`]), a loss — in JSON, checked before they run, run on any communicator.

@@ -5,6 +5,9 @@
 
 use std::process::Command;
 
+#[path = "common_gpu/mod.rs"]
+mod common_gpu;
+
 use distgrad::gradcheck::{CheckInput, Mode, Options, gradcheck, gradcheck_program};
 use distgrad::program::{Program, run_local};
 use distgrad::{CommOptions, Communicator, ReduceOp, Tensor, dist};
@@ -19,6 +22,7 @@ fn shipped() -> Vec<(String, Program)> {
         .expect("www/programs")
         .map(|e| e.expect("entry").path())
         .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .filter(|p| !p.ends_with("index.json"))
         .map(|p| {
             let text = std::fs::read_to_string(&p).expect("read");
             (p.display().to_string(), program(&text))
@@ -27,6 +31,43 @@ fn shipped() -> Vec<(String, Program)> {
     out.sort_by(|a, b| a.0.cmp(&b.0));
     assert!(out.len() >= 5, "the shipped programs are found");
     out
+}
+
+/// The page's examples list (`www/programs/index.json`) names every shipped program once, with
+/// its title.
+#[test]
+fn the_pages_program_list_names_every_shipped_program() {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/www/programs/index.json"
+    ))
+    .expect("www/programs/index.json");
+    let index: serde_json::Value = serde_json::from_str(&text).expect("index.json is JSON");
+    let mut listed: Vec<(String, String)> = index["programs"]
+        .as_array()
+        .expect("a list of programs")
+        .iter()
+        .map(|e| {
+            (
+                e["name"].as_str().expect("name").to_string(),
+                e["title"].as_str().expect("title").to_string(),
+            )
+        })
+        .collect();
+    listed.sort();
+    let mut files: Vec<(String, String)> = shipped()
+        .into_iter()
+        .map(|(path, p)| {
+            let name = std::path::Path::new(&path)
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .expect("file name")
+                .to_string();
+            (name, p.title.unwrap_or_default())
+        })
+        .collect();
+    files.sort();
+    assert_eq!(listed, files);
 }
 
 #[test]
@@ -518,4 +559,98 @@ fn gradcheck_over_processes_gives_the_in_process_report() {
     ]);
     assert_eq!(code, Some(1), "{out}");
     assert!(out.trim_end().ends_with("FAIL"));
+}
+
+/// `gradcheck --json`: the report as JSON, the same verdict and rows as the table (independently
+/// read back from the table's text), the same exit code, and the same JSON from worker processes.
+#[test]
+fn gradcheck_json_is_the_report() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/www/programs/");
+    let path = format!("{dir}max_tie.json");
+    let (code, table, err) = cli(&["gradcheck", &path]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, out, err) = cli(&["gradcheck", &path, "--json"]);
+    assert_eq!(code, Some(0), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("one JSON value");
+    assert_eq!(v["verdict"], "PASS");
+    assert_eq!(v["world"], 3);
+    assert_eq!(v["objective"], "sum_of_rank_losses");
+    assert_eq!(v["mode"]["kind"], "coordinates");
+    let rows = v["rows"].as_array().expect("rows");
+    assert!(!rows.is_empty());
+    for row in rows {
+        let (rank, input) = (&row["rank"], row["input"].as_str().expect("input"));
+        assert!(
+            table.lines().any(|l| {
+                let cols: Vec<&str> = l.split('|').map(str::trim).collect();
+                cols.len() > 2
+                    && *rank == cols[0].parse::<u64>().unwrap_or(u64::MAX)
+                    && cols[1] == input
+            }),
+            "row ({rank}, {input}) is in the table:\n{table}"
+        );
+        assert_eq!(row["failed"], 0);
+    }
+    // max_tie has a tie of MAX across ranks: the kinks are listed.
+    assert!(!v["kinks"].as_array().expect("kinks").is_empty(), "{out}");
+    assert!(table.contains("kink"), "{table}");
+    let evaluations = v["evaluations"].as_u64().expect("evaluations");
+    assert!(table.contains(&format!("{evaluations} runs")), "{table}");
+
+    let (code, relay, err) = cli(&["gradcheck", &path, "--json", "--transport", "relay"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(relay, out, "worker processes print the same JSON");
+
+    // A failing check: exit code 1 with --json too.
+    let path = format!("{dir}mlp_all_reduce.json");
+    let (code, out, _) = cli(&["gradcheck", &path, "--json", "--rtol", "0", "--atol", "0"]);
+    assert_eq!(code, Some(1), "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(v["verdict"], "FAIL");
+    let (code, _, err) = cli(&["gradcheck", "--random", "2", "--json"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--json prints one program's report"), "{err}");
+}
+
+/// Every shipped program on GPU ranks (lavapipe in CI): inputs go where the communicator puts
+/// what it receives, so a rank that receives a tensor and computes with its own inputs has both
+/// on one device (a `recv` on a GPU rank used to meet a host input in `matmul`); losses and
+/// gradients equal the CPU ranks' within f32 rounding, and the gradient check passes there too.
+#[test]
+fn shipped_programs_run_and_check_on_gpu_ranks() {
+    let Some(gpu) = common_gpu::gpu() else {
+        return;
+    };
+    let on_gpu = CommOptions {
+        device: distgrad::backend::Device::Gpu(gpu.clone()),
+        ..CommOptions::default()
+    };
+    for (path, p) in shipped() {
+        let plan = p.plan(None).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let cpu = run_local(&plan, CommOptions::default()).expect("CPU ranks");
+        let gpu_runs = run_local(&plan, on_gpu.clone()).unwrap_or_else(|e| panic!("{path}: {e}"));
+        for (r, (c, g)) in cpu.iter().zip(&gpu_runs).enumerate() {
+            let near = |a: f32, b: f32| (a - b).abs() <= 1e-4 * a.abs().max(b.abs()).max(1.0);
+            assert_eq!(c.loss.is_some(), g.loss.is_some(), "{path} rank {r}");
+            if let (Some(a), Some(b)) = (c.loss, g.loss) {
+                assert!(near(a, b), "{path} rank {r}: loss {a} on CPU, {b} on GPU");
+            }
+            for (i, (a, b)) in c.grads.iter().zip(&g.grads).enumerate() {
+                let (Some(a), Some(b)) = (a, b) else {
+                    assert_eq!(a.is_some(), b.is_some(), "{path} rank {r} input {i}");
+                    continue;
+                };
+                assert!(
+                    a.iter().zip(b).all(|(x, y)| near(*x, *y)),
+                    "{path} rank {r} input {i}: {a:?} on CPU, {b:?} on GPU"
+                );
+            }
+        }
+        let o = Options {
+            comm: on_gpu.clone(),
+            ..Options::default()
+        };
+        let report = gradcheck_program(&plan, &o).unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert!(report.passed, "{path} on GPU ranks:\n{}", report.render());
+    }
 }

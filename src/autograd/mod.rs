@@ -34,6 +34,16 @@ pub enum Objective {
     Replicated,
 }
 
+impl Objective {
+    /// The convention in words (reports, the page).
+    pub fn describe(self) -> &'static str {
+        match self {
+            Objective::SumOfRankLosses => "sum of rank losses",
+            Objective::Replicated => "replicated (an invariant loss counts once)",
+        }
+    }
+}
+
 /// One recorded op: a local op (derivative in `backward.rs`) or a collective (dual in `dual.rs`).
 #[derive(Debug, Clone)]
 pub(crate) enum Op {

@@ -26,6 +26,19 @@ pub struct GradcheckArgs {
     /// How to check.
     #[command(flatten)]
     check: CheckFlags,
+    /// Print the report as JSON (verdict, one row per rank and input, kinks, directions)
+    /// instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The report as printed: the table, or JSON (`json`).
+pub fn show(report: &distgrad::gradcheck::Report, json: bool) -> String {
+    if json {
+        format!("{}\n", report.to_json())
+    } else {
+        report.render()
+    }
 }
 
 impl GradcheckArgs {
@@ -180,11 +193,11 @@ pub fn run(a: GradcheckArgs) -> distgrad::Result<u8> {
         .ok_or_else(|| distgrad::Error::Input("give a program file or --random N".into()))?;
     let program = a.check.apply(read_program(path)?);
     let plan = program.plan(a.world)?;
-    if let Some(t) = &program.title {
+    if let Some(t) = program.title.as_ref().filter(|_| !a.json) {
         println!("{t}");
     }
     let text = match a.transport {
-        TransportArg::Local => gradcheck_program(&plan, &a.check.options())?.render(),
+        TransportArg::Local => show(&gradcheck_program(&plan, &a.check.options())?, a.json),
         t => {
             if path.as_os_str() == "-" {
                 return Err(distgrad::Error::Input(
@@ -200,6 +213,9 @@ pub fn run(a: GradcheckArgs) -> distgrad::Result<u8> {
                 "60".into(),
             ];
             args.extend(a.check.to_args());
+            if a.json {
+                args.push("--report-json".into());
+            }
             let done = super::launch::workers_over_relay(
                 "gradcheck",
                 plan.world(),
@@ -223,9 +239,15 @@ pub fn run(a: GradcheckArgs) -> distgrad::Result<u8> {
     Ok(exit_code(&text))
 }
 
-/// The exit code of a rendered report (its last line is the verdict).
+/// The exit code of a printed report (the table's last line is the verdict; JSON has a
+/// `verdict` field).
 fn exit_code(text: &str) -> u8 {
-    match text.trim_end().lines().last().unwrap_or_default() {
+    let json = serde_json::from_str::<serde_json::Value>(text).ok();
+    let verdict = match &json {
+        Some(v) => v["verdict"].as_str().unwrap_or_default(),
+        None => text.trim_end().lines().last().unwrap_or_default(),
+    };
+    match verdict {
         "PASS" => 0,
         "INCONCLUSIVE" => 3,
         _ => 1,
@@ -237,12 +259,12 @@ pub async fn worker_check<C: distgrad::Communicator>(
     comm: &C,
     plan: &distgrad::program::Plan,
     flags: &CheckFlags,
+    json: bool,
 ) -> distgrad::Result<String> {
-    Ok(
-        distgrad::gradcheck::check_program_on(comm, plan, &flags.options())
-            .await?
-            .render(),
-    )
+    Ok(show(
+        &distgrad::gradcheck::check_program_on(comm, plan, &flags.options()).await?,
+        json,
+    ))
 }
 
 /// `--random N`: check N random programs, print each failure's program and report, and a summary.
@@ -251,6 +273,11 @@ fn random(a: &GradcheckArgs, n: u64) -> distgrad::Result<u8> {
     if a.transport != TransportArg::Local {
         return Err(distgrad::Error::Input(
             "--random runs its programs on in-process ranks (--transport local)".into(),
+        ));
+    }
+    if a.json {
+        return Err(distgrad::Error::Input(
+            "--json prints one program's report; --random prints a summary of many".into(),
         ));
     }
     let o = a.check.options();

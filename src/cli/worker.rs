@@ -49,6 +49,9 @@ pub struct WorkerArgs {
     /// Print this rank's result as one JSON line.
     #[arg(long)]
     json: bool,
+    /// With --gradcheck: print the report as JSON (`gradcheck --json`) instead of the table.
+    #[arg(long, requires = "gradcheck")]
+    report_json: bool,
     /// Seconds a collective may wait for a peer (browser tabs that are slow to start, or still
     /// trying WebRTC, need more than the default).
     #[arg(long, default_value_t = 10)]
@@ -203,9 +206,11 @@ pub fn run(o: WorkerArgs) -> distgrad::Result<()> {
             Job::Program(plan) => distgrad::program::run_rank(&comm, plan, None, true)
                 .await
                 .map(Done::Program),
-            Job::Check(plan) => super::gradcheck::worker_check(&comm, plan, &o.check)
-                .await
-                .map(Done::Check),
+            Job::Check(plan) => {
+                super::gradcheck::worker_check(&comm, plan, &o.check, o.report_json)
+                    .await
+                    .map(Done::Check)
+            }
         };
         comm.into_transport().close().await;
         r

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::backend::BinaryOp;
+use crate::backend::{BinaryOp, Device};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 pub use p2p::{AllReduceAlgo, CommOptions, P2p};
@@ -217,6 +217,10 @@ pub trait Communicator {
     /// A new group of the given global ranks. Every rank (member or not) must call `new_group` in the
     /// same order, as in PyTorch, so that group ids agree.
     fn new_group(&self, ranks: &[usize]) -> Result<Group>;
+    /// Where results that have no input to follow go (a `recv`, the outputs of a rank that only
+    /// receives); programs and the gradient check put their inputs there too, so every operand of
+    /// a rank's computation lives on one device.
+    fn device(&self) -> Device;
 
     /// Every rank gets `root`'s `x` (all ranks pass a tensor of the same shape).
     async fn broadcast(&self, x: &Tensor, root: usize, group: &Group) -> Result<Tensor>;

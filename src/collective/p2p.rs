@@ -285,6 +285,10 @@ impl<T: Transport> Communicator for P2p<T> {
             .expect("0..world is a valid group")
     }
 
+    fn device(&self) -> Device {
+        self.opts.device.clone()
+    }
+
     fn new_group(&self, ranks: &[usize]) -> Result<Group> {
         let id = self.next_group.get();
         let g = Group::new(

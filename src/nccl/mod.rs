@@ -507,12 +507,6 @@ impl NcclComm {
         })
     }
 
-    /// The device results without an input go to ([`NcclOptions::device`]; the shared GPU when the
-    /// data path is shared and no device was given).
-    pub fn device(&self) -> &Device {
-        &self.opts.device
-    }
-
     /// The call check where this rank's own arguments may be wrong (`sig` is then the error): a
     /// rank with wrong arguments still takes part in the check, sending the reason instead of a
     /// call, so its peers fail with it (naming it) instead of waiting for it inside NCCL.
@@ -792,6 +786,12 @@ impl Communicator for NcclComm {
     fn world(&self) -> Group {
         Group::new(0, (0..self.world).collect(), self.world, self.rank)
             .expect("0..world is a valid group")
+    }
+
+    /// The device results without an input go to ([`NcclOptions::device`]; the shared GPU when
+    /// the data path is shared and no device was given).
+    fn device(&self) -> Device {
+        self.opts.device.clone()
     }
 
     fn new_group(&self, ranks: &[usize]) -> Result<Group> {

@@ -51,13 +51,16 @@ pub(crate) fn input_vars<C: Communicator>(
     tape: &Tape,
     plan: &Plan,
     values: &[Tensor],
-) -> Vec<Var> {
-    let world = comm.world();
+) -> Result<Vec<Var>> {
+    let (world, device) = (comm.world(), comm.device());
     plan.program
         .inputs
         .iter()
         .zip(values)
-        .map(|(inp, t)| tape.leaf(t.clone(), inp.grad, inp.replicated.then_some(&world)))
+        .map(|(inp, t)| {
+            let t = t.to_device(&device)?;
+            Ok(tape.leaf(t, inp.grad, inp.replicated.then_some(&world)))
+        })
         .collect()
 }
 
@@ -175,7 +178,7 @@ pub async fn run_rank<C: Communicator>(
 ) -> Result<RankRun> {
     let tape = Tape::with_objective(plan.program.objective.objective());
     let values = inputs.unwrap_or_else(|| plan.inputs(comm.rank()));
-    let xs = input_vars(comm, &tape, plan, values);
+    let xs = input_vars(comm, &tape, plan, values)?;
     let loss = forward(comm, &tape, plan, &xs).await?;
     let mut run = RankRun {
         loss: match &loss {

@@ -30,14 +30,14 @@ use futures::channel::mpsc;
 use js_sys::{ArrayBuffer, Reflect, Uint8Array};
 use wasm_bindgen::JsCast;
 use wasm_bindgen::prelude::*;
-use wasm_bindgen_futures::JsFuture;
+use wasm_bindgen_futures::{JsFuture, spawn_local};
 use web_sys::{
     BinaryType, BroadcastChannel, MessageEvent, RtcConfiguration, RtcDataChannel,
     RtcDataChannelInit, RtcDataChannelState, RtcDataChannelType, RtcIceGatheringState,
     RtcPeerConnection, RtcSdpType, RtcSessionDescriptionInit, WebSocket,
 };
 
-use super::route;
+use super::route::{self, Linked};
 use super::{Mailbox, Tag, Transport};
 use crate::error::{Error, Result};
 use crate::wire::{
@@ -52,6 +52,12 @@ pub const RELAY_MAX_PAYLOAD: usize = crate::wire::DEFAULT_FRAME_PAYLOAD;
 /// Largest frame payload posted on a BroadcastChannel (no browser limit; bounds each copy).
 pub const CHANNEL_MAX_PAYLOAD: usize = 4 << 20;
 const WS_HIGH_WATER: u32 = 8 << 20;
+/// A tab's goodbye on a link (a data channel's text message, a BroadcastChannel string), sent by
+/// [`BrowserTransport::close`] after its last data there.
+const BYE: &str = "bye";
+/// How long a linked peer's data may still arrive after the relay says it left cleanly without
+/// its goodbye on the link (a tab closed before it could say it).
+const LINK_END_GRACE: Duration = Duration::from_secs(2);
 const RTC_HIGH_WATER: u32 = 2 << 20;
 
 /// How a peer is reached.
@@ -211,9 +217,24 @@ struct Shared {
     relay_payload: Cell<usize>,
     /// The relay's STUN/TURN servers (`iceServers` JSON), if it named any.
     ice_servers: RefCell<Option<String>>,
+    /// Peers whose data comes over a link of their own (a data channel, a BroadcastChannel).
+    linked: Linked,
+    /// Peers that said goodbye on their link ([`BYE`]): everything they sent has arrived.
+    ended: Vec<Cell<bool>>,
 }
 
 impl Shared {
+    /// `peer` said goodbye on its link, after its last data there: receives from it that find
+    /// nothing fail from now on.
+    fn link_ended(&self, peer: usize) {
+        if let Some(e) = self.ended.get(peer) {
+            e.set(true);
+        }
+        if let Some(mb) = self.mailbox.borrow().as_ref() {
+            mb.peer_gone(peer);
+        }
+    }
+
     fn emit(&self, e: NetEvent) {
         let l = self.listener.borrow().clone();
         if let Some(l) = l {
@@ -295,10 +316,20 @@ impl Shared {
             }
             Control::PeerLeft { rank, ref reason } => {
                 if let Some(mb) = self.mailbox.borrow().as_ref() {
-                    if reason == LEFT_CLEANLY {
-                        mb.peer_gone(rank as usize);
-                    } else {
-                        mb.peer_lost(rank as usize, reason);
+                    route::peer_left(mb, &self.linked, rank, reason);
+                    let r = rank as usize;
+                    if reason == LEFT_CLEANLY
+                        && self.linked.get(r)
+                        && !self.ended.get(r).is_some_and(Cell::get)
+                    {
+                        // A linked peer's goodbye comes on its link, after its data. A tab that
+                        // went without one (closed before it could say it): its link has ended
+                        // too, so give data still on the way a moment, then stop waiting.
+                        let mb = mb.clone();
+                        spawn_local(async move {
+                            sleep(LINK_END_GRACE).await;
+                            mb.peer_gone(r);
+                        });
                     }
                 }
                 self.emit(NetEvent::PeerLeft {
@@ -340,7 +371,8 @@ pub struct BrowserTransport {
     links: RefCell<Vec<Option<Link>>>,
     /// Every pair channel opened (also those whose hello went unanswered: still listened to).
     channels: RefCell<Vec<BroadcastChannel>>,
-    peers: RefCell<Vec<RtcPeerConnection>>,
+    /// Per peer: the WebRTC connection tried to it, if any.
+    peers: RefCell<Vec<Option<RtcPeerConnection>>>,
     handlers: RefCell<Vec<Handler>>,
 }
 
@@ -412,6 +444,8 @@ impl BrowserTransport {
             closed: RefCell::new(None),
             relay_payload: Cell::new(RELAY_MAX_PAYLOAD),
             ice_servers: RefCell::new(None),
+            linked: Linked::new(world),
+            ended: (0..world).map(|_| Cell::new(false)).collect(),
         });
         let ws =
             WebSocket::new(&opts.url).map_err(|e| js_err(&format!("WebSocket {}", opts.url), e))?;
@@ -497,7 +531,7 @@ impl BrowserTransport {
             ws,
             links: RefCell::new(vec![None; world]),
             channels: RefCell::new(Vec::new()),
-            peers: RefCell::new(Vec::new()),
+            peers: RefCell::new(vec![None; world]),
             handlers: RefCell::new(handlers),
         };
         let base = format!("distgrad/{}/{}", opts.room, t.token);
@@ -530,6 +564,7 @@ impl BrowserTransport {
                             Link::Channel(_) => LinkKind::Channel,
                         };
                         t.links.borrow_mut()[p] = Some(link);
+                        t.shared.linked.set(p);
                         (kind, String::new())
                     }
                     Err(why) => (LinkKind::Relay, why),
@@ -580,6 +615,7 @@ impl BrowserTransport {
             match hello.as_deref() {
                 Some("hello:0") => {}
                 Some("hello:1") => confirmed.set(true),
+                Some(BYE) => return s.link_ended(peer),
                 _ => return,
             }
             h.set(true);
@@ -637,7 +673,9 @@ impl BrowserTransport {
         cfg.set_ice_servers(&servers);
         let pc = RtcPeerConnection::new_with_configuration(&cfg)
             .map_err(|v| e("RTCPeerConnection", v))?;
-        self.peers.borrow_mut().push(pc.clone());
+        if let Some(slot) = self.peers.borrow_mut().get_mut(peer) {
+            *slot = Some(pc.clone());
+        }
         let init = RtcDataChannelInit::new();
         init.set_negotiated(true);
         init.set_id(0);
@@ -647,8 +685,11 @@ impl BrowserTransport {
         let s = self.shared.clone();
         let onmessage: Handler = Closure::new(move |ev: JsValue| {
             let ev: MessageEvent = ev.unchecked_into();
-            if let Some(b) = bytes_of(&ev.data()) {
+            let data = ev.data();
+            if let Some(b) = bytes_of(&data) {
                 s.on_frame(b, Some(peer));
+            } else if data.as_string().as_deref() == Some(BYE) {
+                s.link_ended(peer);
             }
         });
         dc.set_onmessage(Some(onmessage.as_ref().unchecked_ref()));
@@ -656,7 +697,9 @@ impl BrowserTransport {
         let opened = Rc::new(Cell::new(false));
         let was_open = opened.clone();
         let onclose: Handler = Closure::new(move |_| {
+            // After a goodbye the channel's end is the expected one.
             if was_open.get()
+                && !s.ended.get(peer).is_some_and(Cell::get)
                 && let Some(mb) = s.mailbox.borrow().as_ref()
             {
                 mb.peer_lost(peer, "its WebRTC data channel closed");
@@ -788,18 +831,52 @@ impl BrowserTransport {
         self.shared.closed.borrow().clone()
     }
 
-    /// Close every connection (peers see a clean leave).
+    /// Leave the room cleanly: a goodbye on every link after the data already sent there (so
+    /// each peer knows it has everything), then every connection closed. A data channel sends
+    /// what it still holds before it closes; its peer connection is closed once that is out (or
+    /// after the send timeout).
     pub fn close(&self) {
-        for link in self.links.borrow().iter().flatten() {
-            if let Link::Rtc(dc) = link {
-                dc.close();
+        let bye = JsValue::from_str(BYE);
+        let mut draining = Vec::new();
+        for (link, pc) in self.links.borrow().iter().zip(self.peers.borrow().iter()) {
+            match link {
+                Some(Link::Rtc(dc)) => {
+                    if dc.ready_state() == RtcDataChannelState::Open {
+                        let _ = dc.send_with_str(BYE);
+                    }
+                    dc.close();
+                    if let Some(pc) = pc {
+                        draining.push((dc.clone(), pc.clone()));
+                    }
+                }
+                Some(Link::Channel(bc)) => {
+                    let _ = bc.post_message(&bye);
+                }
+                None => {}
             }
         }
         for bc in self.channels.borrow().iter() {
             bc.close();
         }
-        for pc in self.peers.borrow().iter() {
-            pc.close();
+        // Peer connections that carry no link of ours (attempts that fell back) close now.
+        for pc in self.peers.borrow().iter().flatten() {
+            if !draining.iter().any(|(_, p)| p == pc) {
+                pc.close();
+            }
+        }
+        let limit = self.send_timeout;
+        if !draining.is_empty() {
+            spawn_local(async move {
+                let _ = within(limit, async {
+                    while draining.iter().any(|(dc, _)| dc.buffered_amount() > 0) {
+                        sleep(Duration::from_millis(5)).await;
+                    }
+                })
+                .await;
+                for (_, pc) in draining {
+                    pc.close();
+                }
+            });
         }
         let _ = self.ws.close();
     }

@@ -32,3 +32,25 @@ export function close(a, b) {
 
 /** The page's `window.distgrad.state()`, parsed ({} before the page has installed it). */
 export const stateOf = async (page) => JSON.parse(await page.evaluate(() => (window.distgrad ? window.distgrad.state() : '{}')));
+
+/**
+ * Wait until every page's state satisfies `pred` (polled every 100 ms); throws when a tab failed or
+ * after `ms` milliseconds, listing `brief(state)` of every tab.
+ */
+export async function waitFor(pages, pred, ms, what, brief = (s) => s.phase) {
+  const t0 = Date.now();
+  for (;;) {
+    const states = await Promise.all(pages.map(stateOf));
+    const bad = states.find((s) => s.phase === 'failed');
+    if (bad) throw new Error(`${what}: a tab failed: ${bad.error}`);
+    if (states.every(pred)) return states;
+    if (Date.now() - t0 > ms) throw new Error(`${what}: not reached within ${ms} ms (${JSON.stringify(states.map(brief))})`);
+    await sleep(100);
+  }
+}
+
+/** Collect `page`'s uncaught exceptions and console errors into `errors`, labelled `name`. */
+export function watch(page, name, errors) {
+  page.on('pageerror', (e) => errors.push(`${name}: uncaught ${e.message}`));
+  page.on('console', (m) => { if (m.type() === 'error') errors.push(`${name}: console error: ${m.text()}`); });
+}

@@ -16,7 +16,7 @@ import { execFileSync } from 'node:child_process';
 import { readFileSync, mkdirSync } from 'node:fs';
 import { join } from 'node:path';
 import { chromium } from 'playwright-core';
-import { parseArgs, sleep, startRelay, close, stateOf } from './common.mjs';
+import { parseArgs, sleep, startRelay, close, stateOf, waitFor as waitForAll, watch } from './common.mjs';
 
 const args = parseArgs(process.argv.slice(2));
 const BIN = args.bin;
@@ -66,24 +66,10 @@ function diffTrace(got, want, hashes) {
 }
 
 
+const waitFor = (pages, pred, ms, what) => waitForAll(pages, pred, ms, what, (s) => [s.phase, s.lesson, s.lesson_step, s.lesson_runs]);
+
 const traceOf = async (page) => JSON.parse(await page.evaluate(() => window.distgrad.lessonTrace()));
 
-async function waitFor(pages, pred, ms, what) {
-  const t0 = Date.now();
-  for (;;) {
-    const states = await Promise.all(pages.map(stateOf));
-    const bad = states.find((s) => s.phase === 'failed');
-    if (bad) throw new Error(`${what}: a tab failed: ${bad.error}`);
-    if (states.every(pred)) return states;
-    if (Date.now() - t0 > ms) throw new Error(`${what}: not reached within ${ms} ms (${JSON.stringify(states.map((s) => [s.phase, s.lesson, s.lesson_step, s.lesson_runs]))})`);
-    await sleep(100);
-  }
-}
-
-function watch(page, name, errors) {
-  page.on('pageerror', (e) => errors.push(`${name}: uncaught ${e.message}`));
-  page.on('console', (m) => { if (m.type() === 'error') errors.push(`${name}: console error: ${m.text()}`); });
-}
 
 // The values of step k for rank r as the page formats them must appear in the page's table.
 async function checkShown(page, trace, k, label) {

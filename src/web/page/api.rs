@@ -25,6 +25,20 @@ pub(super) fn on(id: &str, event: &str, f: impl Fn(web_sys::Event) + 'static) {
     }
 }
 
+/// The program panel's Run and Check gradients buttons.
+fn program_button(check: bool) {
+    let text = editor();
+    spawn_local(async move {
+        let r = match app() {
+            Ok(a) => request_program(&a, text, check).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = r {
+            show_notice(&format!("program not run: {e}"));
+        }
+    });
+}
+
 pub(super) fn parse_control(what: &str) -> Result<Bus> {
     Ok(match what {
         "step" => Bus::Step,
@@ -140,6 +154,22 @@ pub(super) fn install_api() {
     );
     set_fn(&api, "request", f.as_ref());
     f.forget();
+    for (name, check) in [("runProgram", false), ("checkProgram", true)] {
+        let f = Closure::<dyn Fn(String) -> js_sys::Promise>::new(move |text: String| {
+            promise(async move {
+                let a = app()?;
+                request_program(&a, text, check).await?;
+                Ok("requested".into())
+            })
+        });
+        set_fn(&api, name, f.as_ref());
+        f.forget();
+    }
+    let f = Closure::<dyn Fn() -> String>::new(|| {
+        state(|s| serde_json::to_string(&s.program_result).unwrap_or_else(|_| "null".into()))
+    });
+    set_fn(&api, "programResult", f.as_ref());
+    f.forget();
     let f = Closure::<dyn Fn(u32) -> js_sys::Promise>::new(|numel: u32| {
         promise(bench_all_reduce(numel as usize))
     });
@@ -175,6 +205,17 @@ pub(super) fn install_api() {
         view(|v| v.inputs.iter_mut().for_each(|x| *x = None));
         control(Bus::Lesson { name });
     });
+    on("program-form", "submit", |e| {
+        e.prevent_default();
+        program_button(false);
+    });
+    on("program-check", "click", |_| program_button(true));
+    on("program-example", "change", |_| {
+        let name =
+            el::<HtmlSelectElement>("program-example").map_or_else(String::new, |s| s.value());
+        spawn_local(async move { load_example(&name).await });
+    });
+    on("program-file", "change", |_| on_program_file());
     on("edit-form", "submit", |e| {
         e.prevent_default();
         on_edit();

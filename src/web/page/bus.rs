@@ -182,6 +182,7 @@ pub(super) fn next_tag(counter: &RefCell<u64>, group: u32) -> Tag {
 pub(super) async fn perform(app: &App, msg: Bus) {
     match msg {
         Bus::Run { case } => run_and_show(app, &case).await,
+        Bus::Program { text, check } => perform_program(app, &text, check).await,
         Bus::Lesson { name } => {
             if let Err(e) = run_lesson(app, &name).await {
                 show_error(&format!("lesson {name}: {e}"));

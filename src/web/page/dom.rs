@@ -64,7 +64,16 @@ pub(super) fn show_error(msg: &str) {
         e.set_hidden(false);
     }
     set_text("phase", "failed");
-    for id in ["run", "lesson-start", "step", "back", "reset", "play"] {
+    for id in [
+        "run",
+        "lesson-start",
+        "step",
+        "back",
+        "reset",
+        "play",
+        "program-run",
+        "program-check",
+    ] {
         if let Some(b) = el::<HtmlElement>(id) {
             let _ = b.set_attribute("disabled", "");
         }

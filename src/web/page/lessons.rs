@@ -19,36 +19,44 @@ pub(super) async fn fetch_text(path: &str) -> Result<String> {
     text.as_string().ok_or_else(|| fail("body is not text"))
 }
 
+/// An entry of an index file (`www/lessons/index.json`, `www/programs/index.json`).
 #[derive(Deserialize)]
-pub(super) struct LessonIndex {
-    lessons: Vec<LessonEntry>,
-}
-
-#[derive(Deserialize)]
-pub(super) struct LessonEntry {
+struct IndexEntry {
     name: String,
     title: String,
 }
 
+/// Fill `<select id=select>` from the index file at `path` (`{"<key>": [{"name", "title"}, ...]}`),
+/// after a first entry `first` (value "") if given.
+pub(super) async fn fill_select(
+    path: &str,
+    key: &str,
+    select: &str,
+    first: Option<&str>,
+) -> Result<()> {
+    let text = fetch_text(path).await?;
+    let mut index: std::collections::HashMap<String, Vec<IndexEntry>> =
+        serde_json::from_str(&text).map_err(|e| Error::Input(format!("{path}: {e}")))?;
+    let entries = index
+        .remove(key)
+        .ok_or_else(|| Error::Input(format!("{path}: no {key:?} list")))?;
+    let mut html = first.map_or_else(String::new, |f| {
+        format!("<option value=\"\">{}</option>", esc(f))
+    });
+    for e in entries {
+        html.push_str(&format!(
+            "<option value=\"{}\">{}</option>",
+            esc(&e.name),
+            esc(&e.title)
+        ));
+    }
+    set_html(select, &html);
+    Ok(())
+}
+
 pub(super) async fn load_lesson_list() {
-    let list = match fetch_text("lessons/index.json").await {
-        Ok(t) => serde_json::from_str::<LessonIndex>(&t)
-            .map_err(|e| Error::Input(format!("lessons/index.json: {e}"))),
-        Err(e) => Err(e),
-    };
-    match list {
-        Ok(idx) => {
-            let mut html = String::new();
-            for l in idx.lessons {
-                html.push_str(&format!(
-                    "<option value=\"{}\">{}</option>",
-                    esc(&l.name),
-                    esc(&l.title)
-                ));
-            }
-            set_html("lesson", &html);
-        }
-        Err(e) => show_notice(&format!("no lessons: {e}")),
+    if let Err(e) = fill_select("lessons/index.json", "lessons", "lesson", None).await {
+        show_notice(&format!("no lessons: {e}"));
     }
 }
 
@@ -99,12 +107,12 @@ pub(super) async fn run_lesson(app: &App, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Send this rank's trace to every other rank and collect theirs (index = rank).
-pub(super) async fn exchange(
-    app: &App,
-    comm: &P2p<BrowserTransport>,
-    mine: RankTrace,
-) -> Result<Vec<RankTrace>> {
+/// Send this rank's part (a lesson trace, a program's run) to every other rank and collect theirs
+/// (index = rank).
+pub(super) async fn exchange<T>(app: &App, comm: &P2p<BrowserTransport>, mine: T) -> Result<Vec<T>>
+where
+    T: Serialize + serde::de::DeserializeOwned + Clone,
+{
     let me = comm.rank();
     let world = comm.world_size();
     let tag = next_tag(&app.exchanges, TRACE_GROUP);
@@ -128,13 +136,13 @@ pub(super) async fn exchange(
             futures::future::Either::Left((r, _)) => r?,
             futures::future::Either::Right(_) => {
                 return Err(Error::Input(format!(
-                    "rank {p} sent no lesson trace within {:?}",
+                    "rank {p} sent no result within {:?}",
                     comm.options().timeout
                 )));
             }
         };
-        let t: RankTrace = serde_json::from_slice(&b)
-            .map_err(|e| Error::Input(format!("rank {p}'s lesson trace: {e}")))?;
+        let t: T = serde_json::from_slice(&b)
+            .map_err(|e| Error::Input(format!("rank {p}'s result: {e}")))?;
         all.push(t);
     }
     Ok(all)

@@ -25,7 +25,8 @@
 //! One file per concern: the page's state, start and the types every part shares are here;
 //! `dom.rs` (DOM helpers), `params.rs` (URL parameters, share links), `ranks.rs` (network events,
 //! the ranks diagram), `bus.rs` (the control bus between tabs), `play.rs` (free play),
-//! `lessons.rs` (the lesson view), `diagram.rs` (SVG drawings, the loss plot), `bench.rs`,
+//! `lessons.rs` (the lesson view), `programs.rs` (programs and the gradient check),
+//! `diagram.rs` (SVG drawings, the loss plot), `bench.rs`,
 //! `api.rs` (`window.distgrad` and the handlers).
 
 mod api;
@@ -36,6 +37,7 @@ mod dom;
 mod lessons;
 mod params;
 mod play;
+mod programs;
 mod ranks;
 
 use api::*;
@@ -46,6 +48,7 @@ use dom::*;
 use lessons::*;
 use params::*;
 use play::*;
+use programs::*;
 use ranks::*;
 
 use std::cell::RefCell;
@@ -62,7 +65,7 @@ use web_sys::{Document, HtmlElement, HtmlInputElement, HtmlSelectElement};
 use crate::backend::{Choice, Device};
 use crate::collective::{Communicator, P2p, ReduceOp};
 use crate::error::{Error, Result};
-use crate::lesson::{self, Lesson, LessonKind, Phase, RankTrace, Trace};
+use crate::lesson::{self, Lesson, LessonKind, Phase, Trace};
 use crate::transport::browser::{BrowserTransport, LinkKind, Links, NetEvent, WebJoin};
 use crate::transport::{Channel, Tag, Transport};
 use crate::vjp::{self, Case, Prepared, RankResult, TensorJson};
@@ -106,6 +109,11 @@ struct PageState {
     lesson_steps: usize,
     lesson_runs: usize,
     playing: bool,
+    /// programs run or checked on this tab
+    program_runs: usize,
+    /// the last program's result: `{"kind": "run", "ranks": [...]}` or the gradient check's
+    /// report (`{"kind": "check", "verdict": ..., "rows": [...], ...}`)
+    program_result: Option<serde_json::Value>,
 }
 
 /// Messages of the bus: requests to rank 0, and rank 0's announcements.
@@ -115,6 +123,11 @@ enum Bus {
     /// Run a collective case on every rank.
     Run {
         case: Box<Case>,
+    },
+    /// Run a program on every rank (`check`: check its gradients).
+    Program {
+        text: String,
+        check: bool,
     },
     /// Run a lesson on every rank.
     Lesson {
@@ -189,6 +202,8 @@ struct Params {
     net: Links,
     device: Choice,
     relay: Option<String>,
+    /// An example program to load (`program=NAME`, from `www/programs/`).
+    program: Option<String>,
 }
 
 /// Entry point of the web app (called by the binary's `main` on wasm32).
@@ -223,6 +238,7 @@ async fn run() -> Result<()> {
     PARAMS.with(|x| *x.borrow_mut() = Some(p.clone()));
     view(|v| v.inputs = vec![None; p.world]);
     load_lesson_list().await;
+    load_program_list(p.program.clone()).await;
     if let Some(n) = p.sim {
         return run_simulated_page(&p, n).await;
     }
@@ -235,6 +251,7 @@ async fn run() -> Result<()> {
         set_hidden("lobby", true);
         set_hidden("lesson-panel", true);
         set_hidden("free-play", true);
+        set_hidden("program-panel", true);
         set_text("phase", "choose a room");
         set_text("device", "chosen when the room starts");
         state(|s| s.phase = "lobby".into());
@@ -313,6 +330,18 @@ async fn run_simulated_page(p: &Params, n: usize) -> Result<()> {
 fn ready(app: Rc<App>, what: &str) {
     APP.with(|a| *a.borrow_mut() = Some(app.clone()));
     start_bus(&app);
+    // A tab that goes away says goodbye on its links after its last data, so its peers know
+    // they have everything (rather than racing the relay's notice).
+    if let (Some(w), Some(_)) = (web_sys::window(), app.comm.as_ref()) {
+        let a = app.clone();
+        let c = Closure::<dyn Fn()>::new(move || {
+            if let Some(comm) = &a.comm {
+                comm.transport().close();
+            }
+        });
+        let _ = w.add_event_listener_with_callback("pagehide", c.as_ref().unchecked_ref());
+        c.forget();
+    }
     let ready_ms = now_ms();
     state(|s| {
         s.phase = "ready".into();
@@ -322,7 +351,7 @@ fn ready(app: Rc<App>, what: &str) {
         "phase",
         &format!("ready ({ready_ms:.0} ms after the page started loading)"),
     );
-    for id in ["run", "lesson-start"] {
+    for id in ["run", "lesson-start", "program-run", "program-check"] {
         if let Some(b) = el::<HtmlElement>(id) {
             let _ = b.remove_attribute("disabled");
         }

@@ -57,6 +57,7 @@ pub(super) fn params() -> Result<Params> {
         net,
         device,
         relay: q.get("relay"),
+        program: q.get("program").filter(|n| !n.is_empty()),
     })
 }
 
@@ -98,6 +99,9 @@ pub(super) fn share_link(p: &Params, room: &str, token: &str) -> String {
     }
     if let Some(r) = &p.relay {
         s.push_str(&format!("&relay={}", enc(r)));
+    }
+    if let Some(prog) = &p.program {
+        s.push_str(&format!("&program={}", enc(prog)));
     }
     s
 }
