@@ -456,3 +456,97 @@ fn distgrad_run_prints_the_trace() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("world must be"));
 }
+
+/// `program_tie`: every rank holds x = [1, 2], so every rank ties for the maximum. By hand:
+/// m = [1, 2] on every rank, each rank's loss sum(m ⊙ x) = 5, and with the tie split equally
+/// dF/dx_r = m + (Σ_s x_s)/N = 2x = [2, 4] on every rank, for any N. The steps: inputs, the
+/// three program steps, cotangents, backward (an all_reduce ran: the dual of all_reduce(MAX)
+/// is the sum of the cotangents, masked by the tie).
+#[test]
+fn program_tie_hand_derived() {
+    let l = load("program_tie");
+    for world in [1, 2, 3, 5] {
+        let t = simulate(&l, world);
+        assert_eq!(t.steps.len(), 6, "{world}");
+        assert_eq!(t.steps[1].collective.as_deref(), Some("all_reduce(op=max)"));
+        assert_eq!(t.steps[1].arrows.len(), world * (world - 1));
+        assert_eq!(t.steps[5].phase, Phase::Backward);
+        for r in 0..world {
+            assert_eq!(vals(&t, 0, r, "x"), [1.0, 2.0]);
+            assert_eq!(vals(&t, 1, r, "m"), [1.0, 2.0]);
+            assert_eq!(vals(&t, 3, r, "loss"), [5.0]);
+            assert_eq!(vals(&t, 4, r, "dF/dloss"), [1.0]);
+            assert_eq!(
+                vals(&t, 5, r, "dF/dx"),
+                [2.0, 4.0],
+                "world {world} rank {r}"
+            );
+        }
+        if world > 1 {
+            let ran = t.steps[5].collective.clone().unwrap_or_default();
+            assert!(ran.contains("all_reduce"), "{ran}");
+        }
+    }
+}
+
+/// `program_parameter_server`: w0 = broadcast(w from rank 0), l_r = mean((x_r·w0 − t_r)²),
+/// loss = reduce(SUM, l) on rank 0. By hand: dF/dw on rank 0 is Σ_r (2/numel)·x_rᵀ(x_r·w0 − t_r)
+/// (broadcast's dual sums every rank's gradient there), zero on the other ranks (their w was
+/// overwritten); the loss exists on rank 0 only and equals Σ_r l_r.
+#[test]
+fn program_parameter_server_hand_derived() {
+    let l = load("program_parameter_server");
+    let world = 3;
+    let t = simulate(&l, world);
+    let plan = l
+        .program
+        .as_ref()
+        .expect("a program")
+        .plan(Some(world))
+        .expect("plan");
+    let get = |r: usize, i: usize| plan.inputs(r)[i].to_vec();
+    let w0 = get(0, 0);
+    let mut grad = [0.0f64; 3];
+    let mut total = 0.0f64;
+    for r in 0..world {
+        let (x, tt) = (get(r, 1), get(r, 2));
+        for row in 0..2 {
+            let y: f64 = (0..3)
+                .map(|k| f64::from(x[row * 3 + k]) * f64::from(w0[k]))
+                .sum();
+            let e = y - f64::from(tt[row]);
+            total += e * e / 2.0;
+            for k in 0..3 {
+                grad[k] += 2.0 / 2.0 * e * f64::from(x[row * 3 + k]);
+            }
+        }
+    }
+    let close = |a: f32, b: f64| (f64::from(a) - b).abs() <= 1e-5 * b.abs().max(1.0);
+    let loss = vals(&t, 4, 0, "loss");
+    assert!(close(loss[0], total), "{loss:?} vs {total}");
+    assert!(
+        vals(&t, 4, 1, "loss").is_empty(),
+        "the loss lives on rank 0 only"
+    );
+    let g0 = vals(&t, 6, 0, "dF/dw");
+    for k in 0..3 {
+        assert!(
+            close(g0[k], grad[k]),
+            "dF/dw[{k}] = {} vs {}",
+            g0[k],
+            grad[k]
+        );
+    }
+    for r in 1..world {
+        assert_eq!(
+            vals(&t, 6, r, "dF/dw"),
+            [0.0; 3],
+            "rank {r}'s own w was overwritten"
+        );
+    }
+    // The broadcast's messages go out from rank 0, the reduce's come in to it.
+    assert_eq!(t.steps[1].arrows, [(0, 1), (0, 2)]);
+    assert_eq!(t.steps[4].arrows, [(1, 0), (2, 0)]);
+    let ran = t.steps[6].collective.clone().unwrap_or_default();
+    assert!(ran.contains("reduce") && ran.contains("broadcast"), "{ran}");
+}

@@ -142,7 +142,7 @@ fn compare_with_in_process(path: DataPath) {
                         ..NcclOptions::default()
                     };
                     let comm = NcclComm::from_launch(&env(r, world, port), opts)?;
-                    let dev = comm.device().clone();
+                    let dev = comm.device();
                     futures::executor::block_on(program(&comm, &dev))
                 })
             })
@@ -186,7 +186,7 @@ fn shared_collectives_keep_gpu_tensors_on_the_gpu() {
         ..NcclOptions::default()
     };
     let comm = NcclComm::from_launch(&env(0, 1, port), opts).unwrap();
-    let Device::Gpu(gpu) = comm.device().clone() else {
+    let Device::Gpu(gpu) = comm.device() else {
         panic!("the shared data path gave {:?}", comm.device());
     };
     let g = comm.world();
@@ -194,7 +194,7 @@ fn shared_collectives_keep_gpu_tensors_on_the_gpu() {
         let x: Vec<f32> = (0..n).map(|i| (i % 97) as f32 - 48.0).collect();
         let t = Tensor::from_vec(x.clone(), &[n])
             .unwrap()
-            .to_device(comm.device())
+            .to_device(&comm.device())
             .unwrap();
         let before = gpu.bytes_read_back();
         let y = futures::executor::block_on(comm.all_reduce(&t, ReduceOp::Max, &g)).unwrap();
@@ -210,7 +210,7 @@ fn shared_collectives_keep_gpu_tensors_on_the_gpu() {
             ("all_gather", &parts[0]),
             ("broadcast", &b),
         ] {
-            assert_eq!(v.device(), *comm.device(), "{what} left the GPU");
+            assert_eq!(v.device(), comm.device(), "{what} left the GPU");
             assert_eq!(v.to_vec(), x, "{what} of {n} on one rank is the identity");
         }
     }

@@ -52,7 +52,11 @@ pub fn run(a: RunArgs) -> distgrad::Result<()> {
             _ => e,
         }
     })?;
-    let world = a.world.or(lesson.world).unwrap_or(3);
+    let world = a
+        .world
+        .or(lesson.world)
+        .or(lesson.program.as_ref().map(|p| p.world))
+        .unwrap_or(3);
     let trace = futures::executor::block_on(distgrad::lesson::run_simulated(
         &lesson,
         world,

@@ -157,7 +157,7 @@ pub fn nccl(
         ..NcclOptions::default()
     };
     let comm = NcclComm::from_launch(&env, opts)?;
-    let device = comm.device().clone();
+    let device = comm.device();
     if env.rank == 0 {
         println!(
             "compute: {}, data path: {data_path:?}, NCCL {}",

@@ -281,6 +281,45 @@ impl fmt::Display for Spec {
     }
 }
 
+/// The messages of a collective of `kind` over `n` group ranks, as `(from, to)` group-rank
+/// pairs: the logical data movement the teaching demo draws (whatever algorithm carries it).
+/// A send / recv names its own peer, so it has no one picture ([`Spec::messages`] gives a rank's).
+pub fn messages(kind: Kind, n: usize, root: usize, perm: &[(usize, usize)]) -> Vec<(usize, usize)> {
+    let all = || {
+        (0..n)
+            .flat_map(|a| (0..n).filter(move |&b| b != a).map(move |b| (a, b)))
+            .collect()
+    };
+    match kind {
+        Kind::Broadcast | Kind::Scatter => {
+            (0..n).filter(|&r| r != root).map(|r| (root, r)).collect()
+        }
+        Kind::Reduce | Kind::Gather => (0..n).filter(|&r| r != root).map(|r| (r, root)).collect(),
+        Kind::AllGather
+        | Kind::ReduceScatter
+        | Kind::AllToAll
+        | Kind::AllToAllSingle
+        | Kind::AllReduce
+        | Kind::Barrier => all(),
+        Kind::Permute => perm.iter().copied().filter(|(a, b)| a != b).collect(),
+        Kind::Send => Vec::new(),
+    }
+}
+
+impl Spec {
+    /// The messages of this call made by group rank `me` of `n`, or of the whole call where every
+    /// rank's is the same picture: `(from, to)` group-rank pairs (see [`messages`]). A send is its
+    /// one message; a recv draws none (its sender does).
+    pub fn messages(&self, me: usize, n: usize) -> Vec<(usize, usize)> {
+        match self {
+            Spec::Send { dst } => vec![(me, *dst)],
+            Spec::Recv { .. } => Vec::new(),
+            Spec::Permute { perm } => messages(Kind::Permute, n, 0, perm),
+            other => messages(other.kind(), n, other.root().unwrap_or(0), &[]),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

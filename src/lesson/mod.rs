@@ -8,11 +8,13 @@
 //! Lesson JSON:
 //! ```text
 //! {"name": "all_gather", "title": "...", "why": "one or two sentences",
-//!  "kind": "collective" | "objectives" | "data_parallel" | "tensor_parallel" | "pipeline_parallel",
+//!  "kind": "collective" | "objectives" | "data_parallel" | "tensor_parallel" | "pipeline_parallel"
+//!        | "program",
 //!  "collective": "all_gather", "op": "max", "root": 1,      (kind collective; op/root where used;
 //!                                                           the last rank is root in smaller worlds)
 //!  "world": 3,                                              (default world of `distgrad run`)
-//!  "steps": 20, "lr": 0.3}                                  (kind data_parallel)
+//!  "steps": 20, "lr": 0.3,                                 (kind data_parallel)
+//!  "program": {...}}                                        (kind program: a program's JSON)
 //! ```
 //! - `collective`: inputs x → forward (arrows of the collective) → cotangents → backward (the same
 //!   arrows reversed, and the name of the collective the backward pass really ran) → gradients.
@@ -29,15 +31,20 @@
 //!   `0.5·sum(h²)`. Backward goes stage by stage the other way: each send's dual is a recv of the
 //!   activation's gradient from the next stage, each recv's dual a send of the input's gradient
 //!   back to the previous one.
+//! - `program`: any program ([`crate::program`]): the inputs, each step's result on every rank
+//!   (a collective's messages drawn), the gradient of the global objective with respect to each
+//!   step's result, and the backward pass (the collectives it ran) with the inputs' gradients.
+//!   A lesson is then a program plus its narrative (`title`, `why`).
 //!
 //! One file per lesson kind (`collective.rs`, `objectives.rs`, `data_parallel.rs`,
-//! `tensor_parallel.rs`, `pipeline_parallel.rs`), each a `run` giving this rank's steps; the
+//! `tensor_parallel.rs`, `pipeline_parallel.rs`, `program.rs`), each a `run` giving this rank's steps; the
 //! lesson and trace types, the step helpers they share, and assembling / rendering traces are here.
 
 mod collective;
 mod data_parallel;
 mod objectives;
 mod pipeline_parallel;
+mod program;
 mod tensor_parallel;
 
 use serde::{Deserialize, Serialize};
@@ -64,6 +71,8 @@ pub enum LessonKind {
     TensorParallel,
     /// A chain of stages, one per rank (send forward, recv backward).
     PipelineParallel,
+    /// Any program ([`crate::program`]) step by step.
+    Program,
 }
 
 /// A lesson file: see the module docs.
@@ -96,6 +105,9 @@ pub struct Lesson {
     /// Learning rate (data_parallel; default 0.3).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lr: Option<f32>,
+    /// The program (kind `program`; its `world` is `distgrad run`'s default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub program: Option<crate::program::Program>,
 }
 
 /// A named value a rank holds at a step: tensors, or a text (a hash).
@@ -230,40 +242,33 @@ pub fn parse(json: &str) -> Result<Lesson> {
             return Err(Error::Input(format!("{} takes no op", which.name())));
         }
     }
+    match (&l.program, l.kind) {
+        (None, LessonKind::Program) => {
+            return Err(Error::Input(format!(
+                "lesson {}: kind \"program\" needs a \"program\"",
+                l.name
+            )));
+        }
+        (Some(_), k) if k != LessonKind::Program => {
+            return Err(Error::Input(format!(
+                "lesson {}: \"program\" is for kind \"program\" only",
+                l.name
+            )));
+        }
+        _ => {}
+    }
     Ok(l)
 }
 
-/// Forward messages of a collective over `world` ranks (the logical data movement).
+/// Forward messages of a collective over `world` ranks (the logical data movement; see
+/// [`crate::collective::spec::messages`]).
 pub fn arrows(
     which: Kind,
     world: usize,
     root: usize,
     perm: &[(usize, usize)],
 ) -> Vec<(usize, usize)> {
-    let all = || {
-        (0..world)
-            .flat_map(|a| (0..world).filter(move |&b| b != a).map(move |b| (a, b)))
-            .collect()
-    };
-    match which {
-        Kind::Broadcast | Kind::Scatter => (0..world)
-            .filter(|&r| r != root)
-            .map(|r| (root, r))
-            .collect(),
-        Kind::Reduce | Kind::Gather => (0..world)
-            .filter(|&r| r != root)
-            .map(|r| (r, root))
-            .collect(),
-        Kind::AllGather
-        | Kind::ReduceScatter
-        | Kind::AllToAll
-        | Kind::AllToAllSingle
-        | Kind::AllReduce
-        | Kind::Barrier => all(),
-        Kind::Permute => perm.iter().copied().filter(|(a, b)| a != b).collect(),
-        // Each rank names its own peer: no one picture for the world.
-        Kind::Send => Vec::new(),
-    }
+    crate::collective::spec::messages(which, world, root, perm)
 }
 
 fn reversed(a: &[(usize, usize)]) -> Vec<(usize, usize)> {
@@ -320,6 +325,7 @@ pub async fn run_rank<T: Transport>(
         LessonKind::DataParallel => data_parallel::run(comm, lesson).await?,
         LessonKind::TensorParallel => tensor_parallel::run(comm).await?,
         LessonKind::PipelineParallel => pipeline_parallel::run(comm).await?,
+        LessonKind::Program => program::run(comm, lesson).await?,
     };
     Ok(RankTrace { rank: me, steps })
 }

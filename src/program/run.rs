@@ -93,6 +93,17 @@ pub async fn forward<C: Communicator>(
     plan: &Plan,
     xs: &[Var],
 ) -> Result<Option<Var>> {
+    Ok(forward_values(comm, tape, plan, xs).await?.0)
+}
+
+/// [`forward`], also giving every value this rank bound, by name (inputs included; a list
+/// output's parts as `out.0`, `out.1`, ...).
+pub async fn forward_values<C: Communicator>(
+    comm: &C,
+    tape: &Tape,
+    plan: &Plan,
+    xs: &[Var],
+) -> Result<(Option<Var>, HashMap<String, Var>)> {
     let me = comm.rank();
     if comm.world_size() != plan.world {
         return Err(Error::Input(format!(
@@ -159,7 +170,7 @@ pub async fn forward<C: Communicator>(
             }
         }
     }
-    Ok(env.get(&plan.program.loss).cloned())
+    Ok((env.get(&plan.program.loss).cloned(), env))
 }
 
 /// The weight of a loss in the global objective (see [`RankRun::weight`]).

@@ -1,0 +1,122 @@
+//! A program as the teaching demo shows it: each step's description and its messages between
+//! global ranks (the same on every rank, read from the plan), and one rank's run with every value
+//! it bound and the gradient of the global objective with respect to each.
+
+use std::collections::HashMap;
+
+use super::check::What;
+use super::run::{forward_values, input_vars};
+use super::{Plan, StepKind};
+use crate::autograd::{Tape, Var};
+use crate::collective::Communicator;
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// One step of a plan as a picture.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepView {
+    /// What it does: `all_reduce(op=max) [h] -> m`, with the ranks where not all take part.
+    pub label: String,
+    /// The collective's description (`None` for a local op).
+    pub collective: Option<String>,
+    /// Its messages as `(from, to)` global ranks, every rank's together.
+    pub arrows: Vec<(usize, usize)>,
+    /// The name it binds (a list output binds `out.0`, `out.1`, ...).
+    pub out: Option<String>,
+}
+
+impl Plan {
+    /// Every step as a picture, in order (the same on every rank).
+    pub fn views(&self) -> Vec<StepView> {
+        self.steps
+            .iter()
+            .zip(&self.program.steps)
+            .map(|(planned, step)| {
+                let mut label = step.describe();
+                let (collective, arrows) = match &planned.what {
+                    What::Local(_, runs) => {
+                        if runs.iter().any(|r| !r) {
+                            let on: Vec<usize> = (0..runs.len()).filter(|&r| runs[r]).collect();
+                            label.push_str(&format!(" on ranks {on:?}"));
+                        }
+                        (None, Vec::new())
+                    }
+                    What::Collective { group, specs } => {
+                        let members = &self.groups[*group];
+                        if members.len() != self.world {
+                            label.push_str(&format!(" over ranks {members:?}"));
+                        }
+                        let mut arrows = Vec::new();
+                        for (gr, &g) in members.iter().enumerate() {
+                            let Some(Some(spec)) = specs.get(g) else {
+                                continue;
+                            };
+                            for (a, b) in spec.messages(gr, members.len()) {
+                                let m = (members[a], members[b]);
+                                if !arrows.contains(&m) {
+                                    arrows.push(m);
+                                }
+                            }
+                        }
+                        let what = match &step.kind {
+                            StepKind::Collective {
+                                spec,
+                                splits: Some(_),
+                            } => spec.kind().name().to_string(),
+                            StepKind::Collective { spec, .. } => spec.to_string(),
+                            StepKind::Local(op) => op.name().to_string(),
+                        };
+                        (Some(what), arrows)
+                    }
+                };
+                StepView {
+                    label,
+                    collective,
+                    arrows,
+                    out: step.out.clone(),
+                }
+            })
+            .collect()
+    }
+}
+
+/// One rank's run of a program with everything it bound.
+#[derive(Debug, Clone)]
+pub struct TracedRun {
+    /// Every value this rank bound, by name (inputs included).
+    pub values: HashMap<String, Tensor>,
+    /// The gradient of the global objective with respect to each of them (zeros where none
+    /// reached it).
+    pub grads: HashMap<String, Tensor>,
+    /// This rank's loss, if it has one.
+    pub loss: Option<Tensor>,
+}
+
+/// Run this rank's part of `plan` forward and backward on `comm`, keeping every bound value and
+/// its gradient (every rank of the world calls this); `between` runs after the forward pass
+/// (e.g. to look at the calls it made).
+pub async fn trace_rank<C: Communicator>(
+    comm: &C,
+    plan: &Plan,
+    between: impl FnOnce(),
+) -> Result<TracedRun> {
+    let tape = Tape::with_objective(plan.program.objective.objective());
+    let xs = input_vars(comm, &tape, plan, plan.inputs(comm.rank()))?;
+    let (loss, env) = forward_values(comm, &tape, plan, &xs).await?;
+    between();
+    let grads = match &loss {
+        Some(l) => tape.backward(l, comm).await?,
+        None => tape.backward_from(&[], comm).await?,
+    };
+    let mut values = HashMap::with_capacity(env.len());
+    let mut gs = HashMap::with_capacity(env.len());
+    for (name, v) in env {
+        gs.insert(name.clone(), grads.wrt(&v)?);
+        values.insert(name, v.value());
+    }
+    Ok(TracedRun {
+        values,
+        grads: gs,
+        loss: loss.as_ref().map(Var::value),
+    })
+}
