@@ -460,27 +460,30 @@ fn distgrad_run_prints_the_trace() {
 /// `program_tie`: every rank holds x = [1, 2], so every rank ties for the maximum. By hand:
 /// m = [1, 2] on every rank, each rank's loss sum(m ⊙ x) = 5, and with the tie split equally
 /// dF/dx_r = m + (Σ_s x_s)/N = 2x = [2, 4] on every rank, for any N. The steps: inputs, the
-/// three program steps, cotangents, backward (an all_reduce ran: the dual of all_reduce(MAX)
-/// is the sum of the cotangents, masked by the tie).
+/// three program steps, cotangents, the backward pass through the all_reduce (its dual ran an
+/// all_reduce: the sum of the cotangents, masked by the tie), the inputs' gradients.
 #[test]
 fn program_tie_hand_derived() {
     let l = load("program_tie");
     for world in [1, 2, 3, 5] {
         let t = simulate(&l, world);
-        assert_eq!(t.steps.len(), 6, "{world}");
+        assert_eq!(t.steps.len(), 7, "{world}");
         assert_eq!(t.steps[1].collective.as_deref(), Some("all_reduce(op=max)"));
         assert_eq!(t.steps[1].arrows.len(), world * (world - 1));
         assert_eq!(t.steps[5].phase, Phase::Backward);
+        assert_eq!(t.steps[6].phase, Phase::Result);
         for r in 0..world {
             assert_eq!(vals(&t, 0, r, "x"), [1.0, 2.0]);
             assert_eq!(vals(&t, 1, r, "m"), [1.0, 2.0]);
             assert_eq!(vals(&t, 3, r, "loss"), [5.0]);
             assert_eq!(vals(&t, 4, r, "dF/dloss"), [1.0]);
-            assert_eq!(
-                vals(&t, 5, r, "dF/dx"),
-                [2.0, 4.0],
-                "world {world} rank {r}"
-            );
+            for k in [5, 6] {
+                assert_eq!(
+                    vals(&t, k, r, "dF/dx"),
+                    [2.0, 4.0],
+                    "world {world} rank {r}"
+                );
+            }
         }
         if world > 1 {
             let ran = t.steps[5].collective.clone().unwrap_or_default();
@@ -528,7 +531,10 @@ fn program_parameter_server_hand_derived() {
         vals(&t, 4, 1, "loss").is_empty(),
         "the loss lives on rank 0 only"
     );
-    let g0 = vals(&t, 6, 0, "dF/dw");
+    // Steps: inputs, 4 program steps, cotangents, backward through the reduce, then through the
+    // broadcast, the inputs' gradients.
+    assert_eq!(t.steps.len(), 9);
+    let g0 = vals(&t, 8, 0, "dF/dw");
     for k in 0..3 {
         assert!(
             close(g0[k], grad[k]),
@@ -539,14 +545,69 @@ fn program_parameter_server_hand_derived() {
     }
     for r in 1..world {
         assert_eq!(
-            vals(&t, 6, r, "dF/dw"),
+            vals(&t, 8, r, "dF/dw"),
             [0.0; 3],
             "rank {r}'s own w was overwritten"
         );
     }
+    // Through the reduce (its dual is a broadcast of the loss's cotangent from rank 0: every
+    // rank's dF/dl = 1), then through the broadcast (its dual reduces to rank 0: there dF/dw is
+    // the sum, as above).
+    assert_eq!(t.steps[6].arrows, [(0, 1), (0, 2)]);
+    let ran = t.steps[6].collective.clone().unwrap_or_default();
+    assert!(ran.starts_with("broadcast"), "{ran}");
+    for r in 0..world {
+        assert_eq!(vals(&t, 6, r, "dF/dl"), [1.0], "rank {r}");
+    }
+    assert_eq!(t.steps[7].arrows, [(1, 0), (2, 0)]);
+    let ran = t.steps[7].collective.clone().unwrap_or_default();
+    assert!(ran.starts_with("reduce"), "{ran}");
+    assert_eq!(vals(&t, 7, 0, "dF/dw"), g0);
     // The broadcast's messages go out from rank 0, the reduce's come in to it.
     assert_eq!(t.steps[1].arrows, [(0, 1), (0, 2)]);
     assert_eq!(t.steps[4].arrows, [(1, 0), (2, 0)]);
-    let ran = t.steps[6].collective.clone().unwrap_or_default();
-    assert!(ran.contains("reduce") && ran.contains("broadcast"), "{ran}");
+}
+
+/// `program_pipeline`: rank 1's recv gets rank 0's activation a; backward through the recv is
+/// rank 1's cotangent dF/dr = (1 − tanh²(r·w₁))·w₁ᵀ (by hand, from the trace's r and rank 1's w),
+/// and backward through the send delivers exactly that to rank 0 as dF/da, along the message
+/// reversed (1→0); a third rank holds nothing and runs nothing.
+#[test]
+fn program_pipeline_hand_derived() {
+    let l = load("program_pipeline");
+    let t = simulate(&l, 3);
+    // inputs, 7 program steps, cotangents, backward through recv, through send, result.
+    assert_eq!(t.steps.len(), 12);
+    assert_eq!(t.steps[3].arrows, [(0, 1)]);
+    assert_eq!(
+        vals(&t, 4, 1, "r"),
+        vals(&t, 3, 0, "a"),
+        "recv gets what send sent"
+    );
+    let r = vals(&t, 4, 1, "r");
+    let w = vals(&t, 0, 1, "w");
+    let mut want = [0.0f64; 6];
+    for i in 0..2 {
+        for j in 0..3 {
+            let y: f64 = (0..3)
+                .map(|k| f64::from(r[i * 3 + k]) * f64::from(w[k * 3 + j]))
+                .sum();
+            let dy = 1.0 - y.tanh().powi(2);
+            for k in 0..3 {
+                want[i * 3 + k] += dy * f64::from(w[k * 3 + j]);
+            }
+        }
+    }
+    let got = vals(&t, 9, 1, "dF/dr");
+    for (g, w) in got.iter().zip(want) {
+        assert!((f64::from(*g) - w).abs() < 1e-5, "{got:?} vs {want:?}");
+    }
+    assert_eq!(t.steps[10].arrows, [(1, 0)]);
+    assert_eq!(
+        vals(&t, 10, 0, "dF/da"),
+        got,
+        "the cotangent travels back to rank 0"
+    );
+    assert!(vals(&t, 10, 2, "dF/da").is_empty());
+    assert!(vals(&t, 11, 2, "dF/dx").iter().all(|&v| v == 0.0));
 }

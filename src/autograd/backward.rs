@@ -33,7 +33,20 @@ impl Tape {
         seeds: &[(Var, Tensor)],
         comm: &C,
     ) -> Result<Grads> {
-        let r = self.backward_inner(seeds, comm).await;
+        self.backward_observed(seeds, comm, &mut |_| {}).await
+    }
+
+    /// [`Tape::backward_from`], calling `done(k)` after the backward step of node `k` (the k-th
+    /// recorded op, counted as [`Tape::len`] counts; nodes are visited last to first, and nodes no
+    /// gradient reached are skipped, except collectives, whose duals always run). The teaching
+    /// demo uses it to tell which collectives each step's backward ran.
+    pub async fn backward_observed<C: Communicator>(
+        &self,
+        seeds: &[(Var, Tensor)],
+        comm: &C,
+        done: &mut dyn FnMut(usize),
+    ) -> Result<Grads> {
+        let r = self.backward_inner(seeds, comm, done).await;
         if let Err(e) = &r
             && !matches!(e, Error::Aborted { .. })
         {
@@ -46,6 +59,7 @@ impl Tape {
         &self,
         seeds: &[(Var, Tensor)],
         comm: &C,
+        done: &mut dyn FnMut(usize),
     ) -> Result<Grads> {
         let n_vars = self.0.borrow().vars.len();
         let mut grads: Vec<Option<Tensor>> = vec![None; n_vars];
@@ -62,7 +76,7 @@ impl Tape {
             accumulate(&mut grads, v.id, g.clone())?;
         }
         let nodes: Vec<Node> = self.0.borrow().nodes.clone();
-        for node in nodes.iter().rev() {
+        for (k, node) in nodes.iter().enumerate().rev() {
             let is_collective = matches!(node.op, Op::Collective(_));
             if !is_collective && node.outputs.iter().all(|&o| grads[o].is_none()) {
                 continue;
@@ -90,6 +104,7 @@ impl Tape {
                     accumulate(&mut grads, i, g)?;
                 }
             }
+            done(k);
         }
         Ok(Grads { grads })
     }

@@ -183,7 +183,8 @@ impl Tape {
         self.0.borrow().no_grad_depth == 0
     }
 
-    /// Number of recorded nodes (for tests and overhead benchmarks).
+    /// Number of recorded nodes (ops); node `k` is the k-th op recorded (see
+    /// [`Tape::backward_observed`]).
     pub fn len(&self) -> usize {
         self.0.borrow().nodes.len()
     }

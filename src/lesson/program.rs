@@ -1,7 +1,9 @@
 //! The `program` lesson: any program ([`crate::program`]) shown step by step: the inputs, each
 //! step's result on every rank (a collective with its messages), the gradient of the global
-//! objective with respect to each step's result (cotangents), and the backward pass with the
-//! collectives it really ran and the gradients of the inputs.
+//! objective with respect to each step's result (cotangents), the backward pass through each
+//! collective step, last to first (the messages reversed, the collectives its dual really ran,
+//! the cotangent of the step's result and the gradients of what the step read), and the
+//! gradients of the inputs.
 
 use super::*;
 use crate::program::{Program, trace_rank};
@@ -14,11 +16,22 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
     let plan = plan_for(lesson, program, comm.world_size())?;
     let views = plan.views();
     comm.take_calls();
-    let run = trace_rank(comm, &plan, || {
-        comm.take_calls();
-    })
+    // The collectives each tape node's backward ran on this rank.
+    let mut ran_by_node: Vec<(usize, Vec<String>)> = Vec::new();
+    let run = trace_rank(
+        comm,
+        &plan,
+        || {
+            comm.take_calls();
+        },
+        &mut |k| {
+            let calls = recorded(comm);
+            if !calls.is_empty() {
+                ran_by_node.push((k, calls));
+            }
+        },
+    )
     .await?;
-    let dual = duals(comm);
     let value = async |name: &str, of: &std::collections::HashMap<String, Tensor>| {
         // A list output binds name.0, name.1, ...: shown together.
         let parts: Vec<&Tensor> = match of.get(name) {
@@ -33,7 +46,7 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
         }
         Ok::<_, Error>(out)
     };
-    let mut steps = Vec::with_capacity(views.len() + 3);
+    let mut steps = Vec::with_capacity(2 * views.len() + 3);
     let mut inputs = Vec::new();
     for inp in &program.inputs {
         inputs.push(Named::tensors(
@@ -42,11 +55,16 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
         ));
     }
     steps.push(step("inputs".into(), Phase::Input, Vec::new(), inputs));
-    let mut backward_arrows = Vec::new();
     for v in &views {
         let mut values = Vec::new();
-        if let Some(out) = &v.out {
-            values.push(Named::tensors(out, value(out, &run.values).await?));
+        match &v.out {
+            Some(out) => values.push(Named::tensors(out, value(out, &run.values).await?)),
+            // A send binds nothing: show what it sends.
+            None => {
+                for name in &v.inputs {
+                    values.push(Named::tensors(name, value(name, &run.values).await?));
+                }
+            }
         }
         let mut s = step(
             format!("forward: {}", v.label),
@@ -56,7 +74,6 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
         );
         s.collective = v.collective.clone();
         steps.push(s);
-        backward_arrows.splice(0..0, reversed(&v.arrows));
     }
     let mut cotangents = Vec::new();
     for out in views.iter().filter_map(|v| v.out.as_ref()).rev() {
@@ -72,6 +89,47 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
         Vec::new(),
         cotangents,
     ));
+    // The backward pass through each collective step, last to first: the collectives its dual ran
+    // (on this rank) and the gradients of what the step read.
+    for (k, v) in views.iter().enumerate().rev() {
+        if v.collective.is_none() {
+            continue;
+        }
+        let nodes = run.nodes.get(k).cloned().unwrap_or_default();
+        let calls: Vec<String> = ran_by_node
+            .iter()
+            .filter(|(n, _)| nodes.contains(n))
+            .flat_map(|(_, c)| c.iter().cloned())
+            .collect();
+        // The cotangent that arrives at the step's result, and what its dual makes of it.
+        let mut values = Vec::new();
+        if let Some(out) = &v.out {
+            values.push(Named::tensors(
+                &format!("dF/d{out}"),
+                value(out, &run.grads).await?,
+            ));
+        }
+        for name in &v.inputs {
+            values.push(Named::tensors(
+                &format!("dF/d{name}"),
+                value(name, &run.grads).await?,
+            ));
+        }
+        let ran = if calls.is_empty() {
+            String::new()
+        } else {
+            format!(" (ran: {})", calls.join(" + "))
+        };
+        let mut b = step(
+            format!("backward through {}{ran}", v.label),
+            Phase::Backward,
+            reversed(&v.arrows),
+            values,
+        );
+        // Ranks outside the step ran nothing for it; the step names what its members ran.
+        b.collective = (!calls.is_empty()).then(|| calls.join(" + "));
+        steps.push(b);
+    }
     let mut grads = Vec::new();
     for inp in program.inputs.iter().filter(|i| i.grad) {
         grads.push(Named::tensors(
@@ -79,17 +137,12 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
             value(&inp.name, &run.grads).await?,
         ));
     }
-    let mut b = step(
-        format!(
-            "backward (ran: {}): the gradients of the inputs",
-            dual.clone().unwrap_or_default()
-        ),
-        Phase::Backward,
-        backward_arrows,
+    steps.push(step(
+        "the gradients of the inputs".into(),
+        Phase::Result,
+        Vec::new(),
         grads,
-    );
-    b.collective = dual;
-    steps.push(b);
+    ));
     Ok(steps)
 }
 

@@ -60,7 +60,7 @@ pub use random::{RandomOptions, random_program};
 pub(crate) use run::loss_weight;
 #[cfg(not(target_arch = "wasm32"))]
 pub use run::run_local;
-pub use run::{RankRun, forward, forward_values, run_rank};
+pub use run::{Forward, RankRun, forward, forward_values, run_rank};
 pub use trace::{StepView, TracedRun, trace_rank};
 
 /// Largest world a program may ask for.

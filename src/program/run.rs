@@ -93,17 +93,28 @@ pub async fn forward<C: Communicator>(
     plan: &Plan,
     xs: &[Var],
 ) -> Result<Option<Var>> {
-    Ok(forward_values(comm, tape, plan, xs).await?.0)
+    Ok(forward_values(comm, tape, plan, xs).await?.loss)
 }
 
-/// [`forward`], also giving every value this rank bound, by name (inputs included; a list
-/// output's parts as `out.0`, `out.1`, ...).
+/// A forward pass with everything it made (see [`forward_values`]).
+pub struct Forward {
+    /// This rank's loss, where it has one.
+    pub loss: Option<Var>,
+    /// Every value this rank bound, by name (inputs included; a list output's parts as `out.0`,
+    /// `out.1`, ...).
+    pub env: HashMap<String, Var>,
+    /// Per step of the plan, the tape nodes it recorded on this rank (empty where it did not
+    /// run here).
+    pub nodes: Vec<std::ops::Range<usize>>,
+}
+
+/// [`forward`], keeping every value this rank bound and which tape nodes each step recorded.
 pub async fn forward_values<C: Communicator>(
     comm: &C,
     tape: &Tape,
     plan: &Plan,
     xs: &[Var],
-) -> Result<(Option<Var>, HashMap<String, Var>)> {
+) -> Result<Forward> {
     let me = comm.rank();
     if comm.world_size() != plan.world {
         return Err(Error::Input(format!(
@@ -127,10 +138,13 @@ pub async fn forward_values<C: Communicator>(
             ))
         })
     };
+    let mut nodes = Vec::with_capacity(plan.steps.len());
     for s in &plan.steps {
+        let first = tape.len();
         match &s.what {
             What::Local(op, runs) => {
                 if !runs.get(me).copied().unwrap_or(false) {
+                    nodes.push(first..first);
                     continue;
                 }
                 let ins = s
@@ -145,6 +159,7 @@ pub async fn forward_values<C: Communicator>(
             }
             What::Collective { group, specs } => {
                 let Some(Some(spec)) = specs.get(me) else {
+                    nodes.push(first..first);
                     continue;
                 };
                 let g = &groups[*group];
@@ -169,8 +184,13 @@ pub async fn forward_values<C: Communicator>(
                 }
             }
         }
+        nodes.push(first..tape.len());
     }
-    Ok((env.get(&plan.program.loss).cloned(), env))
+    Ok(Forward {
+        loss: env.get(&plan.program.loss).cloned(),
+        env,
+        nodes,
+    })
 }
 
 /// The weight of a loss in the global objective (see [`RankRun::weight`]).

@@ -23,6 +23,8 @@ pub struct StepView {
     pub arrows: Vec<(usize, usize)>,
     /// The name it binds (a list output binds `out.0`, `out.1`, ...).
     pub out: Option<String>,
+    /// The names it reads.
+    pub inputs: Vec<String>,
 }
 
 impl Plan {
@@ -45,6 +47,15 @@ impl Plan {
                         let members = &self.groups[*group];
                         if members.len() != self.world {
                             label.push_str(&format!(" over ranks {members:?}"));
+                        }
+                        // send / recv: only some members call.
+                        let calling: Vec<usize> = members
+                            .iter()
+                            .copied()
+                            .filter(|&g| specs.get(g).is_some_and(Option::is_some))
+                            .collect();
+                        if calling.len() != members.len() {
+                            label.push_str(&format!(" on ranks {calling:?}"));
                         }
                         let mut arrows = Vec::new();
                         for (gr, &g) in members.iter().enumerate() {
@@ -74,6 +85,7 @@ impl Plan {
                     collective,
                     arrows,
                     out: step.out.clone(),
+                    inputs: step.inputs.clone(),
                 }
             })
             .collect()
@@ -90,24 +102,31 @@ pub struct TracedRun {
     pub grads: HashMap<String, Tensor>,
     /// This rank's loss, if it has one.
     pub loss: Option<Tensor>,
+    /// Per step of the plan, the tape nodes it recorded on this rank (see
+    /// [`crate::program::Forward::nodes`]).
+    pub nodes: Vec<std::ops::Range<usize>>,
 }
 
 /// Run this rank's part of `plan` forward and backward on `comm`, keeping every bound value and
-/// its gradient (every rank of the world calls this); `between` runs after the forward pass
-/// (e.g. to look at the calls it made).
+/// its gradient (every rank of the world calls this). `between` runs after the forward pass (e.g.
+/// to look at the calls it made), `done(k)` after the backward step of tape node `k` (see
+/// [`Tape::backward_observed`]; [`TracedRun::nodes`] says which step recorded which nodes).
 pub async fn trace_rank<C: Communicator>(
     comm: &C,
     plan: &Plan,
     between: impl FnOnce(),
+    done: &mut dyn FnMut(usize),
 ) -> Result<TracedRun> {
     let tape = Tape::with_objective(plan.program.objective.objective());
     let xs = input_vars(comm, &tape, plan, plan.inputs(comm.rank()))?;
-    let (loss, env) = forward_values(comm, &tape, plan, &xs).await?;
+    let fwd = forward_values(comm, &tape, plan, &xs).await?;
+    let (loss, env) = (fwd.loss, fwd.env);
     between();
-    let grads = match &loss {
-        Some(l) => tape.backward(l, comm).await?,
-        None => tape.backward_from(&[], comm).await?,
+    let seeds = match &loss {
+        Some(l) => vec![(l.clone(), l.value().full_like(1.0)?)],
+        None => Vec::new(),
     };
+    let grads = tape.backward_observed(&seeds, comm, done).await?;
     let mut values = HashMap::with_capacity(env.len());
     let mut gs = HashMap::with_capacity(env.len());
     for (name, v) in env {
@@ -118,5 +137,6 @@ pub async fn trace_rank<C: Communicator>(
         values,
         grads: gs,
         loss: loss.as_ref().map(Var::value),
+        nodes: fwd.nodes,
     })
 }

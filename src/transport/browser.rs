@@ -897,7 +897,10 @@ impl BrowserTransport {
                 sleep(Duration::from_millis(1)).await;
             }
         };
-        if within(self.send_timeout, room).await.is_none() {
+        // Most sends find room at once: no timer armed for those.
+        if self.ws.buffered_amount() > WS_HIGH_WATER
+            && within(self.send_timeout, room).await.is_none()
+        {
             return Err(self.transport_err(format!(
                 "the connection to the relay accepted nothing for {:?} (its send buffer stayed full)",
                 self.send_timeout
@@ -922,7 +925,8 @@ impl BrowserTransport {
                 sleep(Duration::from_millis(1)).await;
             }
         };
-        if within(self.send_timeout, room).await.is_none() {
+        if dc.buffered_amount() > RTC_HIGH_WATER && within(self.send_timeout, room).await.is_none()
+        {
             return Err(self.transport_err(format!(
                 "the data channel to rank {dst} accepted nothing for {:?} (a frozen tab?)",
                 self.send_timeout
