@@ -229,6 +229,39 @@ async function main() {
     figures[`all_reduce_1MiB_fwd_bwd_ms_${NET}`] = median(times);
     log(`4-tab all_reduce of 1 MiB forward + backward over ${NET}: median ${median(times).toFixed(1)} ms (slowest tab, 5 runs: ${times.map((t) => t.toFixed(0)).join(', ')})`);
 
+    // ---- the room benchmark (rank 2 asks; every tab shows rank 0's table) ----
+    {
+      const before = await Promise.all(byRank.map(stateOf));
+      await byRank[2].evaluate(() => window.distgrad.benchRoom());
+      const t0 = Date.now();
+      for (;;) {
+        const st = await Promise.all(byRank.map(stateOf));
+        if (st.some((s) => s.phase === 'failed')) { fail(`room benchmark: a tab failed: ${st.find((s) => s.phase === 'failed').error}`); break; }
+        if (st.every((s, i) => s.bench_runs === before[i].bench_runs + 1)) break;
+        if (Date.now() - t0 > 60000) { fail('room benchmark: not done on every tab within 60 s'); break; }
+        await sleep(100);
+      }
+      const tables = await Promise.all(byRank.map((p) => p.evaluate(() => window.distgrad.benchResult()).then(JSON.parse)));
+      const t = tables[0];
+      if (tables.some((x) => JSON.stringify(x) !== JSON.stringify(t))) fail('room benchmark: the tabs show different tables');
+      const pos = (x) => typeof x === 'number' && x > 0 && Number.isFinite(x);
+      if (!t || t.round_trip_ms.length !== WORLD - 1 || !t.round_trip_ms.every((r) => pos(r.ms))) fail(`room benchmark: round trips ${JSON.stringify(t?.round_trip_ms)}`);
+      else if (!pos(t.raw_mibs_0_to_1)) fail(`room benchmark: raw throughput ${t.raw_mibs_0_to_1}`);
+      else if (t.all_reduce_fwd_bwd.length !== 2 || !t.all_reduce_fwd_bwd.every((r) => pos(r.ms) && pos(r.busbw_mibs))) fail(`room benchmark: rows ${JSON.stringify(t.all_reduce_fwd_bwd)}`);
+      else {
+        // Each ratio is its figure over its own link's, measured in the same run.
+        for (const r of t.all_reduce_fwd_bwd) {
+          if (Math.abs(r.round_trips - r.ms / t.mean_round_trip_ms) > 1e-9 * r.round_trips) fail(`room benchmark: ${r.bytes} B: round trips ${r.round_trips} != ${r.ms} / ${t.mean_round_trip_ms}`);
+          if (Math.abs(r.of_raw - r.busbw_mibs / t.raw_mibs_0_to_1) > 1e-9 * r.of_raw) fail(`room benchmark: ${r.bytes} B: of_raw ${r.of_raw} != ${r.busbw_mibs} / ${t.raw_mibs_0_to_1}`);
+        }
+        const [small, large] = t.all_reduce_fwd_bwd;
+        figures[`room_bench_${NET}`] = { round_trip_ms: t.mean_round_trip_ms, raw_mibs: t.raw_mibs_0_to_1, small_ms: small.ms, small_round_trips: small.round_trips, large_ms: large.ms, large_busbw_mibs: large.busbw_mibs, large_of_raw: large.of_raw };
+        log(`room benchmark over ${NET} (median of ${t.reps}): round trip ${t.mean_round_trip_ms.toFixed(2)} ms, raw 0→1 ${t.raw_mibs_0_to_1.toFixed(0)} MiB/s; all_reduce fwd+bwd 4 B ${small.ms.toFixed(2)} ms = ${small.round_trips.toFixed(1)} round trips; 1 MiB ${large.ms.toFixed(1)} ms, bus ${large.busbw_mibs.toFixed(0)} MiB/s = ${large.of_raw.toFixed(2)} of the raw link`);
+        const shown = await byRank[1].textContent('#bench-result');
+        if (!shown.includes('round trips') || !shown.includes(large.ms.toFixed(2))) fail(`room benchmark: the table is not shown: ${shown.slice(0, 200)}`);
+      }
+    }
+
     // ---- 3. mixed group: a native worker and three tabs ----
     {
       const c = cases.find((x) => x.label === 'reduce --root 1 --op max');

@@ -170,6 +170,20 @@ pub(super) fn install_api() {
     });
     set_fn(&api, "programResult", f.as_ref());
     f.forget();
+    let f = Closure::<dyn Fn() -> js_sys::Promise>::new(|| {
+        promise(async move {
+            let a = app()?;
+            request(&a, Bus::Bench {}).await?;
+            Ok("requested".into())
+        })
+    });
+    set_fn(&api, "benchRoom", f.as_ref());
+    f.forget();
+    let f = Closure::<dyn Fn() -> String>::new(|| {
+        state(|s| serde_json::to_string(&s.bench_result).unwrap_or_else(|_| "null".into()))
+    });
+    set_fn(&api, "benchResult", f.as_ref());
+    f.forget();
     let f = Closure::<dyn Fn(u32) -> js_sys::Promise>::new(|numel: u32| {
         promise(bench_all_reduce(numel as usize))
     });
@@ -210,6 +224,7 @@ pub(super) fn install_api() {
         program_button(false);
     });
     on("program-check", "click", |_| program_button(true));
+    on("bench-run", "click", |_| control(Bus::Bench {}));
     on("program-example", "change", |_| {
         let name =
             el::<HtmlSelectElement>("program-example").map_or_else(String::new, |s| s.value());

@@ -35,3 +35,189 @@ pub(super) async fn bench_all_reduce(numel: usize) -> Result<String> {
     })
     .to_string())
 }
+
+/// Group id of the room benchmark's raw messages (no communicator group reaches it).
+const BENCH_GROUP: u32 = u32::MAX - 2;
+/// Repetitions of each timed measurement (the median is reported).
+const BENCH_REPS: usize = 15;
+/// Bytes rank 0 streams to rank 1 for the raw throughput, in messages of [`BENCH_CHUNK`].
+const BENCH_STREAM: usize = 4 << 20;
+const BENCH_CHUNK: usize = 256 << 10;
+/// Elements of the small and the large all_reduce.
+const BENCH_SIZES: [usize; 2] = [1, 1 << 18];
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// The room benchmark, run by every tab when rank 0 announces it (`run` counts the benchmarks,
+/// the same on every tab, so the tabs' raw messages match): raw round trips from rank 0 to every
+/// peer and rank 0's raw throughput to rank 1 over the same links the collectives use, then a SUM
+/// all_reduce forward + backward of 4 B and 1 MiB; each collective figure beside its link's
+/// (the small one in round trips, the large one's bus bandwidth as a fraction of the raw
+/// throughput). Every tab gets rank 0's table.
+pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value> {
+    let comm = app.comm.as_ref().ok_or_else(|| {
+        Error::Input("the room benchmark needs tabs (not single-tab mode)".into())
+    })?;
+    let t = comm.transport();
+    let (me, world) = (comm.rank(), comm.world_size());
+    let tag = |k: u64| Tag {
+        group: BENCH_GROUP,
+        seq: run * 1_000_000 + k,
+        channel: Channel::Data,
+    };
+    let group = comm.world();
+    comm.barrier(&group).await?;
+    // Raw round trips: rank 0 and each peer in turn, 4 bytes each way.
+    let mut rtt = Vec::new();
+    let mut k = 0;
+    for peer in 1..world {
+        let mut times = Vec::with_capacity(BENCH_REPS);
+        for _ in 0..BENCH_REPS {
+            let ping = Bytes::from_static(&[1, 2, 3, 4]);
+            if me == 0 {
+                let t0 = now_ms();
+                t.send(peer, tag(k), ping).await?;
+                t.recv(peer, tag(k + 1)).await?;
+                times.push(now_ms() - t0);
+            } else if me == peer {
+                let got = t.recv(0, tag(k)).await?;
+                t.send(0, tag(k + 1), got).await?;
+            }
+            k += 2;
+        }
+        if me == 0 {
+            rtt.push(serde_json::json!({"peer": peer, "ms": median(times)}));
+        }
+    }
+    // Raw throughput rank 0 → rank 1: the stream, then a 4-byte answer once all arrived.
+    let mut raw_mibs = None;
+    if world > 1 {
+        let chunks = BENCH_STREAM / BENCH_CHUNK;
+        if me == 0 {
+            let chunk = Bytes::from(vec![7u8; BENCH_CHUNK]);
+            let t0 = now_ms();
+            for c in 0..chunks {
+                t.send(1, tag(k + c as u64), chunk.clone()).await?;
+            }
+            t.recv(1, tag(k + chunks as u64)).await?;
+            let s = (now_ms() - t0) / 1000.0;
+            raw_mibs = Some(BENCH_STREAM as f64 / (1 << 20) as f64 / s);
+        } else if me == 1 {
+            for c in 0..chunks {
+                t.recv(0, tag(k + c as u64)).await?;
+            }
+            t.send(0, tag(k + chunks as u64), Bytes::from_static(&[0]))
+                .await?;
+        }
+    }
+    // The collectives, each repetition started together.
+    let mut collectives = Vec::new();
+    for numel in BENCH_SIZES {
+        let x = Tensor::from_vec(vec![1.0; numel], &[numel])?.to_device(&app.device)?;
+        let mut times = Vec::with_capacity(BENCH_REPS);
+        for _ in 0..BENCH_REPS {
+            comm.barrier(&group).await?;
+            let t0 = now_ms();
+            let tape = Tape::new();
+            let xv = tape.var(x.clone());
+            let y = dist::all_reduce(comm, &xv, ReduceOp::Sum, &group).await?;
+            let g = tape.backward(&y.sum()?, comm).await?.wrt(&xv)?;
+            g.slice(0, 0, 1)?.read().await?;
+            times.push(now_ms() - t0);
+        }
+        comm.take_calls();
+        collectives.push((numel, median(times)));
+    }
+    // Rank 0's table goes to every tab.
+    let mut table = serde_json::Value::Null;
+    if me == 0 {
+        let mean_rtt =
+            rtt.iter().filter_map(|r| r["ms"].as_f64()).sum::<f64>() / rtt.len().max(1) as f64;
+        let rows: Vec<serde_json::Value> = collectives
+            .iter()
+            .map(|&(numel, ms)| {
+                let bytes = numel * 4;
+                // Bus bandwidth of an all_reduce (nccl-tests): 2(n−1)/n of the bytes per rank,
+                // twice (forward and backward).
+                let bus = 2.0 * 2.0 * (world as f64 - 1.0) / world as f64 * bytes as f64;
+                let busbw = bus / (1 << 20) as f64 / (ms / 1000.0);
+                serde_json::json!({
+                    "bytes": bytes,
+                    "ms": ms,
+                    "round_trips": ms / mean_rtt,
+                    "busbw_mibs": busbw,
+                    "of_raw": raw_mibs.map(|r| busbw / r),
+                })
+            })
+            .collect();
+        table = serde_json::json!({
+            "world": world,
+            "links": state(|s| s.links.clone()),
+            "round_trip_ms": rtt,
+            "mean_round_trip_ms": mean_rtt,
+            "raw_mibs_0_to_1": raw_mibs,
+            "all_reduce_fwd_bwd": rows,
+            "reps": BENCH_REPS,
+        });
+    }
+    // Sent as text and parsed alike on every tab (rank 0 included), so every tab holds the same
+    // numbers to the last bit.
+    let all = exchange(app, comm, table.to_string()).await?;
+    let text = all
+        .into_iter()
+        .next()
+        .ok_or_else(|| Error::Input("no table from rank 0".into()))?;
+    serde_json::from_str(&text).map_err(|e| Error::Input(format!("rank 0's table: {e}")))
+}
+
+/// The benchmark table as the page shows it.
+pub(super) fn show_bench(v: &serde_json::Value) {
+    let num = |x: &serde_json::Value, digits: usize| {
+        x.as_f64()
+            .map_or_else(|| "—".to_string(), |f| format!("{f:.digits$}"))
+    };
+    let mut html = format!(
+        "<p>Links: {} (rank 0's view). Raw: round trip {} ms on average (",
+        esc(&v["links"]
+            .as_array()
+            .map(|l| {
+                l.iter()
+                    .filter_map(|x| x.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
+            .unwrap_or_default()),
+        num(&v["mean_round_trip_ms"], 2)
+    );
+    let per: Vec<String> = v["round_trip_ms"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| format!("0↔{}: {} ms", r["peer"], num(&r["ms"], 2)))
+        .collect();
+    html.push_str(&esc(&per.join(", ")));
+    html.push_str(&format!(
+        "), rank 0 → 1 {} MiB/s.</p>",
+        num(&v["raw_mibs_0_to_1"], 0)
+    ));
+    html.push_str(
+        "<table class=\"values\"><thead><tr><th scope=\"col\">all_reduce(SUM), forward + backward</th>\
+         <th scope=\"col\">ms (median)</th><th scope=\"col\">round trips</th>\
+         <th scope=\"col\">bus bandwidth MiB/s</th><th scope=\"col\">of the raw link</th></tr></thead><tbody>",
+    );
+    for r in v["all_reduce_fwd_bwd"].as_array().into_iter().flatten() {
+        html.push_str(&format!(
+            "<tr><th scope=\"row\">{} B</th><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            r["bytes"],
+            num(&r["ms"], 2),
+            num(&r["round_trips"], 1),
+            num(&r["busbw_mibs"], 1),
+            num(&r["of_raw"], 2)
+        ));
+    }
+    html.push_str("</tbody></table>");
+    set_html("bench-result", &html);
+}

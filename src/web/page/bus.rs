@@ -183,6 +183,23 @@ pub(super) async fn perform(app: &App, msg: Bus) {
     match msg {
         Bus::Run { case } => run_and_show(app, &case).await,
         Bus::Program { text, check } => perform_program(app, &text, check).await,
+        Bus::Bench {} => {
+            set_text("phase", "measuring the links and all_reduce on every tab");
+            set_html("bench-result", "<p>Measuring…</p>");
+            let _busy = app.busy.lock().await;
+            let run = state(|s| s.bench_runs) as u64;
+            match bench_room(app, run).await {
+                Ok(v) => {
+                    show_bench(&v);
+                    state(|s| {
+                        s.bench_runs += 1;
+                        s.bench_result = Some(v);
+                    });
+                    set_text("phase", "ready");
+                }
+                Err(e) => show_error(&format!("the room benchmark failed: {e}")),
+            }
+        }
         Bus::Lesson { name } => {
             if let Err(e) = run_lesson(app, &name).await {
                 show_error(&format!("lesson {name}: {e}"));

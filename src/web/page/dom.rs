@@ -73,6 +73,7 @@ pub(super) fn show_error(msg: &str) {
         "play",
         "program-run",
         "program-check",
+        "bench-run",
     ] {
         if let Some(b) = el::<HtmlElement>(id) {
             let _ = b.set_attribute("disabled", "");

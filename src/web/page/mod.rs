@@ -19,8 +19,12 @@
 //! `lessonTrace()` (JSON of the lesson trace shown, or `null`), `startLesson(name)`, `control(what)`
 //! (`step`, `back`, `reset`, `play`, `pause`), `runCase(json)` (run this rank's part of a
 //! `distgrad vjp` case; resolves to the rank's result JSON), `request(collective, op, root)` (the
-//! Run button) and `benchAllReduce(numel)` (forward + backward of a SUM all_reduce; resolves to JSON
-//! with the milliseconds and checksums).
+//! Run button), `benchAllReduce(numel)` (forward + backward of a SUM all_reduce; resolves to JSON
+//! with the milliseconds and checksums), `runProgram(json)` / `checkProgram(json)` (ask for a
+//! program to run / its gradients to be checked on every tab), `programResult()` (JSON of the last
+//! program's result on this tab, or `null`), `benchRoom()` (ask for the room benchmark on every
+//! tab: raw round trips and throughput of the tabs' links beside all_reduce's figures) and
+//! `benchResult()` (its table, or `null`).
 //!
 //! One file per concern: the page's state, start and the types every part shares are here;
 //! `dom.rs` (DOM helpers), `params.rs` (URL parameters, share links), `ranks.rs` (network events,
@@ -114,6 +118,10 @@ struct PageState {
     /// the last program's result: `{"kind": "run", "ranks": [...]}` or the gradient check's
     /// report (`{"kind": "check", "verdict": ..., "rows": [...], ...}`)
     program_result: Option<serde_json::Value>,
+    /// room benchmarks completed on this tab
+    bench_runs: usize,
+    /// the last room benchmark's table (rank 0's figures)
+    bench_result: Option<serde_json::Value>,
 }
 
 /// Messages of the bus: requests to rank 0, and rank 0's announcements.
@@ -129,6 +137,8 @@ enum Bus {
         text: String,
         check: bool,
     },
+    /// Run the room benchmark on every rank.
+    Bench {},
     /// Run a lesson on every rank.
     Lesson {
         name: String,
@@ -252,6 +262,7 @@ async fn run() -> Result<()> {
         set_hidden("lesson-panel", true);
         set_hidden("free-play", true);
         set_hidden("program-panel", true);
+        set_hidden("bench-panel", true);
         set_text("phase", "choose a room");
         set_text("device", "chosen when the room starts");
         state(|s| s.phase = "lobby".into());
@@ -309,6 +320,8 @@ async fn run_simulated_page(p: &Params, n: usize) -> Result<()> {
     set_text("world", &n.to_string());
     set_text("rank", &format!("0–{} (simulated)", n - 1));
     set_hidden("share-row", true);
+    // The room benchmark measures the tabs' links: nothing to measure in one tab.
+    set_hidden("bench-panel", true);
     if let Some(b) = doc().and_then(|d| d.body()) {
         let _ = b.class_list().add_1("sim");
     }
@@ -351,7 +364,13 @@ fn ready(app: Rc<App>, what: &str) {
         "phase",
         &format!("ready ({ready_ms:.0} ms after the page started loading)"),
     );
-    for id in ["run", "lesson-start", "program-run", "program-check"] {
+    for id in [
+        "run",
+        "lesson-start",
+        "program-run",
+        "program-check",
+        "bench-run",
+    ] {
         if let Some(b) = el::<HtmlElement>(id) {
             let _ = b.remove_attribute("disabled");
         }
