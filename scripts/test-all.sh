@@ -5,8 +5,10 @@
 # choice and over WebRTC, a mixed native + browser group, a tab closed mid-run, every lesson of
 # the teaching demo in 3 tabs and in single-tab mode, and the shipped programs run and their
 # gradients checked in 3 tabs and in single-tab mode against the native CLI.
-# Installs what it needs, skipping what is already there: lavapipe, chromium + chromium-driver and
-# iproute2 (apt, as root), the wasm32 target, wasm-bindgen-cli at exactly the version in
+# Hidden tabs (a headful Chromium under Xvfb, the ranks' tabs behind a blank one) against visible
+# ones: 1 MiB all_reduce, a 200-step lesson and lesson playback, again after 6 minutes hidden.
+# Installs what it needs, skipping what is already there: lavapipe, chromium + chromium-driver,
+# iproute2 and xvfb (apt, as root), the wasm32 target, wasm-bindgen-cli at exactly the version in
 # Cargo.lock, trunk, and the npm packages of tests/browser (scripts/web-tools.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +17,7 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/distgrad-target}"
 say() { printf '\n-- %s\n' "$1"; }
 
 apt_need=()
-for p in mesa-vulkan-drivers libvulkan1 chromium chromium-driver iproute2; do
+for p in mesa-vulkan-drivers libvulkan1 chromium chromium-driver iproute2 xvfb xauth; do
   dpkg -s "$p" >/dev/null 2>&1 || apt_need+=("$p")
 done
 if [ ${#apt_need[@]} -gt 0 ]; then
@@ -65,6 +67,23 @@ say "end-to-end: every lesson of the teaching demo in 3 tabs and in single-tab m
 node tests/browser/lessons.mjs --bin "$bin" --dist dist --out "$out"
 say "end-to-end: programs and the gradient check in 3 tabs and in single-tab mode (tests/browser/programs.mjs)"
 node tests/browser/programs.mjs --bin "$bin" --dist dist --out "$out"
+say "end-to-end: hidden tabs against visible ones, over BroadcastChannels and the relay (tests/browser/hidden.mjs)"
+# A real window system is needed for tabs that are really hidden: Xvfb unless there is a display.
+# The script talks to Chromium over its DevTools socket (Node's WebSocket: a flag before Node 22).
+ws_flag=()
+node -e 'process.exit(typeof WebSocket === "undefined" ? 1 : 0)' || ws_flag=(--experimental-websocket)
+hidden() {
+  if [ -n "${DISPLAY:-}" ]; then
+    node "${ws_flag[@]}" tests/browser/hidden.mjs --bin "$bin" --dist dist --out "$out" "$@"
+  elif command -v xvfb-run >/dev/null; then
+    xvfb-run -a -s "-screen 0 1700x1300x24" \
+      node "${ws_flag[@]}" tests/browser/hidden.mjs --bin "$bin" --dist dist --out "$out" "$@"
+  else
+    echo "SKIPPED: the hidden-tab run needs a display or xvfb-run (apt-get install xvfb as root)"
+  fi
+}
+hidden --net channel --hidden-wait 360
+hidden --net relay --hidden-wait 0
 # WebRTC only inside a loopback-only network namespace, so ICE never tries another interface.
 if unshare -n true 2>/dev/null; then
   unshare -n sh -c 'ip link set lo up && exec node tests/browser/e2e.mjs --bin "$0" --dist dist --net webrtc --out "$1"' "$bin" "$out"

@@ -151,3 +151,30 @@ fn framing_for_data_channels_round_trips() {
     assert_eq!(got[0].1.as_ref(), small.as_slice());
     assert_eq!(got[1].1.as_ref(), big.as_slice());
 }
+
+/// The page's waits sleep on a worker (`transport::clock`): one is there, a sleep lasts at least
+/// what it asked for, and a sleep given up (its future dropped before the worker answers) leaves
+/// the clock working for the next ones.
+#[wasm_bindgen_test]
+async fn the_worker_clock_sleeps_as_long_as_asked() {
+    use distgrad::transport::clock;
+    use std::time::Duration;
+    assert!(clock::unthrottled(), "no worker clock in headless Chromium");
+    let t0 = js_sys::Date::now();
+    clock::sleep(Duration::from_millis(30)).await;
+    let slept = js_sys::Date::now() - t0;
+    assert!(slept >= 29.0, "asked for 30 ms, woke after {slept} ms");
+    // Give one up: the shorter of two sleeps wins, the longer one's future is dropped.
+    let long = std::pin::pin!(clock::sleep(Duration::from_millis(500)));
+    let short = std::pin::pin!(clock::sleep(Duration::from_millis(5)));
+    match futures::future::select(long, short).await {
+        futures::future::Either::Right(_) => {}
+        futures::future::Either::Left(_) => panic!("the 500 ms sleep ended before the 5 ms one"),
+    }
+    let t2 = js_sys::Date::now();
+    for _ in 0..20 {
+        clock::sleep(Duration::from_millis(1)).await;
+    }
+    let twenty = js_sys::Date::now() - t2;
+    assert!(twenty >= 20.0, "20 sleeps of 1 ms took {twenty} ms");
+}

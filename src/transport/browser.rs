@@ -37,6 +37,8 @@ use web_sys::{
     RtcPeerConnection, RtcSdpType, RtcSessionDescriptionInit, WebSocket,
 };
 
+// Polls, link setup and grace periods sleep on a clock a hidden tab does not stretch.
+use super::clock::sleep;
 use super::route::{self, Linked};
 use super::{Mailbox, Tag, Transport};
 use crate::error::{Error, Result};
@@ -392,10 +394,6 @@ fn bytes_of(data: &JsValue) -> Option<Bytes> {
         .map(|b| Bytes::from(Uint8Array::new(b).to_vec()))
 }
 
-async fn sleep(d: Duration) {
-    futures_timer::Delay::new(d).await;
-}
-
 /// Post `hello:0` on `bc` every 50 ms while the peer has not been `heard`; returns only when a
 /// post fails (why).
 async fn hello_until_heard(bc: &BroadcastChannel, heard: &Cell<bool>) -> String {
@@ -412,7 +410,8 @@ async fn hello_until_heard(bc: &BroadcastChannel, heard: &Cell<bool>) -> String 
 /// `fut` or, after `limit`, `None`.
 async fn within<F: std::future::Future>(limit: Duration, fut: F) -> Option<F::Output> {
     let fut = std::pin::pin!(fut);
-    let timer = std::pin::pin!(sleep(limit));
+    // A timeout, on the page's timer: a hidden tab may take longer to notice, never less long.
+    let timer = std::pin::pin!(futures_timer::Delay::new(limit));
     match futures::future::select(fut, timer).await {
         futures::future::Either::Left((v, _)) => Some(v),
         futures::future::Either::Right(_) => None,

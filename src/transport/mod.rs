@@ -6,11 +6,14 @@
 //! peer loss and abort. Implementations: [`local`] (ranks as threads of one process); natively
 //! `ws` (WebSocket through the relay, with `direct` TCP links between native ranks where they can
 //! make them); in a browser `browser` (the relay's WebSocket, WebRTC data channels and
-//! BroadcastChannels between tabs). The two relay clients share [`route`]: how a peer's leave is
+//! BroadcastChannels between tabs; its waits sleep on `clock`, which a hidden tab does not
+//! stretch). The two relay clients share [`route`]: how a peer's leave is
 //! taken when data with it goes over a link of its own, and how an abort reaches every peer.
 
 #[cfg(target_arch = "wasm32")]
 pub mod browser;
+#[cfg(target_arch = "wasm32")]
+pub mod clock;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod direct;
 pub mod local;

@@ -46,8 +46,9 @@ pub(super) fn esc(s: &str) -> String {
         .replace('"', "&quot;")
 }
 
+/// Sleep on a clock a hidden tab does not stretch ([`crate::transport::clock`]).
 pub(super) async fn sleep(d: Duration) {
-    futures_timer::Delay::new(d).await;
+    crate::transport::clock::sleep(d).await;
 }
 
 /// Show a fatal error (the group cannot go on) and mark the page failed.

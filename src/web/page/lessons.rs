@@ -129,7 +129,7 @@ where
         let recv = comm.transport().recv(p, tag);
         let b = match futures::future::select(
             std::pin::pin!(recv),
-            std::pin::pin!(sleep(comm.options().timeout)),
+            std::pin::pin!(futures_timer::Delay::new(comm.options().timeout)),
         )
         .await
         {

@@ -98,6 +98,9 @@ struct PageState {
     /// why pairs fell back to the relay
     fallbacks: Vec<String>,
     device: String,
+    /// what the page's waits sleep on: "worker" (a hidden tab wakes on time) or "page timers"
+    /// (no worker could be started: a hidden tab's waits stretch to its clamped timers)
+    clock: String,
     share: String,
     error: Option<String>,
     /// milliseconds from navigation start to "ready"
@@ -243,6 +246,13 @@ async fn choose_device(choice: Choice) -> Result<Device> {
 }
 
 async fn run() -> Result<()> {
+    state(|s| {
+        s.clock = if crate::transport::clock::unthrottled() {
+            "worker".into()
+        } else {
+            "page timers".into()
+        }
+    });
     state(|s| s.phase = "starting".into());
     let p = params()?;
     PARAMS.with(|x| *x.borrow_mut() = Some(p.clone()));

@@ -1,0 +1,239 @@
+// Hidden tabs: the page in tabs a user cannot see, against the same page in tabs a user can see.
+//
+//   node --experimental-websocket tests/browser/hidden.mjs --bin <distgrad> --dist <built web app>
+//        [--hidden-wait 360] [--net channel|relay] [--out dir]
+//
+// Needs a display (scripts/test-all.sh runs it under xvfb-run): a headful Chromium, driven over the
+// DevTools protocol directly, since Playwright keeps every page it drives visible. Two rooms of 4
+// ranks in the same browser:
+//   visible: each rank's tab in a window of its own, side by side (document.visibilityState
+//            "visible");
+//   hidden:  the 4 ranks' tabs in one window behind a blank tab, the way a user opens a share link
+//            in tabs (all 4 "hidden"; Chromium clamps their timers to one wake-up a second, and
+//            after five minutes hidden to about one a minute).
+// In each: a 1 MiB SUM all_reduce forward + backward (slowest tab, median of 5, values checked), a
+// 200-step data-parallel lesson (time until every tab has it) and 6 steps of lesson playback
+// (rank 0 steps every 1.2 s). The hidden room is measured again after --hidden-wait seconds
+// hidden. Prints every figure and its ratio to the visible one (target: within 1.5x). Fails when
+// a tab is not in the state the phase needs, on wrong values, or when a hidden figure is over 5x
+// its visible one (a wait on a clamped timer costs far more than that).
+import { spawn } from 'node:child_process';
+import { cpSync, mkdtempSync, rmSync, writeFileSync, mkdirSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { randomBytes } from 'node:crypto';
+import { parseArgs, sleep, startRelay } from './common.mjs';
+
+const args = parseArgs(process.argv.slice(2));
+const BIN = args.bin;
+const DIST = args.dist ?? 'dist';
+const NET = args.net ?? 'channel';
+const OUT = args.out ?? 'target/browser-test-output';
+const HIDDEN_WAIT_S = Number(args['hidden-wait'] ?? 360);
+const CHROMIUM = process.env.CHROMIUM ?? '/usr/bin/chromium';
+const WORLD = 4;
+const NUMEL = 1 << 18;
+const LESSON_STEPS = 200;
+if (!BIN || typeof WebSocket === 'undefined' || !process.env.DISPLAY) {
+  console.error('usage: DISPLAY=... node --experimental-websocket hidden.mjs --bin <distgrad> --dist <dir> [--hidden-wait s] [--net channel|relay]');
+  process.exit(2);
+}
+mkdirSync(OUT, { recursive: true });
+const log = (msg) => console.log(`[hidden ${NET}] ${msg}`);
+const failures = [];
+const fail = (msg) => { failures.push(msg); console.log(`  FAIL ${msg}`); };
+const median = (xs) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)];
+
+// ---------- a DevTools protocol client (flat sessions over the browser's socket) ----------
+class Cdp {
+  constructor(url) {
+    this.ws = new WebSocket(url);
+    this.next = 1;
+    this.pending = new Map();
+    this.ws.onmessage = (m) => {
+      const msg = JSON.parse(m.data);
+      const p = msg.id && this.pending.get(msg.id);
+      if (!p) return;
+      this.pending.delete(msg.id);
+      if (msg.error) p.reject(new Error(`${p.method}: ${msg.error.message}`));
+      else p.resolve(msg.result);
+    };
+  }
+  open() { return new Promise((res, rej) => { this.ws.onopen = res; this.ws.onerror = () => rej(new Error('DevTools socket error')); }); }
+  send(method, params = {}, sessionId) {
+    const id = this.next++;
+    this.ws.send(JSON.stringify({ id, method, params, ...(sessionId ? { sessionId } : {}) }));
+    return new Promise((resolve, reject) => this.pending.set(id, { resolve, reject, method }));
+  }
+}
+
+/** A tab: its target, its session, and `eval` of an expression (awaited, by value). */
+async function openTab(cdp, url, { newWindow, background }) {
+  const { targetId } = await cdp.send('Target.createTarget', { url, newWindow, background });
+  const { sessionId } = await cdp.send('Target.attachToTarget', { targetId, flatten: true });
+  const evaluate = async (expression) => {
+    const r = await cdp.send('Runtime.evaluate', { expression, awaitPromise: true, returnByValue: true }, sessionId);
+    if (r.exceptionDetails) throw new Error(`${expression}: ${r.exceptionDetails.exception?.description ?? r.exceptionDetails.text}`);
+    return r.result.value;
+  };
+  return { targetId, sessionId, evaluate };
+}
+
+const stateOf = async (tab) => JSON.parse(await tab.evaluate('window.distgrad ? window.distgrad.state() : "{}"'));
+
+async function waitAll(tabs, pred, ms, what) {
+  const t0 = Date.now();
+  for (;;) {
+    const st = await Promise.all(tabs.map(stateOf));
+    const bad = st.find((s) => s.phase === 'failed');
+    if (bad) throw new Error(`${what}: a tab failed: ${bad.error}`);
+    if (st.every(pred)) return st;
+    if (Date.now() - t0 > ms) throw new Error(`${what}: not within ${ms} ms (${JSON.stringify(st.map((s) => s.phase))})`);
+    await sleep(100);
+  }
+}
+
+// ---------- the measurements ----------
+async function measure(byRank, label) {
+  const fig = {};
+  // 1 MiB all_reduce forward + backward: every output element is WORLD * (i % 7), every gradient
+  // element WORLD (see benchAllReduce).
+  let want = 0;
+  for (let i = 0; i < NUMEL; i++) want += WORLD * (i % 7);
+  const times = [];
+  for (let k = 0; k < 5; k++) {
+    const res = await Promise.all(byRank.map((t) => t.evaluate(`window.distgrad.benchAllReduce(${NUMEL})`).then(JSON.parse)));
+    for (const [r, x] of res.entries()) {
+      if (x.y_sum !== want || x.grad_sum !== WORLD * NUMEL) fail(`${label}: rank ${r}: all_reduce sums ${x.y_sum}, ${x.grad_sum}; expected ${want}, ${WORLD * NUMEL}`);
+    }
+    times.push(Math.max(...res.map((x) => x.ms)));
+  }
+  fig.all_reduce_1MiB_ms = median(times);
+  // The 200-step data-parallel lesson: from the request to every tab holding the trace.
+  const before = await Promise.all(byRank.map(stateOf));
+  const t0 = Date.now();
+  await byRank[1].evaluate(`window.distgrad.startLesson("data_parallel_${LESSON_STEPS}")`);
+  const st = await waitAll(byRank, (s) => s.lesson === `data_parallel_${LESSON_STEPS}` && s.lesson_runs > before[0].lesson_runs, 600000, `${label}: lesson`);
+  fig.lesson_200_steps_ms = Date.now() - t0;
+  if (!st.every((s) => s.lesson_steps === st[0].lesson_steps && s.lesson_steps >= LESSON_STEPS)) fail(`${label}: lesson steps ${st.map((s) => s.lesson_steps)}`);
+  // Playback: rank 0 steps every 1.2 s; six steps (Chromium clamps harder once a chain of timers is five deep).
+  const p0 = Date.now();
+  await byRank[2].evaluate('window.distgrad.control("play")');
+  await waitAll(byRank, (s) => s.lesson_step >= 6, 600000, `${label}: playback`);
+  fig.playback_6_steps_ms = Date.now() - p0;
+  await byRank[2].evaluate('window.distgrad.control("pause")');
+  await waitAll(byRank, (s) => !s.playing, 120000, `${label}: pause`);
+  return fig;
+}
+
+async function room(cdp, base, label, { hidden }) {
+  const url = `${base}?room=${label}-${process.pid}&world=${WORLD}&token=${randomBytes(16).toString('hex')}&net=${NET}`;
+  const tabs = [];
+  if (hidden) {
+    // A blank tab in front, in a window of its own; the ranks' tabs open behind it.
+    const front = await openTab(cdp, 'about:blank', { newWindow: true, background: false });
+    const { windowId } = await cdp.send('Browser.getWindowForTarget', { targetId: front.targetId });
+    await cdp.send('Browser.setWindowBounds', { windowId, bounds: { left: 0, top: 0, width: 800, height: 600 } });
+    for (let i = 0; i < WORLD; i++) tabs.push(await openTab(cdp, url, { newWindow: false, background: true }));
+    tabs.front = front;
+  } else {
+    for (let i = 0; i < WORLD; i++) {
+      const t = await openTab(cdp, url, { newWindow: true, background: false });
+      const { windowId } = await cdp.send('Browser.getWindowForTarget', { targetId: t.targetId });
+      await cdp.send('Browser.setWindowBounds', { windowId, bounds: { left: (i % 2) * 810, top: Math.floor(i / 2) * 610, width: 800, height: 600 } });
+      tabs.push(t);
+    }
+  }
+  const st = await waitAll(tabs, (s) => s.phase === 'ready', 90000, `${label}: ready`);
+  const byRank = [];
+  st.forEach((s, i) => { byRank[s.rank] = tabs[i]; });
+  const links = st.map((s) => s.links.filter((_, r) => r !== s.rank));
+  if (!links.every((l) => l.every((x) => x === NET))) fail(`${label}: links ${JSON.stringify(links)}`);
+  return { tabs, byRank, device: st[0].device, clock: st[0].clock };
+}
+
+async function visibility(byRank) {
+  return Promise.all(byRank.map((t) => t.evaluate('document.visibilityState')));
+}
+
+async function closeRoom(cdp, r) {
+  for (const t of [...r.tabs, ...(r.tabs.front ? [r.tabs.front] : [])]) await cdp.send('Target.closeTarget', { targetId: t.targetId }).catch(() => {});
+  await sleep(500);
+}
+
+async function main() {
+  // The app plus a 200-step data-parallel lesson, served from a copy.
+  const dir = mkdtempSync(join(tmpdir(), 'distgrad-hidden-'));
+  cpSync(DIST, dir, { recursive: true });
+  writeFileSync(join(dir, 'lessons', `data_parallel_${LESSON_STEPS}.json`), JSON.stringify({
+    name: `data_parallel_${LESSON_STEPS}`, title: `Data-parallel training, ${LESSON_STEPS} steps`,
+    kind: 'data_parallel', steps: LESSON_STEPS, lr: 0.3, why: 'hidden-tab test', world: WORLD,
+  }));
+  const relay = await startRelay(BIN, dir);
+  const base = `http://${relay.host}/`;
+  const profile = mkdtempSync(join(tmpdir(), 'distgrad-hidden-profile-'));
+  const chrome = spawn(CHROMIUM, [
+    '--no-sandbox', '--no-first-run', '--no-default-browser-check', '--disable-background-networking',
+    '--disable-component-update', '--disable-sync', `--user-data-dir=${profile}`, '--remote-debugging-port=0',
+    '--enable-unsafe-webgpu', '--use-webgpu-adapter=swiftshader', 'about:blank',
+  ], { stdio: ['ignore', 'ignore', 'pipe'] });
+  const figures = { net: NET };
+  try {
+    const wsUrl = await new Promise((resolve, reject) => {
+      let err = '';
+      chrome.stderr.on('data', (d) => { err += d; const m = err.match(/DevTools listening on (ws:\S+)/); if (m) resolve(m[1]); });
+      chrome.on('exit', (c) => reject(new Error(`chromium exited (${c}): ${err.slice(-2000)}`)));
+    });
+    const cdp = new Cdp(wsUrl);
+    await cdp.open();
+
+    const vis = await room(cdp, base, 'visible', { hidden: false });
+    log(`visible room ready; compute: ${vis.device}; clock: ${vis.clock}`);
+    const v = await visibility(vis.byRank);
+    if (!v.every((x) => x === 'visible')) fail(`visible room: tabs are ${v}`);
+    figures.visible = await measure(vis.byRank, 'visible');
+    log(`visible: ${JSON.stringify(figures.visible)}`);
+    await closeRoom(cdp, vis);
+
+    const hid = await room(cdp, base, 'hidden', { hidden: true });
+    const h = await visibility(hid.byRank);
+    if (!h.every((x) => x === 'hidden')) fail(`hidden room: tabs are ${h}`);
+    // Proof that this is the clamped state: ten chained 1 ms page timers in a hidden tab.
+    figures.hidden_page_timer_10x1ms = await hid.byRank[0].evaluate('new Promise((r) => { const t0 = performance.now(); let i = 0; const f = () => (++i < 10 ? setTimeout(f, 1) : r(performance.now() - t0)); setTimeout(f, 1); })');
+    log(`hidden: ten chained 1 ms page timers took ${figures.hidden_page_timer_10x1ms.toFixed(0)} ms (clamped)`);
+    figures.hidden = await measure(hid.byRank, 'hidden');
+    log(`hidden: ${JSON.stringify(figures.hidden)}`);
+    if (HIDDEN_WAIT_S > 0) {
+      log(`waiting ${HIDDEN_WAIT_S} s with the tabs hidden`);
+      await sleep(HIDDEN_WAIT_S * 1000);
+      const h2 = await visibility(hid.byRank);
+      if (!h2.every((x) => x === 'hidden')) fail(`hidden room after the wait: tabs are ${h2}`);
+      figures[`hidden_after_${HIDDEN_WAIT_S}s`] = await measure(hid.byRank, `hidden after ${HIDDEN_WAIT_S} s`);
+      log(`hidden after ${HIDDEN_WAIT_S} s: ${JSON.stringify(figures[`hidden_after_${HIDDEN_WAIT_S}s`])}`);
+    }
+    for (const k of Object.keys(figures).filter((k) => k.startsWith('hidden') && typeof figures[k] === 'object')) {
+      const ratios = {};
+      for (const [m, x] of Object.entries(figures[k])) {
+        ratios[m] = x / figures.visible[m];
+        if (ratios[m] > 5) fail(`${k}: ${m} ${x.toFixed(0)} ms is ${ratios[m].toFixed(1)}x the visible ${figures.visible[m].toFixed(0)} ms`);
+      }
+      figures[`${k}_over_visible`] = ratios;
+      log(`${k} / visible: ${Object.entries(ratios).map(([m, r]) => `${m} ${r.toFixed(2)}x`).join(', ')} (target ≤ 1.5x)`);
+    }
+    await closeRoom(cdp, hid);
+  } finally {
+    chrome.kill();
+    relay.proc.kill();
+    await sleep(300);
+    rmSync(dir, { recursive: true, force: true });
+    rmSync(profile, { recursive: true, force: true });
+  }
+  writeFileSync(join(OUT, `hidden-${NET}.json`), JSON.stringify(figures, null, 1));
+  log(`figures: ${JSON.stringify(figures)}`);
+  if (failures.length) {
+    console.log(`[hidden ${NET}] ${failures.length} failure(s)`);
+    process.exit(1);
+  }
+}
+
+main().catch((e) => { console.error(e); process.exit(1); });
