@@ -246,17 +246,18 @@ async function main() {
       if (tables.some((x) => JSON.stringify(x) !== JSON.stringify(t))) fail('room benchmark: the tabs show different tables');
       const pos = (x) => typeof x === 'number' && x > 0 && Number.isFinite(x);
       if (!t || t.round_trip_ms.length !== WORLD - 1 || !t.round_trip_ms.every((r) => pos(r.ms))) fail(`room benchmark: round trips ${JSON.stringify(t?.round_trip_ms)}`);
-      else if (!pos(t.raw_mibs_0_to_1)) fail(`room benchmark: raw throughput ${t.raw_mibs_0_to_1}`);
+      else if (!pos(t.raw_mibs_0_to_1) || !pos(t.exchange_ms)) fail(`room benchmark: raw throughput ${t.raw_mibs_0_to_1}, exchange ${t.exchange_ms}`);
       else if (t.all_reduce_fwd_bwd.length !== 2 || !t.all_reduce_fwd_bwd.every((r) => pos(r.ms) && pos(r.busbw_mibs))) fail(`room benchmark: rows ${JSON.stringify(t.all_reduce_fwd_bwd)}`);
       else {
         // Each ratio is its figure over its own link's, measured in the same run.
         for (const r of t.all_reduce_fwd_bwd) {
           if (Math.abs(r.round_trips - r.ms / t.mean_round_trip_ms) > 1e-9 * r.round_trips) fail(`room benchmark: ${r.bytes} B: round trips ${r.round_trips} != ${r.ms} / ${t.mean_round_trip_ms}`);
+          if (Math.abs(r.of_exchange - r.ms / (2 * t.exchange_ms)) > 1e-9 * r.of_exchange) fail(`room benchmark: ${r.bytes} B: of_exchange ${r.of_exchange} != ${r.ms} / (2 * ${t.exchange_ms})`);
           if (Math.abs(r.of_raw - r.busbw_mibs / t.raw_mibs_0_to_1) > 1e-9 * r.of_raw) fail(`room benchmark: ${r.bytes} B: of_raw ${r.of_raw} != ${r.busbw_mibs} / ${t.raw_mibs_0_to_1}`);
         }
         const [small, large] = t.all_reduce_fwd_bwd;
-        figures[`room_bench_${NET}`] = { round_trip_ms: t.mean_round_trip_ms, raw_mibs: t.raw_mibs_0_to_1, small_ms: small.ms, small_round_trips: small.round_trips, large_ms: large.ms, large_busbw_mibs: large.busbw_mibs, large_of_raw: large.of_raw };
-        log(`room benchmark over ${NET} (median of ${t.reps}): round trip ${t.mean_round_trip_ms.toFixed(2)} ms, raw 0→1 ${t.raw_mibs_0_to_1.toFixed(0)} MiB/s; all_reduce fwd+bwd 4 B ${small.ms.toFixed(2)} ms = ${small.round_trips.toFixed(1)} round trips; 1 MiB ${large.ms.toFixed(1)} ms, bus ${large.busbw_mibs.toFixed(0)} MiB/s = ${large.of_raw.toFixed(2)} of the raw link`);
+        figures[`room_bench_${NET}`] = { round_trip_ms: t.mean_round_trip_ms, raw_mibs: t.raw_mibs_0_to_1, small_ms: small.ms, small_round_trips: small.round_trips, exchange_ms: t.exchange_ms, small_of_exchange: small.of_exchange, large_ms: large.ms, large_busbw_mibs: large.busbw_mibs, large_of_raw: large.of_raw };
+        log(`room benchmark over ${NET} (median of ${t.reps}): round trip ${t.mean_round_trip_ms.toFixed(2)} ms, raw 0→1 ${t.raw_mibs_0_to_1.toFixed(0)} MiB/s; raw exchange (4 B every tab to every other) ${t.exchange_ms.toFixed(2)} ms; all_reduce fwd+bwd 4 B ${small.ms.toFixed(2)} ms = ${small.round_trips.toFixed(1)} round trips = ${small.of_exchange.toFixed(1)} x 2 raw exchanges; 1 MiB ${large.ms.toFixed(1)} ms, bus ${large.busbw_mibs.toFixed(0)} MiB/s = ${large.of_raw.toFixed(2)} of the raw link`);
         const shown = await byRank[1].textContent('#bench-result');
         if (!shown.includes('round trips') || !shown.includes(large.ms.toFixed(2))) fail(`room benchmark: the table is not shown: ${shown.slice(0, 200)}`);
       }

@@ -53,10 +53,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// The room benchmark, run by every tab when rank 0 announces it (`run` counts the benchmarks,
 /// the same on every tab, so the tabs' raw messages match): raw round trips from rank 0 to every
-/// peer and rank 0's raw throughput to rank 1 over the same links the collectives use, then a SUM
-/// all_reduce forward + backward of 4 B and 1 MiB; each collective figure beside its link's
-/// (the small one in round trips, the large one's bus bandwidth as a fraction of the raw
-/// throughput). Every tab gets rank 0's table.
+/// peer, rank 0's raw throughput to rank 1 and a raw exchange (every rank 4 bytes to every other)
+/// over the same links the collectives use, then a SUM all_reduce forward + backward of 4 B and
+/// 1 MiB; each collective figure beside its link's (the small one in round trips and in raw
+/// exchanges, the large one's bus bandwidth as a fraction of the raw throughput). Every tab gets rank 0's table.
 pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value> {
     let comm = app.comm.as_ref().ok_or_else(|| {
         Error::Input("the room benchmark needs tabs (not single-tab mode)".into())
@@ -112,7 +112,24 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
             t.send(0, tag(k + chunks as u64), Bytes::from_static(&[0]))
                 .await?;
         }
+        k += chunks as u64 + 1;
     }
+    // Raw exchange: every rank sends 4 bytes to every other and waits for all of theirs (the
+    // messages of a small all_reduce, without the collective around them).
+    comm.barrier(&group).await?;
+    let mut exchange_ms = Vec::with_capacity(BENCH_REPS);
+    for _ in 0..BENCH_REPS {
+        let t0 = now_ms();
+        for p in (0..world).filter(|&p| p != me) {
+            t.send(p, tag(k), Bytes::from_static(&[1, 2, 3, 4])).await?;
+        }
+        for p in (0..world).filter(|&p| p != me) {
+            t.recv(p, tag(k)).await?;
+        }
+        exchange_ms.push(now_ms() - t0);
+        k += 1;
+    }
+    let exchange_ms = (world > 1).then(|| median(exchange_ms));
     // The collectives, each repetition started together.
     let mut collectives = Vec::new();
     for numel in BENCH_SIZES {
@@ -148,6 +165,8 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
                     "bytes": bytes,
                     "ms": ms,
                     "round_trips": ms / mean_rtt,
+                    // forward and backward: two exchanges' worth of messages
+                    "of_exchange": exchange_ms.map(|e| ms / (2.0 * e)),
                     "busbw_mibs": busbw,
                     "of_raw": raw_mibs.map(|r| busbw / r),
                 })
@@ -158,6 +177,7 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
             "links": state(|s| s.links.clone()),
             "round_trip_ms": rtt,
             "mean_round_trip_ms": mean_rtt,
+            "exchange_ms": exchange_ms,
             "raw_mibs_0_to_1": raw_mibs,
             "all_reduce_fwd_bwd": rows,
             "reps": BENCH_REPS,
@@ -200,20 +220,22 @@ pub(super) fn show_bench(v: &serde_json::Value) {
         .collect();
     html.push_str(&esc(&per.join(", ")));
     html.push_str(&format!(
-        "), rank 0 → 1 {} MiB/s.</p>",
+        "), every tab 4 B to every other {} ms, rank 0 → 1 {} MiB/s.</p>",
+        num(&v["exchange_ms"], 2),
         num(&v["raw_mibs_0_to_1"], 0)
     ));
     html.push_str(
         "<table class=\"values\"><thead><tr><th scope=\"col\">all_reduce(SUM), forward + backward</th>\
-         <th scope=\"col\">ms (median)</th><th scope=\"col\">round trips</th>\
+         <th scope=\"col\">ms (median)</th><th scope=\"col\">round trips</th><th scope=\"col\">× 2 raw exchanges</th>\
          <th scope=\"col\">bus bandwidth MiB/s</th><th scope=\"col\">of the raw link</th></tr></thead><tbody>",
     );
     for r in v["all_reduce_fwd_bwd"].as_array().into_iter().flatten() {
         html.push_str(&format!(
-            "<tr><th scope=\"row\">{} B</th><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            "<tr><th scope=\"row\">{} B</th><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
             r["bytes"],
             num(&r["ms"], 2),
             num(&r["round_trips"], 1),
+            num(&r["of_exchange"], 1),
             num(&r["busbw_mibs"], 1),
             num(&r["of_raw"], 2)
         ));
