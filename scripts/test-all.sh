@@ -56,12 +56,14 @@ trunk build --release
 cargo build --locked --bin distgrad
 bin="$CARGO_TARGET_DIR/debug/distgrad"
 out="$CARGO_TARGET_DIR/browser-test-output"
-node tests/browser/e2e.mjs --bin "$bin" --dist dist --net relay --out "$out"
+# WebGPU (SwiftShader) tabs, asked for with device=gpu: the page's own choice takes the CPU over a
+# software adapter (the last run checks that).
+node tests/browser/e2e.mjs --bin "$bin" --dist dist --net relay --device gpu --out "$out"
 # Tabs of one browser over BroadcastChannels (no network between them; the native worker of the
 # mixed-group check keeps the relay).
-node tests/browser/e2e.mjs --bin "$bin" --dist dist --net channel --out "$out"
-# The page's default (net=auto): these tabs, all in one browser, pick BroadcastChannels; the native
-# worker's pairs try WebRTC after the channel's 2 s and keep the relay.
+node tests/browser/e2e.mjs --bin "$bin" --dist dist --net channel --device gpu --out "$out"
+# The page's defaults (net=auto, device=auto): these tabs, all in one browser, pick BroadcastChannels
+# and the CPU; the native worker's pairs try WebRTC after the channel's 2 s and keep the relay.
 node tests/browser/e2e.mjs --bin "$bin" --dist dist --net auto --out "$out"
 say "end-to-end: every lesson of the teaching demo in 3 tabs and in single-tab mode (tests/browser/lessons.mjs)"
 node tests/browser/lessons.mjs --bin "$bin" --dist dist --out "$out"
@@ -86,9 +88,9 @@ hidden --net channel --hidden-wait 360
 hidden --net relay --hidden-wait 0
 # WebRTC only inside a loopback-only network namespace, so ICE never tries another interface.
 if unshare -n true 2>/dev/null; then
-  unshare -n sh -c 'ip link set lo up && exec node tests/browser/e2e.mjs --bin "$0" --dist dist --net webrtc --out "$1"' "$bin" "$out"
+  unshare -n sh -c 'ip link set lo up && exec node tests/browser/e2e.mjs --bin "$0" --dist dist --net webrtc --device gpu --out "$1"' "$bin" "$out"
 elif unshare -rn true 2>/dev/null; then
-  unshare -rn sh -c 'ip link set lo up && exec node tests/browser/e2e.mjs --bin "$0" --dist dist --net webrtc --out "$1"' "$bin" "$out"
+  unshare -rn sh -c 'ip link set lo up && exec node tests/browser/e2e.mjs --bin "$0" --dist dist --net webrtc --device gpu --out "$1"' "$bin" "$out"
 else
   echo "SKIPPED: the WebRTC end-to-end run needs a network namespace (unshare -n: run as root or enable user namespaces)"
 fi

@@ -416,3 +416,94 @@ fn collectives_read_back_only_what_they_send() {
         }
     }
 }
+
+/// `broadcast_scalar` (the backward of a sum): the one value everywhere, bit for bit (-0.0 and NaN
+/// too), on the CPU and the GPU alike; a 0-D target; anything but one element is refused.
+#[test]
+fn broadcast_scalar_repeats_the_value_bit_for_bit() {
+    for v in [2.5f32, -0.0, f32::NAN, f32::INFINITY] {
+        let s = Tensor::scalar(v);
+        let c = s.broadcast_scalar(&[2, 3]).unwrap();
+        assert_eq!(c.shape(), &[2, 3]);
+        assert_eq!(bits(&c), vec![v.to_bits(); 6], "CPU {v}");
+        assert_eq!(bits(&s.broadcast_scalar(&[]).unwrap()), vec![v.to_bits()]);
+        if let Some(d) = gpu() {
+            let g = s
+                .to_device(&d)
+                .unwrap()
+                .broadcast_scalar(&[5, 1, 7])
+                .unwrap();
+            assert!(matches!(g.device(), Device::Gpu(_)));
+            assert_eq!(bits(&g), vec![v.to_bits(); 35], "GPU {v}");
+            let one = Tensor::vector(&[v]).to_device(&d).unwrap();
+            assert_eq!(
+                bits(&one.broadcast_scalar(&[3]).unwrap()),
+                vec![v.to_bits(); 3]
+            );
+        }
+    }
+    assert!(Tensor::vector(&[1.0, 2.0]).broadcast_scalar(&[2]).is_err());
+}
+
+/// `CommOptions::fold_on_device` off (the browser's setting): reductions of GPU tensors read each
+/// input back once, reduce on the host and upload the result: bitwise the CPU's result, the result
+/// on the GPU, and exactly one readback of the input per rank (world 3, ring all_reduce,
+/// reduce_scatter, tree reduce to root 2).
+#[test]
+fn reductions_folded_on_the_host_read_each_input_back_once() {
+    let Some(_) = gpu() else { return };
+    let g = futures::executor::block_on(distgrad::backend::gpu::Gpu::new()).unwrap();
+    let dev = Device::Gpu(g.clone());
+    const W: usize = 3;
+    let numel = 20_001;
+    for which in ["all_reduce", "reduce_scatter", "reduce"] {
+        for op in ReduceOp::ALL {
+            let run = |d: &Device| {
+                let opts = CommOptions {
+                    ring_threshold: 0,
+                    device: d.clone(),
+                    fold_on_device: false,
+                    ..CommOptions::default()
+                };
+                run_local(W, opts, |comm| {
+                    let r = comm.rank() as u64;
+                    let xs = (0..W as u64)
+                        .map(|j| t(10 * r + j, &[numel]).to_device(d))
+                        .collect::<distgrad::Result<Vec<_>>>();
+                    async move {
+                        let xs = xs?;
+                        let w = comm.world();
+                        Ok::<_, distgrad::Error>(match which {
+                            "all_reduce" => Some(comm.all_reduce(&xs[0], op, &w).await?),
+                            "reduce_scatter" => Some(comm.reduce_scatter(&xs, op, &w).await?),
+                            _ => comm.reduce(&xs[0], 2, op, &w).await?,
+                        })
+                    }
+                })
+                .into_iter()
+                .map(Result::unwrap)
+                .collect::<Vec<_>>()
+            };
+            let before = g.bytes_read_back();
+            let on_gpu = run(&dev);
+            let read = g.bytes_read_back() - before;
+            let inputs = if which == "reduce_scatter" { W * W } else { W };
+            assert_eq!(
+                read,
+                (inputs * numel * 4) as u64,
+                "{which} {op:?}: bytes read back"
+            );
+            let on_cpu = run(&Device::Cpu);
+            for (r, (x, y)) in on_gpu.iter().zip(&on_cpu).enumerate() {
+                match (x, y) {
+                    (Some(x), Some(y)) => {
+                        assert_eq!(x.device().name(), "wgpu", "{which} rank {r}");
+                        assert_eq!(bits(x), bits(y), "{which} {op:?} rank {r}");
+                    }
+                    (None, None) => {}
+                    _ => panic!("{which} rank {r}: a result on one device only"),
+                }
+            }
+        }
+    }
+}

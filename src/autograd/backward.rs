@@ -136,7 +136,7 @@ fn local_backward(op: &Local, xs: &[Tensor], ys: &[Tensor], g: &Tensor) -> Resul
         Local::Scale(c) => vec![g.scale(*c)?],
         // C = AB: dA = G Bᵀ, dB = Aᵀ G
         Local::MatMul => vec![g.matmul(&xs[1].t()?)?, xs[0].t()?.matmul(g)?],
-        Local::Sum => vec![xs[0].full_like(1.0)?.mul(g)?],
+        Local::Sum => vec![g.broadcast_scalar(xs[0].shape())?],
         Local::Mean => vec![xs[0].full_like(1.0 / xs[0].numel() as f32)?.mul(g)?],
         Local::Relu => vec![g.mul(&xs[0].unary(UnaryOp::Step)?)?],
         // d tanh(x)/dx = 1 - tanh(x)^2, from the saved output

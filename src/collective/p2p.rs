@@ -99,6 +99,12 @@ pub struct CommOptions {
     /// Where tensors that arrive without an input of this rank's to follow are placed: `recv`'s
     /// result and `scatter`'s on non-root ranks. Other outputs live on their inputs' device.
     pub device: Device,
+    /// Reductions of GPU tensors (reduce, large all_reduce and reduce_scatter) fold what they
+    /// receive into a partial result on the GPU, reading back only what they send. Off: such a
+    /// reduction reads its input back once, runs on the host and uploads its result once (one
+    /// readback instead of one per ring step: cheaper where each readback waits for the GPU
+    /// queue, as in a browser, and where the host is as fast as the GPU, as on a software GPU).
+    pub fold_on_device: bool,
 }
 
 impl Default for CommOptions {
@@ -111,6 +117,7 @@ impl Default for CommOptions {
             confirm: true,
             record_calls: false,
             device: Device::Cpu,
+            fold_on_device: true,
         }
     }
 }
@@ -231,6 +238,11 @@ impl<T: Transport> P2p<T> {
         }
     }
 
+    /// Whether a reduction of a tensor on `dev` folds there (see [`CommOptions::fold_on_device`]).
+    fn folds_on(&self, dev: &Device) -> bool {
+        on_gpu(dev) && self.opts.fold_on_device
+    }
+
     fn next_p2p_seq(&self, group: u32, from: usize, to: usize) -> u64 {
         let mut m = self.p2p_seqs.borrow_mut();
         let s = m.entry((group, from, to)).or_insert(0);
@@ -325,7 +337,7 @@ impl<T: Transport> Communicator for P2p<T> {
         self.guarded(async {
             let dev = x.device();
             // A GPU tensor is reduced on the GPU (each child's contribution folded in there).
-            let x = &stage(x, x.numel() > 0 && on_gpu(&dev)).await?;
+            let x = &stage(x, x.numel() > 0 && self.folds_on(&dev)).await?;
             group.check_rank("reduce", "root", root)?;
             let call = self
                 .begin(group, Spec::Reduce { root, op }.sig().shape(x.shape()))
@@ -346,7 +358,7 @@ impl<T: Transport> Communicator for P2p<T> {
             let n = group.size();
             let ring = n > 1 && x.numel() * 4 >= self.opts.ring_threshold && x.numel() >= n;
             // A GPU tensor's ring runs its local steps on the GPU; everything else on the host.
-            let host = stage(x, ring && on_gpu(&dev)).await?;
+            let host = stage(x, ring && self.folds_on(&dev)).await?;
             // The algorithm (and the ring's segment size) is part of the call: ranks configured
             // differently fail with a mismatch naming both, not with a confusing byte count.
             let algo = match self.opts.all_reduce {
@@ -457,7 +469,7 @@ impl<T: Transport> Communicator for P2p<T> {
             let ring = group.size() > 1 && numel * 4 >= self.opts.ring_threshold;
             // GPU inputs of a ring keep their local steps on the GPU.
             let gpu_ring =
-                ring && numel > 0 && on_gpu(&dev) && xs.iter().all(|x| x.device() == dev);
+                ring && numel > 0 && self.folds_on(&dev) && xs.iter().all(|x| x.device() == dev);
             let xs = &if gpu_ring {
                 xs.to_vec()
             } else {

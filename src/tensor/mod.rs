@@ -435,6 +435,46 @@ impl Tensor {
         }
     }
 
+    /// The value of a one-element tensor repeated to `shape`, on the same device (the backward of
+    /// a sum: one copy kernel on a GPU, no upload).
+    pub fn broadcast_scalar(&self, shape: &[usize]) -> Result<Tensor> {
+        if self.numel() != 1 {
+            return Err(Error::shape(
+                "broadcast_scalar",
+                &self.shape,
+                shape,
+                "need a tensor of exactly one element",
+            ));
+        }
+        let n = checked_numel(shape).ok_or_else(|| {
+            Error::shape("broadcast_scalar", &self.shape, shape, "too many elements")
+        })?;
+        match self.view() {
+            View::Cpu(a) => Ok(Self::from_cpu(shape.to_vec(), vec![a[0]; n])),
+            #[cfg(feature = "wgpu")]
+            View::Gpu(a) => {
+                let g = a.gpu();
+                let out = g.alloc(n)?;
+                let zeros = vec![0; shape.len()];
+                let dense = cpu::strides(shape);
+                g.copy_strided(
+                    a,
+                    At {
+                        offset: 0,
+                        strides: &zeros,
+                    },
+                    &out,
+                    At {
+                        offset: 0,
+                        strides: &dense,
+                    },
+                    shape,
+                )?;
+                Ok(Self::from_gpu(shape.to_vec(), out))
+            }
+        }
+    }
+
     /// Same data, new shape (shares storage).
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
         if checked_numel(shape) != Some(self.numel()) {

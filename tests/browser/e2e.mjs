@@ -1,6 +1,7 @@
 // End-to-end test of the web app: browser tabs as ranks, checked against the native in-process run.
 //
 //   node tests/browser/e2e.mjs --bin <distgrad binary> --dist <built web app> --net relay|webrtc|channel|auto
+//        [--device gpu|cpu|auto]
 //
 // Starts `distgrad relay --static <dist>` on an ephemeral loopback port, opens 4 tabs of headless
 // Chromium (WebGPU on SwiftShader), and checks:
@@ -13,6 +14,8 @@
 //      BroadcastChannels between these tabs, all in one browser, after which the worker's pairs try
 //      WebRTC);
 //   4. closing one tab mid-run makes every other tab show an error within 5 s.
+// --device is the page's compute choice (default auto: the page's own, which takes the CPU over a
+// software WebGPU adapter such as this SwiftShader and must say so; gpu: WebGPU on SwiftShader).
 // Prints figures (not asserted): page load to ready, 4-tab all_reduce of 1 MiB forward + backward,
 // the .wasm size. --net webrtc must run inside a loopback-only network namespace (scripts/test-all.sh
 // uses `unshare -n`), so that ICE never tries another interface. Exits non-zero on any failure.
@@ -42,10 +45,15 @@ const fail = (msg) => {
   failures.push(msg);
   console.log(`  FAIL ${msg}`);
 };
-const log = (msg) => console.log(`[e2e ${NET}] ${msg}`);
+const log = (msg) => console.log(`[e2e ${NET}, device ${DEVICE}] ${msg}`);
 // The page's URL parameter for this run's data path (auto is the page's default), and the path
 // expected between two tabs (auto: all tabs are in this one browser).
-const NET_PARAM = NET === 'auto' ? '' : `&net=${NET}`;
+const DEVICE = args.device ?? 'auto';
+if (!['gpu', 'cpu', 'auto'].includes(DEVICE)) {
+  console.error('--device must be gpu, cpu or auto');
+  process.exit(2);
+}
+const NET_PARAM = (NET === 'auto' ? '' : `&net=${NET}`) + (DEVICE === 'auto' ? '' : `&device=${DEVICE}`);
 const TAB_LINK = NET === 'auto' ? 'channel' : NET;
 const withTimeout = (p, ms, what) =>
   Promise.race([p, sleep(ms).then(() => { throw new Error(`${what}: no answer within ${ms} ms`); })]);
@@ -169,6 +177,9 @@ async function main() {
     log(`4 tabs ready in ${Date.now() - tLoad} ms (page load to ready, median over tabs: ${figures.page_load_to_ready_ms.toFixed(0)} ms); compute: ${states[0].device}`);
     const ranks = states.map((s) => s.rank).sort();
     if (JSON.stringify(ranks) !== JSON.stringify([0, 1, 2, 3])) fail(`ranks ${ranks}`);
+    // The compute backend the page took, and why (this Chromium's only WebGPU adapter is SwiftShader).
+    const wantDevice = { gpu: /^WebGPU: .*Cpu/, cpu: /^CPU \(chosen with \?device=cpu\)/, auto: /^CPU \(the WebGPU adapter, .*, is a software one/ }[DEVICE];
+    for (const s of states) if (!wantDevice.test(s.device)) fail(`device=${DEVICE}: the page says "${s.device}", expected ${wantDevice}`);
     for (const s of states) {
       const others = s.links.filter((l, r) => r !== s.rank);
       const want = TAB_LINK;
@@ -247,7 +258,7 @@ async function main() {
       const pos = (x) => typeof x === 'number' && x > 0 && Number.isFinite(x);
       if (!t || t.round_trip_ms.length !== WORLD - 1 || !t.round_trip_ms.every((r) => pos(r.ms))) fail(`room benchmark: round trips ${JSON.stringify(t?.round_trip_ms)}`);
       else if (!pos(t.raw_mibs_0_to_1) || !pos(t.exchange_ms)) fail(`room benchmark: raw throughput ${t.raw_mibs_0_to_1}, exchange ${t.exchange_ms}`);
-      else if (t.all_reduce_fwd_bwd.length !== 2 || !t.all_reduce_fwd_bwd.every((r) => pos(r.ms) && pos(r.busbw_mibs))) fail(`room benchmark: rows ${JSON.stringify(t.all_reduce_fwd_bwd)}`);
+      else if (t.all_reduce_fwd_bwd.length !== (t.device === 'gpu' ? 4 : 2) || !t.all_reduce_fwd_bwd.every((r) => pos(r.ms) && pos(r.busbw_mibs))) fail(`room benchmark: rows ${JSON.stringify(t.all_reduce_fwd_bwd)}`);
       else {
         // Each ratio is its figure over its own link's, measured in the same run.
         for (const r of t.all_reduce_fwd_bwd) {
@@ -255,9 +266,14 @@ async function main() {
           if (Math.abs(r.of_exchange - r.ms / (2 * t.exchange_ms)) > 1e-9 * r.of_exchange) fail(`room benchmark: ${r.bytes} B: of_exchange ${r.of_exchange} != ${r.ms} / (2 * ${t.exchange_ms})`);
           if (Math.abs(r.of_raw - r.busbw_mibs / t.raw_mibs_0_to_1) > 1e-9 * r.of_raw) fail(`room benchmark: ${r.bytes} B: of_raw ${r.of_raw} != ${r.busbw_mibs} / ${t.raw_mibs_0_to_1}`);
         }
-        const [small, large] = t.all_reduce_fwd_bwd;
-        figures[`room_bench_${NET}`] = { round_trip_ms: t.mean_round_trip_ms, raw_mibs: t.raw_mibs_0_to_1, small_ms: small.ms, small_round_trips: small.round_trips, exchange_ms: t.exchange_ms, small_of_exchange: small.of_exchange, large_ms: large.ms, large_busbw_mibs: large.busbw_mibs, large_of_raw: large.of_raw };
-        log(`room benchmark over ${NET} (median of ${t.reps}): round trip ${t.mean_round_trip_ms.toFixed(2)} ms, raw 0→1 ${t.raw_mibs_0_to_1.toFixed(0)} MiB/s; raw exchange (4 B every tab to every other) ${t.exchange_ms.toFixed(2)} ms; all_reduce fwd+bwd 4 B ${small.ms.toFixed(2)} ms = ${small.round_trips.toFixed(1)} round trips = ${small.of_exchange.toFixed(1)} x 2 raw exchanges; 1 MiB ${large.ms.toFixed(1)} ms, bus ${large.busbw_mibs.toFixed(0)} MiB/s = ${large.of_raw.toFixed(2)} of the raw link`);
+        // On a WebGPU tab every size also runs with CPU tensors: of_cpu is the ratio of the two.
+        for (const r of t.all_reduce_fwd_bwd) {
+          const cpu = t.all_reduce_fwd_bwd.find((c) => c.bytes === r.bytes && c.device === 'cpu');
+          if (!cpu || Math.abs(r.of_cpu - r.ms / cpu.ms) > 1e-9 * r.of_cpu) fail(`room benchmark: ${r.bytes} B on ${r.device}: of_cpu ${r.of_cpu} != ${r.ms} / ${cpu?.ms}`);
+        }
+        const [small, large] = t.all_reduce_fwd_bwd.filter((r) => r.device === t.device);
+        figures[`room_bench_${NET}`] = { round_trip_ms: t.mean_round_trip_ms, raw_mibs: t.raw_mibs_0_to_1, small_ms: small.ms, small_round_trips: small.round_trips, exchange_ms: t.exchange_ms, small_of_exchange: small.of_exchange, large_ms: large.ms, large_busbw_mibs: large.busbw_mibs, large_of_raw: large.of_raw, small_of_cpu: small.of_cpu, large_of_cpu: large.of_cpu };
+        log(`room benchmark over ${NET} (median of ${t.reps}): round trip ${t.mean_round_trip_ms.toFixed(2)} ms, raw 0→1 ${t.raw_mibs_0_to_1.toFixed(0)} MiB/s; raw exchange (4 B every tab to every other) ${t.exchange_ms.toFixed(2)} ms; all_reduce fwd+bwd 4 B ${small.ms.toFixed(2)} ms = ${small.round_trips.toFixed(1)} round trips = ${small.of_exchange.toFixed(1)} x 2 raw exchanges; 1 MiB ${large.ms.toFixed(1)} ms, bus ${large.busbw_mibs.toFixed(0)} MiB/s = ${large.of_raw.toFixed(2)} of the raw link; tensors on ${t.device}: ${small.of_cpu.toFixed(2)}x / ${large.of_cpu.toFixed(2)}x the CPU path's time`);
         const shown = await byRank[1].textContent('#bench-result');
         if (!shown.includes('round trips') || !shown.includes(large.ms.toFixed(2))) fail(`room benchmark: the table is not shown: ${shown.slice(0, 200)}`);
       }

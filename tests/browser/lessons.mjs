@@ -9,8 +9,10 @@
 // bit) to `distgrad run <lesson> --world 3 --json`; the values of the step shown must be in the page's
 // table; Step / Back / Play / Reset pressed on one tab must move every tab to the same step. A
 // 1280x800 screenshot per lesson (and a phone-width one of one lesson) goes to <out>/lessons/.
-// The same lessons run in single-tab mode (?sim=3), and some in a browser without WebGPU (CPU
-// fallback, labelled). Fails on any console error or uncaught exception.
+// The room mixes backends: the tab that made it takes the page's automatic choice (the CPU, since
+// this Chromium's only WebGPU adapter is the software SwiftShader, and it must say so), the two that
+// follow the share link add &device=gpu (WebGPU). The same lessons run in single-tab mode
+// (?sim=3&device=gpu), and some in a browser without WebGPU (CPU fallback, labelled). Fails on any console error or uncaught exception.
 
 import { execFileSync } from 'node:child_process';
 import { readFileSync, mkdirSync } from 'node:fs';
@@ -134,11 +136,13 @@ async function main() {
     await pages[0].waitForURL(/room=/);
     const share = (await waitFor([pages[0]], (s) => !!s.share, 30000, 'share link'))[0].share;
     if (!share.includes(`world=${WORLD}`) || !share.includes('token=') || !share.includes('net=relay')) fail(`share link ${share}`);
-    await Promise.all(pages.slice(1).map((p) => p.goto(share)));
+    await Promise.all(pages.slice(1).map((p) => p.goto(`${share}&device=gpu`)));
     const states = await waitFor(pages, (s) => s.phase === 'ready', 60000, 'joining');
+    if (!/^CPU \(the WebGPU adapter, .*, is a software one/.test(states[0].device)) fail(`the room's first tab should take the CPU over SwiftShader and say why: "${states[0].device}"`);
+    for (const s of states.slice(1)) if (!/^WebGPU: /.test(s.device)) fail(`a tab joined with device=gpu says "${s.device}"`);
     const byRank = [];
     states.forEach((s, i) => { byRank[s.rank] = pages[i]; });
-    log(`3 tabs ready (compute: ${states[0].device})`);
+    log(`3 tabs ready (compute: ${states.map((s) => s.device).join(' | ')})`);
     let runs = 0;
     for (const { name } of index) {
       // Rank 1 starts the lesson with the page's own controls.
@@ -214,7 +218,7 @@ async function main() {
     // ---- single-tab mode ----
     const sim = await ctx.newPage();
     watch(sim, 'single tab', errors);
-    await sim.goto(`${base}?sim=${WORLD}`);
+    await sim.goto(`${base}?sim=${WORLD}&device=gpu`);
     await waitFor([sim], (s) => s.phase === 'ready', 30000, 'single-tab mode');
     let simRuns = 0;
     for (const { name } of index) {
@@ -228,7 +232,7 @@ async function main() {
       await checkShown(sim, t, 0, `single-tab ${name}`);
     }
     await sim.screenshot({ path: join(OUT, 'single-tab.png') });
-    log(`single-tab mode (?sim=${WORLD}): all ${index.length} lessons == distgrad run`);
+    log(`single-tab mode (?sim=${WORLD}&device=gpu): all ${index.length} lessons == distgrad run`);
 
     // ---- no WebGPU: a browser without an adapter runs on the labelled CPU fallback ----
     const plain = await chromium.launch({

@@ -161,6 +161,7 @@ enum Kernel {
     ReduceInto4,
     FoldInto4,
     SumPartials,
+    SumRuns,
     SumTo,
     CopyStrided,
     CopyFlat,
@@ -176,6 +177,7 @@ impl Kernel {
             Kernel::ReduceInto4 => "reduce_into_vec4",
             Kernel::FoldInto4 => "fold_into_vec4",
             Kernel::SumPartials => "sum_partials",
+            Kernel::SumRuns => "sum_runs",
             Kernel::SumTo => "sum_to",
             Kernel::CopyStrided => "copy_strided",
             Kernel::CopyFlat => "copy_flat",
@@ -195,6 +197,7 @@ impl Kernel {
             | Kernel::ReduceInto4
             | Kernel::FoldInto4
             | Kernel::SumPartials
+            | Kernel::SumRuns
             | Kernel::SumTo => ("reduce.wgsl", include_str!("../../../shaders/reduce.wgsl")),
             Kernel::CopyStrided | Kernel::CopyFlat => {
                 ("copy.wgsl", include_str!("../../../shaders/copy.wgsl"))
@@ -261,6 +264,12 @@ impl Gpu {
             error,
             read_back: std::sync::atomic::AtomicU64::new(0),
         })))
+    }
+
+    /// Whether the adapter is a software rasterizer on the CPU (lavapipe, SwiftShader): kernels
+    /// there compete with the host for the same cores.
+    pub fn is_software(&self) -> bool {
+        self.0.info.device_type == wgpu::DeviceType::Cpu
     }
 
     /// `name (backend, device type[, driver])` of the adapter: the driver's own version string

@@ -87,7 +87,7 @@ impl Gpu {
     /// workgroups. Both layouts do the same operations on every element: results are identical.
     fn vec4_layout(&self, layout: Vec4Layout, n4: usize) -> (u32, u32) {
         let runs = match layout {
-            Vec4Layout::Auto => self.0.info.device_type == wgpu::DeviceType::Cpu,
+            Vec4Layout::Auto => self.is_software(),
             Vec4Layout::GridStride => false,
             Vec4Layout::Runs => true,
         };
@@ -100,20 +100,21 @@ impl Gpu {
         }
     }
 
-    /// Sum of all elements: each invocation adds its share serially, then a tree per workgroup,
-    /// repeated down to one value. The share is interleaved within the workgroup's block on a GPU
-    /// (neighbouring invocations read neighbouring elements) and a run of consecutive elements on
-    /// a CPU adapter ([`Vec4Layout::Auto`], as for reduce-into).
+    /// Sum of all elements, in passes down to one value. On a GPU each invocation adds an
+    /// interleaved share of its workgroup's block (neighbouring invocations read neighbouring
+    /// elements), then a tree per workgroup; on a CPU adapter ([`Vec4Layout::Auto`], as for
+    /// reduce-into) each invocation adds a run of consecutive elements and writes it out, with no
+    /// workgroup barrier (software rasterizers run barriers slowly).
     pub fn sum_all(&self, x: &GpuBuf) -> Result<GpuBuf> {
         self.sum_all_in(Vec4Layout::Auto, x)
     }
 
-    /// [`Gpu::sum_all`] with the share of each invocation chosen by the caller (`GridStride`:
-    /// interleaved, `Runs`: consecutive); tests and `distgrad bench kernels` compare them. The
-    /// sums differ only in the order of the additions.
+    /// [`Gpu::sum_all`] with the kernel chosen by the caller (`GridStride`: interleaved shares and a
+    /// tree per workgroup, `Runs`: barrier-free runs); tests and `distgrad bench kernels` compare
+    /// them. The sums differ only in the order of the additions.
     pub fn sum_all_in(&self, layout: Vec4Layout, x: &GpuBuf) -> Result<GpuBuf> {
-        let interleave = match layout {
-            Vec4Layout::Auto => self.0.info.device_type != wgpu::DeviceType::Cpu,
+        let tree = match layout {
+            Vec4Layout::Auto => !self.is_software(),
             Vec4Layout::GridStride => true,
             Vec4Layout::Runs => false,
         };
@@ -131,13 +132,37 @@ impl Gpu {
             return self.sum_all_in(layout, &sums);
         }
         let mut cur = x.clone();
+        if !tree {
+            // A run per invocation, no barriers, down to one value: runs of 64 to 1024 elements,
+            // longer ones for large inputs so the first pass writes at most 16 Ki partials.
+            loop {
+                let n = cur.len;
+                let per = n.div_ceil(16 << 10).clamp(64, 1024).min(n.max(1));
+                let outs = n.div_ceil(per).max(1);
+                let out = self.storage("sum", outs)?;
+                let m = self.meta(&[n as u32, per as u32, outs as u32, 0]);
+                self.run(
+                    Kernel::SumRuns,
+                    &[
+                        (0, out.buf.as_entire_binding()),
+                        (1, cur.buf.as_entire_binding()),
+                        (2, m.as_entire_binding()),
+                    ],
+                    Self::groups(outs, 1),
+                )?;
+                if outs == 1 {
+                    return Ok(out);
+                }
+                cur = out;
+            }
+        }
         loop {
             let n = cur.len;
-            // Each thread sums `per` consecutive elements; one partial per workgroup of 256.
+            // Each thread sums `per` elements 256 apart; one partial per workgroup of 256.
             let per = n.div_ceil(WG as usize * 64).clamp(1, 256);
             let groups = n.div_ceil(per * WG as usize).max(1);
             let out = self.storage("sum", groups)?;
-            let m = self.meta(&[n as u32, per as u32, groups as u32, u32::from(interleave)]);
+            let m = self.meta(&[n as u32, per as u32, groups as u32]);
             self.run(
                 Kernel::SumPartials,
                 &[

@@ -55,8 +55,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// the same on every tab, so the tabs' raw messages match): raw round trips from rank 0 to every
 /// peer, rank 0's raw throughput to rank 1 and a raw exchange (every rank 4 bytes to every other)
 /// over the same links the collectives use, then a SUM all_reduce forward + backward of 4 B and
-/// 1 MiB; each collective figure beside its link's (the small one in round trips and in raw
-/// exchanges, the large one's bus bandwidth as a fraction of the raw throughput). Every tab gets rank 0's table.
+/// 1 MiB (on a WebGPU tab also with CPU tensors: the GPU path as a multiple of the CPU path); each
+/// collective figure beside its link's (the small one in round trips and in raw exchanges, the
+/// large one's bus bandwidth as a fraction of the raw throughput). Every tab gets rank 0's table.
 pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value> {
     let comm = app.comm.as_ref().ok_or_else(|| {
         Error::Input("the room benchmark needs tabs (not single-tab mode)".into())
@@ -130,23 +131,35 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
         k += 1;
     }
     let exchange_ms = (world > 1).then(|| median(exchange_ms));
-    // The collectives, each repetition started together.
+    // The collectives, each repetition started together: on the tab's device, and on a GPU tab
+    // also on the CPU backend over the same links, so the GPU path's cost is a ratio too.
+    let mut devices = vec![app.device.clone()];
+    if !matches!(app.device, Device::Cpu) {
+        devices.push(Device::Cpu);
+    }
     let mut collectives = Vec::new();
     for numel in BENCH_SIZES {
-        let x = Tensor::from_vec(vec![1.0; numel], &[numel])?.to_device(&app.device)?;
-        let mut times = Vec::with_capacity(BENCH_REPS);
-        for _ in 0..BENCH_REPS {
-            comm.barrier(&group).await?;
-            let t0 = now_ms();
-            let tape = Tape::new();
-            let xv = tape.var(x.clone());
-            let y = dist::all_reduce(comm, &xv, ReduceOp::Sum, &group).await?;
-            let g = tape.backward(&y.sum()?, comm).await?.wrt(&xv)?;
-            g.slice(0, 0, 1)?.read().await?;
-            times.push(now_ms() - t0);
+        for dev in &devices {
+            let x = Tensor::from_vec(vec![1.0; numel], &[numel])?.to_device(dev)?;
+            let mut times = Vec::with_capacity(BENCH_REPS);
+            for _ in 0..BENCH_REPS {
+                comm.barrier(&group).await?;
+                let t0 = now_ms();
+                let tape = Tape::new();
+                let xv = tape.var(x.clone());
+                let y = dist::all_reduce(comm, &xv, ReduceOp::Sum, &group).await?;
+                let g = tape.backward(&y.sum()?, comm).await?.wrt(&xv)?;
+                g.slice(0, 0, 1)?.read().await?;
+                times.push(now_ms() - t0);
+            }
+            comm.take_calls();
+            let name = if matches!(dev, Device::Cpu) {
+                "cpu"
+            } else {
+                "gpu"
+            };
+            collectives.push((numel, name, median(times)));
         }
-        comm.take_calls();
-        collectives.push((numel, median(times)));
     }
     // Rank 0's table goes to every tab.
     let mut table = serde_json::Value::Null;
@@ -155,15 +168,21 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
             rtt.iter().filter_map(|r| r["ms"].as_f64()).sum::<f64>() / rtt.len().max(1) as f64;
         let rows: Vec<serde_json::Value> = collectives
             .iter()
-            .map(|&(numel, ms)| {
+            .map(|&(numel, device, ms)| {
                 let bytes = numel * 4;
+                let cpu_ms = collectives
+                    .iter()
+                    .find(|c| c.0 == numel && c.1 == "cpu")
+                    .map(|c| c.2);
                 // Bus bandwidth of an all_reduce (nccl-tests): 2(n−1)/n of the bytes per rank,
                 // twice (forward and backward).
                 let bus = 2.0 * 2.0 * (world as f64 - 1.0) / world as f64 * bytes as f64;
                 let busbw = bus / (1 << 20) as f64 / (ms / 1000.0);
                 serde_json::json!({
                     "bytes": bytes,
+                    "device": device,
                     "ms": ms,
+                    "of_cpu": cpu_ms.map(|c| ms / c),
                     "round_trips": ms / mean_rtt,
                     // forward and backward: two exchanges' worth of messages
                     "of_exchange": exchange_ms.map(|e| ms / (2.0 * e)),
@@ -179,6 +198,7 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
             "mean_round_trip_ms": mean_rtt,
             "exchange_ms": exchange_ms,
             "raw_mibs_0_to_1": raw_mibs,
+            "device": devices.first().map_or("cpu", |d| if matches!(d, Device::Cpu) { "cpu" } else { "gpu" }),
             "all_reduce_fwd_bwd": rows,
             "reps": BENCH_REPS,
         });
@@ -226,14 +246,16 @@ pub(super) fn show_bench(v: &serde_json::Value) {
     ));
     html.push_str(
         "<table class=\"values\"><thead><tr><th scope=\"col\">all_reduce(SUM), forward + backward</th>\
-         <th scope=\"col\">ms (median)</th><th scope=\"col\">round trips</th><th scope=\"col\">× 2 raw exchanges</th>\
+         <th scope=\"col\">tensors on</th><th scope=\"col\">ms (median)</th><th scope=\"col\">× the CPU's</th><th scope=\"col\">round trips</th><th scope=\"col\">× 2 raw exchanges</th>\
          <th scope=\"col\">bus bandwidth MiB/s</th><th scope=\"col\">of the raw link</th></tr></thead><tbody>",
     );
     for r in v["all_reduce_fwd_bwd"].as_array().into_iter().flatten() {
         html.push_str(&format!(
-            "<tr><th scope=\"row\">{} B</th><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            "<tr><th scope=\"row\">{} B</th><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
             r["bytes"],
+            if r["device"] == "gpu" { "WebGPU" } else { "CPU" },
             num(&r["ms"], 2),
+            num(&r["of_cpu"], 2),
             num(&r["round_trips"], 1),
             num(&r["of_exchange"], 1),
             num(&r["busbw_mibs"], 1),
