@@ -57,7 +57,7 @@ fn sum_partials(
 // Sum of x[0..n] into acc[0..outs]: invocation j adds its run x[j·per, (j+1)·per) serially, with
 // no workgroup memory and no barrier: the sum on CPU adapters, which run barriers slowly
 // (SwiftShader in Chromium: 1 MiB in ~60 ms with the tree above, 3-9 ms with this; lavapipe:
-// 1.5-2x faster). params: [n, per, outs]
+// 1.5-1.7x faster). params: [n, per, outs]
 @compute @workgroup_size(256)
 fn sum_runs(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let j = linear_index(gid, nwg, 256u);

@@ -254,8 +254,10 @@ impl<T: Transport> P2p<T> {
 /// GPU tensors stay on the GPU: a collective reads back only the bytes it sends (the transport
 /// boundary), a rank's own part of a result is its input itself, and received parts are uploaded
 /// to the inputs' device. The reductions fold received data in on the GPU
-/// ([`crate::tensor::partial::Partial`]); small direct all_reduces and reduce_scatters, whose every contribution
-/// is sent anyway, fold on the host.
+/// ([`crate::tensor::partial::Partial`]) unless [`CommOptions::fold_on_device`] is off (then
+/// they read the input back once and fold on the host); small direct all_reduces and
+/// reduce_scatters, whose every contribution is sent anyway, fold on the host.
+///
 /// Whether `dev` is a GPU.
 fn on_gpu(dev: &Device) -> bool {
     !matches!(dev, Device::Cpu)
@@ -336,7 +338,8 @@ impl<T: Transport> Communicator for P2p<T> {
     ) -> Result<Option<Tensor>> {
         self.guarded(async {
             let dev = x.device();
-            // A GPU tensor is reduced on the GPU (each child's contribution folded in there).
+            // A GPU tensor is reduced on the GPU (each child's contribution folded in there)
+            // unless folds stay on the host (`fold_on_device` off).
             let x = &stage(x, x.numel() > 0 && self.folds_on(&dev)).await?;
             group.check_rank("reduce", "root", root)?;
             let call = self
@@ -357,7 +360,8 @@ impl<T: Transport> Communicator for P2p<T> {
             let dev = x.device();
             let n = group.size();
             let ring = n > 1 && x.numel() * 4 >= self.opts.ring_threshold && x.numel() >= n;
-            // A GPU tensor's ring runs its local steps on the GPU; everything else on the host.
+            // A GPU tensor's ring runs its local steps on the GPU (with `fold_on_device`);
+            // everything else on the host.
             let host = stage(x, ring && self.folds_on(&dev)).await?;
             // The algorithm (and the ring's segment size) is part of the call: ranks configured
             // differently fail with a mismatch naming both, not with a confusing byte count.
@@ -467,7 +471,7 @@ impl<T: Transport> Communicator for P2p<T> {
             let shape = list_shape("reduce_scatter", xs, group.size())?;
             let numel: usize = shape.iter().product();
             let ring = group.size() > 1 && numel * 4 >= self.opts.ring_threshold;
-            // GPU inputs of a ring keep their local steps on the GPU.
+            // GPU inputs of a ring keep their local steps on the GPU (with `fold_on_device`).
             let gpu_ring =
                 ring && numel > 0 && self.folds_on(&dev) && xs.iter().all(|x| x.device() == dev);
             let xs = &if gpu_ring {

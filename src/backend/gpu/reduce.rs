@@ -140,7 +140,7 @@ impl Gpu {
                 let per = n.div_ceil(16 << 10).clamp(64, 1024).min(n.max(1));
                 let outs = n.div_ceil(per).max(1);
                 let out = self.storage("sum", outs)?;
-                let m = self.meta(&[n as u32, per as u32, outs as u32, 0]);
+                let m = self.meta(&[n as u32, per as u32, outs as u32]);
                 self.run(
                     Kernel::SumRuns,
                     &[

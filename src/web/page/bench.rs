@@ -153,12 +153,7 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
                 times.push(now_ms() - t0);
             }
             comm.take_calls();
-            let name = if matches!(dev, Device::Cpu) {
-                "cpu"
-            } else {
-                "gpu"
-            };
-            collectives.push((numel, name, median(times)));
+            collectives.push((numel, device_label(dev), median(times)));
         }
     }
     // Rank 0's table goes to every tab.
@@ -198,7 +193,7 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
             "mean_round_trip_ms": mean_rtt,
             "exchange_ms": exchange_ms,
             "raw_mibs_0_to_1": raw_mibs,
-            "device": devices.first().map_or("cpu", |d| if matches!(d, Device::Cpu) { "cpu" } else { "gpu" }),
+            "device": device_label(&app.device),
             "all_reduce_fwd_bwd": rows,
             "reps": BENCH_REPS,
         });
@@ -211,6 +206,15 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
         .next()
         .ok_or_else(|| Error::Input("no table from rank 0".into()))?;
     serde_json::from_str(&text).map_err(|e| Error::Input(format!("rank 0's table: {e}")))
+}
+
+/// How the benchmark table names a device: `"cpu"` or `"gpu"`.
+fn device_label(d: &Device) -> &'static str {
+    if matches!(d, Device::Cpu) {
+        "cpu"
+    } else {
+        "gpu"
+    }
 }
 
 /// The benchmark table as the page shows it.
