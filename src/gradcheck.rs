@@ -165,13 +165,14 @@ fn perturbations(world: usize, inputs: &[CheckInput], o: &Options, mode: &Mode) 
     match mode {
         Mode::Coordinates => {
             for (i, inp) in inputs.iter().enumerate().filter(|(_, x)| x.grad) {
-                let numel = inp.values.first().map_or(0, Tensor::numel);
                 let ranks: Vec<Option<usize>> = if shared(inp, o.objective) {
                     vec![None]
                 } else {
                     (0..world).map(Some).collect()
                 };
                 for rank in ranks {
+                    // Ranks may hold different sizes (or nothing) of an input.
+                    let numel = inp.values.get(rank.unwrap_or(0)).map_or(0, Tensor::numel);
                     for elem in 0..numel {
                         for delta in deltas {
                             out.push(Perturb::Coord {
@@ -219,8 +220,11 @@ fn choose_mode(world: usize, inputs: &[CheckInput], o: &Options) -> Mode {
         .iter()
         .filter(|x| x.grad)
         .map(|x| {
-            let n = x.values.first().map_or(0, Tensor::numel);
-            if shared(x, o.objective) { n } else { n * world }
+            if shared(x, o.objective) {
+                x.values.first().map_or(0, Tensor::numel)
+            } else {
+                x.values.iter().take(world).map(Tensor::numel).sum()
+            }
         })
         .sum();
     if coords > o.max_coordinates {
@@ -912,19 +916,43 @@ where
             return Err(e);
         }
     };
-    // One flat list per rank, the same length everywhere: base, evals (as f64 pairs), grads.
+    // One flat list per rank, the same length everywhere: base, evals (as f64 pairs), grads
+    // (padded to the longest rank's: ranks may hold inputs of different sizes, which every rank
+    // knows from `inputs`).
+    let lens = |r: usize| -> Vec<usize> {
+        inputs
+            .iter()
+            .map(|x| match x.values.get(r) {
+                Some(t) if x.grad => t.numel(),
+                _ => 0,
+            })
+            .collect()
+    };
+    let shares = 2 * (1 + part.evals.len());
+    let width = (0..comm.world_size())
+        .map(|r| lens(r).iter().sum::<usize>())
+        .max()
+        .unwrap_or(0);
     let mut flat = split_f64(&[part.base]);
     flat.extend(split_f64(&part.evals));
-    let lens: Vec<usize> = part.grads.iter().map(Vec::len).collect();
     for g in &part.grads {
         flat.extend_from_slice(g);
     }
-    let shares = 2 * (1 + part.evals.len());
+    if flat.len() > shares + width {
+        return Err(Error::Input(format!(
+            "gradcheck: rank {}'s gradients have {} values, its inputs {width} at most",
+            comm.rank(),
+            flat.len() - shares
+        )));
+    }
+    flat.resize(shares + width, 0.0);
     let parts: Vec<RankPart> = gather_all(comm, flat)
         .await?
         .into_iter()
-        .map(|v| {
+        .enumerate()
+        .map(|(r, v)| {
             let f = join_f64(&v[..shares]);
+            let lens = lens(r);
             let mut grads = Vec::with_capacity(lens.len());
             let mut at = shares;
             for &n in &lens {

@@ -27,9 +27,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::autograd::{Tape, Var};
 use crate::collective::{CommOptions, Communicator, Kind, P2p, ReduceOp, Spec};
-use crate::dist;
 use crate::error::{Error, Result};
 #[cfg(not(target_arch = "wasm32"))]
 use crate::run::run_local;
@@ -170,8 +168,8 @@ struct Plan {
     /// The call of each global rank (members only: index = position in `group`).
     specs: Vec<Spec>,
     group: Vec<usize>,
-    inputs: Vec<Vec<Tensor>>,
-    cotangents: Option<Vec<Vec<Tensor>>>,
+    /// How many input tensors each global rank passes.
+    n_inputs: Vec<usize>,
 }
 
 fn plan(case: &Case) -> Result<Plan> {
@@ -300,18 +298,15 @@ fn plan(case: &Case) -> Result<Plan> {
         group_rank(g).map_or(0, |r| specs[r].n_inputs(r, n))
     })?;
     let n_outputs = |g: usize| group_rank(g).map_or(0, |r| specs[r].n_outputs(r, n));
-    let cotangents = case
-        .cotangents
-        .as_ref()
-        .map(|c| per_rank("cotangents", c, &n_outputs))
-        .transpose()?;
+    if let Some(c) = &case.cotangents {
+        per_rank("cotangents", c, &n_outputs)?;
+    }
     Ok(Plan {
         kind: which,
         world,
         specs,
         group,
-        inputs,
-        cotangents,
+        n_inputs: inputs.iter().map(Vec::len).collect(),
     })
 }
 
@@ -329,18 +324,40 @@ pub fn parse_case(json: &str) -> Result<Case> {
     })
 }
 
-/// A validated case, ready to run on any communicator.
-pub struct Prepared(Plan);
+/// A case's calls, validated: the group (global ranks) and each member's call, in group order.
+pub(crate) fn case_calls(case: &Case) -> Result<(Vec<usize>, Vec<Spec>)> {
+    plan(case).map(|p| (p.group, p.specs))
+}
+
+/// A validated case, ready to run on any communicator: the case and the one-collective program
+/// it is ([`crate::program::from_case`]), which is what runs.
+pub struct Prepared {
+    case: Plan,
+    program: crate::program::Plan,
+}
 
 impl Prepared {
-    /// Validate a case.
-    pub fn new(case: &Case) -> Result<Self> {
-        plan(case).map(Prepared)
+    /// Validate a case and check its program.
+    pub fn new(case_json: &Case) -> Result<Self> {
+        let case = plan(case_json)?;
+        // What the case check leaves to the program check: shapes that must agree across the
+        // ranks, split sizes against the rows passed.
+        let program = crate::program::from_case(case_json)?
+            .plan(None)
+            .map_err(|e| match e {
+                Error::Input(m) => Error::Input(format!(
+                    "{}: the ranks' inputs do not fit together (checked as the case's program, \
+                     which --print-program shows): {m}",
+                    case.kind.name()
+                )),
+                other => other,
+            })?;
+        Ok(Prepared { case, program })
     }
 
     /// World size.
     pub fn world(&self) -> usize {
-        self.0.world
+        self.case.world
     }
 }
 
@@ -355,9 +372,11 @@ pub struct RankResult {
     pub dual: Vec<String>,
 }
 
-/// Run this rank's part of a case on `comm` (any transport). Calls are recorded to name the dual.
+/// Run this rank's part of a case on `comm` (any transport): its program
+/// ([`crate::program::from_case`]) forward and backward; the collective's outputs and the inputs'
+/// gradients are read back. Calls are recorded to name the dual.
 pub async fn run_rank<T: Transport>(comm: &P2p<T>, prepared: &Prepared) -> Result<RankResult> {
-    let p = &prepared.0;
+    let p = &prepared.case;
     let me = comm.rank();
     if comm.world_size() != p.world {
         return Err(Error::Input(format!(
@@ -366,56 +385,54 @@ pub async fn run_rank<T: Transport>(comm: &P2p<T>, prepared: &Prepared) -> Resul
             comm.world_size()
         )));
     }
-    let group = if p.group.len() == p.world {
-        comm.world()
-    } else {
-        comm.new_group(&p.group)?
-    };
-    if group.rank().is_none() {
-        return Ok(RankResult {
-            outputs: Vec::new(),
-            grads: Vec::new(),
-            dual: Vec::new(),
-        });
-    }
-    let tape = Tape::new();
-    // Inputs and cotangents live on the communicator's device (CPU unless chosen otherwise).
-    let device = &comm.options().device;
-    let xs: Vec<Var> = p.inputs[me]
-        .iter()
-        .map(|t| Ok(tape.var(t.to_device(device)?)))
-        .collect::<Result<_>>()?;
-    let gr = group.rank().unwrap_or_default();
-    let ys = dist::call(comm, &tape, &p.specs[gr], &xs, &group).await?;
     comm.take_calls();
-    let seeds: Vec<(Var, Tensor)> = match &p.cotangents {
-        Some(c) => ys
-            .iter()
-            .zip(&c[me])
-            .map(|(y, t)| Ok((y.clone(), t.to_device(device)?)))
-            .collect::<Result<_>>()?,
-        None => ys
-            .iter()
-            .map(|y| Ok((y.clone(), y.value().full_like(1.0)?)))
-            .collect::<Result<_>>()?,
+    let run = crate::program::trace_rank(
+        comm,
+        &prepared.program,
+        || {
+            comm.take_calls();
+        },
+        &mut |_| {},
+    )
+    .await?;
+    let dual = comm
+        .take_calls()
+        .iter()
+        .map(|(_, s)| short_sig(s))
+        .collect();
+    // The program's names (see from_case): inputs x or x0, x1, ...; output y or y.0, y.1, ...
+    let n_in = p.n_inputs.iter().copied().max().unwrap_or(0);
+    let input = |k: usize| {
+        if n_in == 1 {
+            "x".to_string()
+        } else {
+            format!("x{k}")
+        }
     };
-    let grads = tape.backward_from(&seeds, comm).await?;
-    let mut outputs = Vec::with_capacity(ys.len());
-    for y in &ys {
-        outputs.push(TensorJson::read(&y.value()).await?);
+    let mut grads = Vec::with_capacity(p.n_inputs[me]);
+    for k in 0..p.n_inputs[me] {
+        let g = run.grads.get(&input(k)).ok_or_else(|| {
+            Error::Input(format!(
+                "rank {me}: the case's program has no input {}",
+                input(k)
+            ))
+        })?;
+        grads.push(TensorJson::read(g).await?);
     }
-    let mut gxs = Vec::with_capacity(xs.len());
-    for x in &xs {
-        gxs.push(TensorJson::read(&grads.wrt(x)?).await?);
+    let ys: Vec<&Tensor> = match run.values.get("y") {
+        Some(y) => vec![y],
+        None => (0..)
+            .map_while(|k| run.values.get(&format!("y.{k}")))
+            .collect(),
+    };
+    let mut outputs = Vec::with_capacity(ys.len());
+    for y in ys {
+        outputs.push(TensorJson::read(y).await?);
     }
     Ok(RankResult {
         outputs,
-        grads: gxs,
-        dual: comm
-            .take_calls()
-            .iter()
-            .map(|(_, s)| short_sig(s))
-            .collect(),
+        grads,
+        dual,
     })
 }
 
@@ -430,7 +447,7 @@ pub fn case_options() -> CommOptions {
 
 /// Put the ranks' results (index = global rank) together into the case's answer.
 pub fn assemble(prepared: &Prepared, results: Vec<Result<RankResult>>) -> Result<CaseOutput> {
-    let p = &prepared.0;
+    let p = &prepared.case;
     let mut outputs = Vec::with_capacity(p.world);
     let mut grads = Vec::with_capacity(p.world);
     let mut dual = None;

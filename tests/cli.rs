@@ -181,7 +181,7 @@ fn bad_input_is_a_clear_error_with_exit_code_2() {
         ),
         (
             r#"{"collective":"all_reduce","world":2,"inputs":[[{"shape":[1],"data":[1]}],[{"shape":[2],"data":[1,2]}]]}"#,
-            "collective mismatch",
+            "shapes must agree across the group: group rank 0 (rank 0) passes [1], group rank 1 (rank 1) passes [2]",
         ),
         (
             r#"{"collective":"scatter","world":2,"inputs":[[],[]]}"#,

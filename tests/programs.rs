@@ -133,6 +133,88 @@ fn max_tie_by_hand() {
     assert!(r.render().contains("not differentiable at 2 coordinate(s)"));
 }
 
+/// Inputs held by some ranks only (`"ranks"`) and of a different shape per rank (`"shapes"`),
+/// with numbers worked out by hand.
+#[test]
+fn per_rank_inputs_by_hand() {
+    // scatter from root 2 of the list s0, s1, s2 that only rank 2 holds: rank j gets s_j, its
+    // loss is sum(y^2), so F = |s0|^2 + |s1|^2 + |s2|^2 and dF/ds_j = 2 s_j, on rank 2 alone.
+    let p = program(
+        r#"{"world": 3,
+            "inputs": [{"name": "s0", "shape": [2], "ranks": [2], "values": [[1, 2]]},
+                       {"name": "s1", "shape": [2], "ranks": [2], "values": [[3, 4]]},
+                       {"name": "s2", "shape": [2], "ranks": [2], "values": [[5, 6]]}],
+            "steps": [{"collective": "scatter", "root": 2, "in": ["s0", "s1", "s2"], "out": "y"},
+                      {"op": "square", "in": ["y"], "out": "q"},
+                      {"op": "sum", "in": ["q"], "out": "loss"}],
+            "loss": "loss"}"#,
+    );
+    let plan = p.plan(None).expect("plan");
+    assert!(plan.holds(2, 0) && !plan.holds(0, 0) && !plan.holds(1, 2));
+    let runs = run_local(&plan, CommOptions::default()).expect("run");
+    let losses: Vec<f32> = runs.iter().map(|r| r.loss.expect("loss")).collect();
+    assert_eq!(losses, vec![5.0, 25.0, 61.0]);
+    for (r, run) in runs.iter().enumerate().take(2) {
+        assert_eq!(run.grads, vec![None, None, None], "rank {r} holds nothing");
+    }
+    assert_eq!(
+        runs[2].grads,
+        vec![
+            Some(vec![2.0, 4.0]),
+            Some(vec![6.0, 8.0]),
+            Some(vec![10.0, 12.0])
+        ]
+    );
+    let r = gradcheck_program(&plan, &Options::default()).expect("check");
+    assert!(r.passed, "{}", r.render());
+    let rows: Vec<(usize, &str, usize)> = r
+        .rows
+        .iter()
+        .map(|row| (row.rank, row.input.as_str(), row.checked))
+        .collect();
+    assert_eq!(rows, vec![(2, "s0", 2), (2, "s1", 2), (2, "s2", 2)]);
+
+    // Rank r holds r + 1 rows of x; all_to_all_single: rank 0 keeps its row, rank 1 sends one
+    // row to 1 and one to 2, rank 2 one row to each rank. Received: rank 0 [1, 4], rank 1 [2, 5],
+    // rank 2 [3, 6]; loss sum(y^2): 17, 29, 45; every row is sent once, so dF/dx = 2x.
+    let p = program(
+        r#"{"world": 3,
+            "inputs": [{"name": "x", "shapes": [[1, 1], [2, 1], [3, 1]],
+                        "values": [[1], [2, 3], [4, 5, 6]]}],
+            "steps": [{"collective": "all_to_all_single",
+                       "in_splits": [[1, 0, 0], [0, 1, 1], [1, 1, 1]], "in": ["x"], "out": "y"},
+                      {"op": "square", "in": ["y"], "out": "q"},
+                      {"op": "sum", "in": ["q"], "out": "loss"}],
+            "loss": "loss"}"#,
+    );
+    let plan = p.plan(None).expect("plan");
+    let runs = run_local(&plan, CommOptions::default()).expect("run");
+    let losses: Vec<f32> = runs.iter().map(|r| r.loss.expect("loss")).collect();
+    assert_eq!(losses, vec![17.0, 29.0, 45.0]);
+    let grads: Vec<Vec<f32>> = runs
+        .iter()
+        .map(|r| r.grads[0].clone().expect("grad"))
+        .collect();
+    assert_eq!(
+        grads,
+        vec![vec![2.0], vec![4.0, 6.0], vec![8.0, 10.0, 12.0]]
+    );
+    let r = gradcheck_program(&plan, &Options::default()).expect("check");
+    assert!(r.passed, "{}", r.render());
+    let checked: Vec<usize> = r.rows.iter().map(|row| row.checked).collect();
+    assert_eq!(checked, vec![1, 2, 3], "{}", r.render());
+    // The same in random directions (each rank's direction as long as its own input).
+    let o = Options {
+        directions: Some(4),
+        ..Options::default()
+    };
+    let r = gradcheck_program(&plan, &o).expect("check");
+    assert!(r.passed, "{}", r.render());
+    // The format round-trips.
+    let text = serde_json::to_string(&p).expect("serialize");
+    assert_eq!(program(&text), p);
+}
+
 /// The same computation as a program and with the Rust API: identical losses and gradients.
 #[test]
 fn program_equals_the_rust_api() {
@@ -297,6 +379,42 @@ fn bad_programs_are_clear_errors() {
         (
             r#"{"world": 0, "inputs": [], "steps": [], "loss": "x"}"#,
             "world must be 1..=64",
+        ),
+        (
+            r#"{"world": 2, "inputs": [{"name": "x"}], "steps": [], "loss": "x"}"#,
+            "input \"x\": give \"shape\" (every rank) or \"shapes\" (one per rank that holds it)",
+        ),
+        (
+            r#"{"world": 2, "inputs": [{"name": "x", "shape": [1], "shapes": [[1], [1]]}], "steps": [], "loss": "x"}"#,
+            "give \"shape\" (every rank) or \"shapes\"",
+        ),
+        (
+            r#"{"world": 3, "inputs": [{"name": "x", "shapes": [[1], [2]], "ranks": [0]}], "steps": [], "loss": "x"}"#,
+            "\"shapes\" needs one shape per rank that holds it (1), got 2",
+        ),
+        (
+            r#"{"world": 2, "inputs": [{"name": "x", "shape": [1], "ranks": [0, 2]}], "steps": [], "loss": "x"}"#,
+            "input \"x\": \"ranks\" [0, 2]: ranks must be distinct and below world 2",
+        ),
+        (
+            r#"{"world": 2, "inputs": [{"name": "x", "shape": [1], "ranks": [1], "values": [[1], [2]]}], "steps": [], "loss": "x"}"#,
+            "\"values\" needs one list per rank of \"ranks\" (1), got 2",
+        ),
+        (
+            r#"{"world": 2, "inputs": [{"name": "x", "shapes": [[1], [2]], "values": [[1], [2]]}], "steps": [], "loss": "x"}"#,
+            "input \"x\" on rank 1: shape [2] needs 2 values, got 1",
+        ),
+        (
+            r#"{"world": 2, "inputs": [{"name": "x", "shape": [1], "ranks": [0], "replicated": true}], "steps": [], "loss": "x"}"#,
+            "a replicated input is the same on every rank; it takes neither",
+        ),
+        (
+            r#"{"world": 2, "inputs": [{"name": "x", "shape": [2], "ranks": [0]}], "steps": [{"op": "sum", "in": ["x"], "out": "loss"}], "loss": "loss"}"#,
+            "`x` is not defined on rank 1 (an input, on other ranks)",
+        ),
+        (
+            r#"{"world": 2, "inputs": [{"name": "x", "shapes": [[2], [3]]}], "steps": [{"collective": "all_reduce", "in": ["x"], "out": "y"}], "loss": "y"}"#,
+            "shapes must agree across the group",
         ),
         (r#"[1, 2]"#, "program JSON"),
     ];

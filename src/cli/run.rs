@@ -135,13 +135,20 @@ pub fn print_runs(
                 r.to_string(),
                 run.loss.map_or("-".into(), |l| l.to_string()),
             ];
-            for (g, inp) in run.grads.iter().zip(&program.inputs) {
-                if let Some(g) = g {
-                    row.push(distgrad::vjp::fmt_t(&distgrad::vjp::TensorJson {
-                        shape: inp.shape.clone(),
-                        data: g.iter().map(|&x| (!x.is_nan()).then_some(x)).collect(),
-                    }));
+            for (i, (g, inp)) in run.grads.iter().zip(&program.inputs).enumerate() {
+                if !inp.grad {
+                    continue;
                 }
+                // "-": the rank does not hold the input (or backward did not run).
+                row.push(g.as_ref().map_or_else(
+                    || "-".to_string(),
+                    |g| {
+                        distgrad::vjp::fmt_t(&distgrad::vjp::TensorJson {
+                            shape: plan.inputs(r)[i].shape().to_vec(),
+                            data: g.iter().map(|&x| (!x.is_nan()).then_some(x)).collect(),
+                        })
+                    },
+                ));
             }
             row
         })

@@ -32,6 +32,10 @@ pub struct VjpArgs {
     /// Print the case itself as JSON (e.g. to edit and feed back) and exit.
     #[arg(long)]
     print_case: bool,
+    /// Print the case as a one-collective program (`distgrad run` / `gradcheck` take it) and
+    /// exit.
+    #[arg(long, conflicts_with = "print_case")]
+    print_program: bool,
     /// Compute backend.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     device: DeviceArg,
@@ -96,6 +100,15 @@ pub fn run(a: VjpArgs) -> distgrad::Result<()> {
         println!(
             "{}",
             serde_json::to_string_pretty(&case)
+                .map_err(|e| distgrad::Error::Input(e.to_string()))?
+        );
+        return Ok(());
+    }
+    if a.print_program {
+        let program = distgrad::program::from_case(&case)?;
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&program)
                 .map_err(|e| distgrad::Error::Input(e.to_string()))?
         );
         return Ok(());

@@ -17,8 +17,10 @@ pub struct Plan {
     /// Distinct groups (global ranks), in order of first use; every rank creates them in this order.
     pub(super) groups: Vec<Vec<usize>>,
     pub(super) steps: Vec<Planned>,
-    /// Per rank, per input.
+    /// Per rank, per input (an empty placeholder where the rank does not hold it).
     pub(super) inputs: Vec<Vec<Tensor>>,
+    /// Per rank, per input: whether the rank holds it.
+    pub(super) held: Vec<Vec<bool>>,
 }
 
 /// One step as each rank runs it.
@@ -53,9 +55,19 @@ impl Plan {
         &self.program
     }
 
-    /// The inputs of global rank `rank`, in the program's order.
+    /// The inputs of global rank `rank`, in the program's order (an empty tensor of shape `[0]`
+    /// for an input the rank does not hold: [`Plan::holds`]).
     pub fn inputs(&self, rank: usize) -> &[Tensor] {
         self.inputs.get(rank).map_or(&[], Vec::as_slice)
+    }
+
+    /// Whether global rank `rank` holds input `input` (the index in the program's order).
+    pub fn holds(&self, rank: usize, input: usize) -> bool {
+        self.held
+            .get(rank)
+            .and_then(|h| h.get(input))
+            .copied()
+            .unwrap_or(false)
     }
 
     /// Names of the inputs.
@@ -69,7 +81,7 @@ impl Plan {
 }
 
 /// Whether a collective's output is a list (bound as `out.0`, `out.1`, ...).
-pub(super) fn lists_outputs(kind: Kind) -> bool {
+pub(crate) fn lists_outputs(kind: Kind) -> bool {
     matches!(kind, Kind::Gather | Kind::AllGather | Kind::AllToAll)
 }
 
@@ -115,16 +127,49 @@ fn generated(seed: u64, rank: Option<usize>, n: usize, (lo, hi): (f32, f32)) -> 
         .collect()
 }
 
-fn input_values(index: usize, inp: &Input, world: usize) -> Result<Vec<Tensor>> {
+/// Each rank's value of input `index` (`None` on ranks that do not hold it).
+fn input_values(index: usize, inp: &Input, world: usize) -> Result<Vec<Option<Tensor>>> {
     let what = format!("input {:?}", inp.name);
-    let numel = crate::tensor::checked_numel(&inp.shape)
-        .filter(|&n| n <= MAX_NUMEL)
-        .ok_or_else(|| {
-            Error::Input(format!(
-                "{what}: shape {:?} has more than {MAX_NUMEL} elements",
-                inp.shape
-            ))
-        })?;
+    let holders: Vec<usize> = match &inp.ranks {
+        Some(r) => {
+            ranks_of(&format!("{what}: \"ranks\""), r, world)?;
+            r.clone()
+        }
+        None => (0..world).collect(),
+    };
+    let shapes: Vec<Vec<usize>> = match (&inp.shape, &inp.shapes) {
+        (Some(s), None) => vec![s.clone(); holders.len()],
+        (None, Some(s)) if s.len() == holders.len() => s.clone(),
+        (None, Some(s)) => {
+            return Err(Error::Input(format!(
+                "{what}: \"shapes\" needs one shape per rank that holds it ({}), got {}",
+                holders.len(),
+                s.len()
+            )));
+        }
+        _ => {
+            return Err(Error::Input(format!(
+                "{what}: give \"shape\" (every rank) or \"shapes\" (one per rank that holds it)"
+            )));
+        }
+    };
+    if inp.replicated && (inp.ranks.is_some() || inp.shapes.is_some()) {
+        return Err(Error::Input(format!(
+            "{what}: a replicated input is the same on every rank; it takes neither \"ranks\" nor \"shapes\""
+        )));
+    }
+    let numels = shapes
+        .iter()
+        .map(|shape| {
+            crate::tensor::checked_numel(shape)
+                .filter(|&n| n <= MAX_NUMEL)
+                .ok_or_else(|| {
+                    Error::Input(format!(
+                        "{what}: shape {shape:?} has more than {MAX_NUMEL} elements"
+                    ))
+                })
+        })
+        .collect::<Result<Vec<usize>>>()?;
     let given = [
         inp.values.is_some(),
         inp.value.is_some(),
@@ -143,11 +188,12 @@ fn input_values(index: usize, inp: &Input, world: usize) -> Result<Vec<Tensor>> 
             "{what}: \"range\" is for generated values"
         )));
     }
-    let check = |v: &[f32], whose: &str| -> Result<()> {
-        if v.len() != numel {
+    let check = |v: &[f32], k: usize, whose: &str| -> Result<()> {
+        if v.len() != numels[k] {
             return Err(Error::Input(format!(
-                "{what}{whose}: shape {:?} needs {numel} values, got {}",
-                inp.shape,
+                "{what}{whose}: shape {:?} needs {} values, got {}",
+                shapes[k],
+                numels[k],
                 v.len()
             )));
         }
@@ -158,25 +204,38 @@ fn input_values(index: usize, inp: &Input, world: usize) -> Result<Vec<Tensor>> 
         }
         Ok(())
     };
-    let per_rank: Vec<Vec<f32>> = if let Some(vs) = &inp.values {
+    // One list per holder, in the order of `holders`.
+    let held: Vec<Vec<f32>> = if let Some(vs) = &inp.values {
         if inp.replicated {
             return Err(Error::Input(format!(
                 "{what}: \"values\" are per rank; a replicated input takes \"value\" or \"seed\""
             )));
         }
-        if vs.len() != world {
+        if vs.len() != holders.len() {
+            let whom = if inp.ranks.is_some() {
+                format!("rank of \"ranks\" ({})", holders.len())
+            } else {
+                format!("rank ({world})")
+            };
             return Err(Error::Input(format!(
-                "{what}: \"values\" needs one list per rank ({world}), got {}",
+                "{what}: \"values\" needs one list per {whom}, got {}",
                 vs.len()
             )));
         }
-        for (r, v) in vs.iter().enumerate() {
-            check(v, &format!(" on rank {r}"))?;
+        for (k, v) in vs.iter().enumerate() {
+            check(v, k, &format!(" on rank {}", holders[k]))?;
         }
         vs.clone()
     } else if let Some(v) = &inp.value {
-        check(v, "")?;
-        vec![v.clone(); world]
+        for (k, &r) in holders.iter().enumerate() {
+            let whose = if inp.shapes.is_some() {
+                format!(" on rank {r}")
+            } else {
+                String::new()
+            };
+            check(v, k, &whose)?;
+        }
+        vec![v.clone(); holders.len()]
     } else {
         let range = inp.range.unwrap_or((-1.0, 1.0));
         if !(range.0.is_finite() && range.1.is_finite() && range.0 <= range.1) {
@@ -185,14 +244,18 @@ fn input_values(index: usize, inp: &Input, world: usize) -> Result<Vec<Tensor>> 
             )));
         }
         let seed = inp.seed.unwrap_or(index as u64);
-        (0..world)
-            .map(|r| generated(seed, (!inp.replicated).then_some(r), numel, range))
+        holders
+            .iter()
+            .enumerate()
+            .map(|(k, &r)| generated(seed, (!inp.replicated).then_some(r), numels[k], range))
             .collect()
     };
-    per_rank
-        .into_iter()
-        .map(|v| Tensor::from_vec(v, &inp.shape).map_err(|e| Error::Input(format!("{what}: {e}"))))
-        .collect()
+    let mut out = vec![None; world];
+    for ((v, shape), &r) in held.into_iter().zip(&shapes).zip(&holders) {
+        out[r] =
+            Some(Tensor::from_vec(v, shape).map_err(|e| Error::Input(format!("{what}: {e}")))?);
+    }
+    Ok(out)
 }
 
 /// Output shape of a local op, or why not.
@@ -428,6 +491,7 @@ pub(super) fn plan(p: &Program, world: usize) -> Result<Plan> {
     // Where each name was bound, for messages.
     let mut origin: HashMap<String, String> = HashMap::new();
     let mut inputs: Vec<Vec<Tensor>> = vec![Vec::new(); world];
+    let mut held: Vec<Vec<bool>> = vec![Vec::new(); world];
     for (i, inp) in p.inputs.iter().enumerate() {
         check_name("input", &inp.name)?;
         if origin.contains_key(&inp.name) {
@@ -438,7 +502,13 @@ pub(super) fn plan(p: &Program, world: usize) -> Result<Plan> {
         }
         origin.insert(inp.name.clone(), "an input".into());
         for (r, t) in input_values(i, inp, world)?.into_iter().enumerate() {
-            env[r].insert(inp.name.clone(), inp.shape.clone());
+            let Some(t) = t else {
+                // Not held here: a placeholder keeps the per-rank lists aligned.
+                inputs[r].push(Tensor::from_vec(Vec::new(), &[0])?);
+                held[r].push(false);
+                continue;
+            };
+            env[r].insert(inp.name.clone(), t.shape().to_vec());
             if replicated && inp.replicated {
                 inv[r].insert(inp.name.clone(), (0..world).collect());
             }
@@ -446,6 +516,7 @@ pub(super) fn plan(p: &Program, world: usize) -> Result<Plan> {
                 nograd[r].insert(inp.name.clone());
             }
             inputs[r].push(t);
+            held[r].push(true);
         }
     }
     let all: Vec<usize> = (0..world).collect();
@@ -778,5 +849,6 @@ pub(super) fn plan(p: &Program, world: usize) -> Result<Plan> {
         groups,
         steps,
         inputs,
+        held,
     })
 }

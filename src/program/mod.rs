@@ -9,7 +9,8 @@
 //!    {"name": "x", "shape": [2, 3]},                           uniform in [-1, 1), per rank
 //!    {"name": "w", "shape": [3, 2], "seed": 7, "replicated": true},   the same on every rank
 //!    {"name": "t", "shape": [2], "values": [[1, 2], [3, 4], [5, 6]]}, one list per rank
-//!    {"name": "c", "shape": [2], "value": [0.5, 1], "grad": false}],  a constant
+//!    {"name": "c", "shape": [2], "value": [0.5, 1], "grad": false},  a constant
+//!    {"name": "r", "shapes": [[3, 1], [1, 1]], "ranks": [0, 2]}],     on ranks 0 and 2 only
 //!  "steps": [
 //!    {"op": "matmul", "in": ["x", "w"], "out": "h"},
 //!    {"collective": "all_reduce", "op": "max", "in": ["h"], "out": "m"},
@@ -23,6 +24,10 @@
 //!   (default: the input's index) uniformly in `"range"` (default `[-1, 1]`), different per rank
 //!   unless `"replicated": true`. Under the replicated objective a replicated input is invariant
 //!   over the world (like a closed-over value in JAX's shard_map).
+//! - **Where an input lives**: `"ranks"` (global ranks) gives it to some ranks only (a scatter's
+//!   list on the root); `"shapes"` instead of `"shape"` gives each of those ranks its own shape
+//!   (uneven shards, an all_to_all_single with different row counts). `"values"` and `"shapes"`
+//!   list one entry per rank that holds the input, in the order of `"ranks"`.
 //! - **Local steps** (`"op"`): `add`, `sub`, `mul` (broadcasting), `matmul`, `scale` (`"by"`),
 //!   `sum`, `mean`, `relu`, `tanh`, `square`, `reshape` (`"shape"`), `slice` (`"dim"`, `"start"`,
 //!   `"len"`), `concat` (`"dim"`, any number of inputs), `mse_loss` — every differentiable op of
@@ -45,6 +50,7 @@
 //! shapes, and what must agree across ranks (shapes of a collective's inputs, split sizes,
 //! send / recv pairs), with the step and the ranks in the message.
 
+mod case;
 mod check;
 mod random;
 mod run;
@@ -55,6 +61,7 @@ use serde::{Deserialize, Serialize};
 use crate::collective::Spec;
 use crate::error::{Error, Result};
 
+pub use case::from_case;
 pub use check::Plan;
 pub use random::{RandomOptions, random_program};
 pub(crate) use run::loss_weight;
@@ -116,9 +123,16 @@ impl ObjectiveName {
 pub struct Input {
     /// Name used by the steps.
     pub name: String,
-    /// Shape.
-    pub shape: Vec<usize>,
-    /// Values per rank (row-major).
+    /// Shape on every rank that holds it (give this or `shapes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<Vec<usize>>,
+    /// Shape per rank that holds it (in the order of `ranks`), where ranks hold different shapes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shapes: Option<Vec<Vec<usize>>>,
+    /// The global ranks that hold it (default: every rank); on the others the name is unbound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<Vec<usize>>,
+    /// Values per rank that holds it, in the order of `ranks` (row-major).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub values: Option<Vec<Vec<f32>>>,
     /// Values, the same on every rank.

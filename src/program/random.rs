@@ -421,7 +421,9 @@ pub fn random_program(seed: u64, o: &RandomOptions) -> Program {
             };
             Input {
                 name: format!("x{i}"),
-                shape,
+                shape: Some(shape),
+                shapes: None,
+                ranks: None,
                 values: None,
                 value: None,
                 seed: Some(seed.wrapping_add(i as u64)),
@@ -437,7 +439,7 @@ pub fn random_program(seed: u64, o: &RandomOptions) -> Program {
         steps: Vec::new(),
         pool: inputs
             .iter()
-            .map(|i| (i.name.clone(), i.shape.clone()))
+            .map(|i| (i.name.clone(), i.shape.clone().unwrap_or_default()))
             .collect(),
         fresh: 0,
     };

@@ -18,7 +18,7 @@ pub struct RankRun {
     /// over a group of k ranks under the replicated objective.
     pub weight: f64,
     /// Gradient of the global objective with respect to each input (read back to the host;
-    /// `None` for inputs without gradient, or when backward did not run).
+    /// `None` for inputs without gradient or not held by this rank, or when backward did not run).
     pub grads: Vec<Option<Vec<f32>>>,
 }
 
@@ -128,8 +128,10 @@ pub async fn forward_values<C: Communicator>(
         .program
         .inputs
         .iter()
-        .map(|i| i.name.clone())
-        .zip(xs.iter().cloned())
+        .enumerate()
+        .zip(xs)
+        .filter(|((i, _), _)| plan.holds(me, *i))
+        .map(|((_, inp), x)| (inp.name.clone(), x.clone()))
         .collect();
     let get = |env: &HashMap<String, Var>, name: &str, step: usize| {
         env.get(name).cloned().ok_or_else(|| {
@@ -224,12 +226,14 @@ pub async fn run_rank<C: Communicator>(
             Some(l) => tape.backward(l, comm).await?,
             None => tape.backward_from(&[], comm).await?,
         };
-        for (slot, (x, inp)) in run
+        let me = comm.rank();
+        for (i, (slot, (x, inp))) in run
             .grads
             .iter_mut()
             .zip(xs.iter().zip(&plan.program.inputs))
+            .enumerate()
         {
-            if inp.grad {
+            if inp.grad && plan.holds(me, i) {
                 *slot = Some(grads.wrt(x)?.read().await?);
             }
         }

@@ -5,8 +5,9 @@
 //! every tab but one hidden. Timers of a dedicated worker are not clamped, so the page's waits
 //! (send buffers draining, link setup, lesson playback) sleep on a tiny worker that answers each
 //! request after its delay. Messages from the worker are ordinary tasks, which a hidden page runs
-//! at once. Where no worker can be started (a page without `Worker`), [`sleep`] falls back to the
-//! page's own timer.
+//! at once. Each sleep also arms the page's own timer and ends on whichever fires first, so a
+//! late or lost answer from the worker never stretches a visible tab's wait; where no worker can
+//! be started (a page without `Worker`), the page's timer is all there is.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -59,8 +60,9 @@ impl Clock {
         })
     }
 
-    /// Ask the worker for a wake-up after `d`; `None` if the request could not be posted.
-    fn arm(&self, d: Duration) -> Option<oneshot::Receiver<()>> {
+    /// Ask the worker for a wake-up after `d`: the request's id and the receiver it wakes;
+    /// `None` if the request could not be posted.
+    fn arm(&self, d: Duration) -> Option<(u32, oneshot::Receiver<()>)> {
         let id = self.next.get();
         self.next.set(id.wrapping_add(1));
         let (tx, rx) = oneshot::channel();
@@ -70,7 +72,12 @@ impl Clock {
             self.waiting.borrow_mut().remove(&id);
             return None;
         }
-        Some(rx)
+        Some((id, rx))
+    }
+
+    /// Forget a request whose sleeper woke by the page's timer first.
+    fn disarm(&self, id: u32) {
+        self.waiting.borrow_mut().remove(&id);
     }
 }
 
@@ -85,14 +92,27 @@ thread_local! {
     static CLOCK: Option<Clock> = Clock::start();
 }
 
-/// Sleep for `d`, on the worker's clock when there is one (a hidden tab wakes on time), else on
-/// the page's timer.
+/// Sleep for `d`: until the worker's clock or the page's timer fires, whichever is first. A hidden
+/// tab wakes on the worker's time; a visible one never waits longer than its own timer, even if
+/// the worker's answer is late or lost (a worker that failed to start, a busy worker thread).
 pub async fn sleep(d: Duration) {
-    match CLOCK.with(|c| c.as_ref().and_then(|c| c.arm(d))) {
-        Some(rx) => {
-            let _ = rx.await;
+    let timer = futures_timer::Delay::new(d);
+    let Some((id, rx)) = CLOCK.with(|c| c.as_ref().and_then(|c| c.arm(d))) else {
+        return timer.await;
+    };
+    // A dropped sender (the clock went away) is not a wake-up: then the timer decides.
+    let worker = async {
+        if rx.await.is_err() {
+            std::future::pending::<()>().await;
         }
-        None => futures_timer::Delay::new(d).await,
+    };
+    futures::pin_mut!(worker);
+    if let futures::future::Either::Right(_) = futures::future::select(worker, timer).await {
+        CLOCK.with(|c| {
+            if let Some(c) = c {
+                c.disarm(id);
+            }
+        });
     }
 }
 
