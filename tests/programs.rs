@@ -136,6 +136,51 @@ fn max_tie_by_hand() {
 /// Inputs held by some ranks only (`"ranks"`) and of a different shape per rank (`"shapes"`),
 /// with numbers worked out by hand.
 #[test]
+fn one_program_for_every_world() {
+    // x_r = [r] (value 0 plus r · 1), g = all_gather(x), v = concat(g.*) = [0, 1, .., n-1] on every
+    // rank, loss_r = sum(v²) = Σ k². F = n Σ k², so dF/dx_r = 2 n r.
+    let p = program(
+        r#"{"world": 3,
+            "inputs": [{"name": "x", "shape": [1], "value": [0], "per_rank": [1]}],
+            "steps": [{"collective": "all_gather", "in": ["x"], "out": "g"},
+                      {"op": "concat", "dim": 0, "in": ["g.*"], "out": "v"},
+                      {"op": "square", "in": ["v"], "out": "q"},
+                      {"op": "sum", "in": ["q"], "out": "loss"}],
+            "loss": "loss"}"#,
+    );
+    for n in [1usize, 2, 3, 5, 8] {
+        let plan = p.plan(Some(n)).expect("plan");
+        let runs = run_local(&plan, CommOptions::default()).expect("run");
+        let sq: usize = (0..n).map(|k| k * k).sum();
+        for (r, run) in runs.iter().enumerate() {
+            assert_eq!(run.loss, Some(sq as f32), "world {n} rank {r}");
+            assert_eq!(
+                run.grads,
+                vec![Some(vec![(2 * n * r) as f32])],
+                "world {n} rank {r}"
+            );
+        }
+        let r = gradcheck_program(&plan, &Options::default()).expect("check");
+        assert!(r.passed, "world {n}: {}", r.render());
+    }
+    // The parts of a subgroup's list: one per member.
+    let p = program(
+        r#"{"world": 4,
+            "inputs": [{"name": "x", "shape": [1], "value": [1], "per_rank": [1]}],
+            "steps": [{"collective": "all_gather", "in": ["x"], "out": "g", "group": [3, 1]},
+                      {"op": "concat", "dim": 0, "in": ["g.*", "x"], "out": "v", "ranks": [1, 3]},
+                      {"op": "sum", "in": ["v"], "out": "loss", "ranks": [1, 3]}],
+            "loss": "loss"}"#,
+    );
+    let plan = p.plan(None).expect("plan");
+    let runs = run_local(&plan, CommOptions::default()).expect("run");
+    // [x_3, x_1, x_r]: 4 + 2 + x_r.
+    assert_eq!(runs[1].loss, Some(8.0));
+    assert_eq!(runs[3].loss, Some(10.0));
+    assert_eq!(runs[0].loss, None);
+}
+
+#[test]
 fn per_rank_inputs_by_hand() {
     // scatter from root 2 of the list s0, s1, s2 that only rank 2 holds: rank j gets s_j, its
     // loss is sum(y^2), so F = |s0|^2 + |s1|^2 + |s2|^2 and dF/ds_j = 2 s_j, on rank 2 alone.
@@ -328,6 +373,26 @@ fn large_programs_switch_to_directions_and_say_so() {
 #[test]
 fn bad_programs_are_clear_errors() {
     let cases: &[(&str, &str)] = &[
+        (
+            r#"{"world": 2, "inputs": [{"name": "x", "shape": [2], "per_rank": [1, 1]}], "steps": [{"op": "sum", "in": ["x"], "out": "loss"}], "loss": "loss"}"#,
+            "\"per_rank\" adds r times itself to \"value\" on rank r: give \"value\" too",
+        ),
+        (
+            r#"{"world": 2, "inputs": [{"name": "x", "shape": [2], "value": [1, 1], "per_rank": [1]}], "steps": [{"op": "sum", "in": ["x"], "out": "loss"}], "loss": "loss"}"#,
+            "\"per_rank\" needs 2 finite values (one per value), got 1",
+        ),
+        (
+            r#"{"world": 2, "inputs": [{"name": "x", "shape": [2], "value": [1, 1], "per_rank": [1, 1], "replicated": true}], "steps": [{"op": "sum", "in": ["x"], "out": "loss"}], "loss": "loss"}"#,
+            "and not \"replicated\"",
+        ),
+        (
+            r#"{"world": 2, "inputs": [{"name": "x", "shape": [2], "value": [2e38, 1], "per_rank": [2e38, 0]}], "steps": [{"op": "sum", "in": ["x"], "out": "loss"}], "loss": "loss"}"#,
+            "input \"x\" on rank 1: value 0 is not finite",
+        ),
+        (
+            r#"{"world": 2, "inputs": [{"name": "x", "shape": [2]}], "steps": [{"op": "concat", "dim": 0, "in": ["x.*"], "out": "c"}, {"op": "sum", "in": ["c"], "out": "loss"}], "loss": "loss"}"#,
+            "step 0 (concat [x.*] -> c): `x.*` names the parts of a list output",
+        ),
         (
             r#"{"world": 2, "inputs": [{"name": "x", "shape": [2]}], "steps": [{"op": "tanh", "in": ["y"], "out": "t"}], "loss": "t"}"#,
             "`y` is not defined on rank 0",

@@ -8,8 +8,7 @@
 //! Lesson JSON:
 //! ```text
 //! {"name": "all_gather", "title": "...", "why": "one or two sentences",
-//!  "kind": "collective" | "objectives" | "data_parallel" | "tensor_parallel" | "pipeline_parallel"
-//!        | "program",
+//!  "kind": "collective" | "objectives" | "data_parallel" | "pipeline_parallel" | "program",
 //!  "collective": "all_gather", "op": "max", "root": 1,      (kind collective; op/root where used;
 //!                                                           the last rank is root in smaller worlds)
 //!  "world": 3,                                              (default world of `distgrad run`)
@@ -24,8 +23,6 @@
 //! - `data_parallel`: linear regression, one data shard per rank, gradients averaged with
 //!   all_reduce(AVG) each step; per step the loss of this rank and of the group, the weights and a
 //!   hash of them (equal on every rank: the replicas stay identical).
-//! - `tensor_parallel`: `Y = X·W` with the rows of X and the columns of W sharded across ranks:
-//!   all_gather forward, and the backward pass runs reduce_scatter.
 //! - `pipeline_parallel`: rank r is stage r of a chain `h_r = tanh(w_r ⊙ h_{r−1})` (`h_{−1}` = x on
 //!   rank 0), each stage sending its activation on to the next; the last stage's loss is
 //!   `0.5·sum(h²)`. Backward goes stage by stage the other way: each send's dual is a recv of the
@@ -34,10 +31,12 @@
 //! - `program`: any program ([`crate::program`]): the inputs, each step's result on every rank
 //!   (a collective's messages drawn), the gradient of the global objective with respect to each
 //!   step's result, and the backward pass (the collectives it ran) with the inputs' gradients.
-//!   A lesson is then a program plus its narrative (`title`, `why`).
+//!   A lesson is then a program plus its narrative (`title`, `why`). It runs at the group's
+//!   world where its program fits one (values from `value` + `per_rank`, lists as `out.*`):
+//!   the tensor-parallel lesson is such a program.
 //!
 //! One file per lesson kind (`collective.rs`, `objectives.rs`, `data_parallel.rs`,
-//! `tensor_parallel.rs`, `pipeline_parallel.rs`, `program.rs`), each a `run` giving this rank's steps; the
+//! `pipeline_parallel.rs`, `program.rs`), each a `run` giving this rank's steps; the
 //! lesson and trace types, the step helpers they share, and assembling / rendering traces are here.
 
 mod collective;
@@ -45,11 +44,10 @@ mod data_parallel;
 mod objectives;
 mod pipeline_parallel;
 mod program;
-mod tensor_parallel;
 
 use serde::{Deserialize, Serialize};
 
-use crate::autograd::{Objective, Tape, Var};
+use crate::autograd::{Objective, Tape};
 use crate::collective::{Communicator, Kind, P2p, ReduceOp};
 use crate::dist;
 use crate::error::{Error, Result};
@@ -67,8 +65,6 @@ pub enum LessonKind {
     Objectives,
     /// Data-parallel training with all_reduce(AVG) of the gradients.
     DataParallel,
-    /// A linear layer sharded across ranks (all_gather forward, reduce_scatter backward).
-    TensorParallel,
     /// A chain of stages, one per rank (send forward, recv backward).
     PipelineParallel,
     /// Any program ([`crate::program`]) step by step.
@@ -323,7 +319,6 @@ pub async fn run_rank<T: Transport>(
         LessonKind::Collective => collective::run(comm, lesson, own_input).await?,
         LessonKind::Objectives => objectives::run(comm).await?,
         LessonKind::DataParallel => data_parallel::run(comm, lesson).await?,
-        LessonKind::TensorParallel => tensor_parallel::run(comm).await?,
         LessonKind::PipelineParallel => pipeline_parallel::run(comm).await?,
         LessonKind::Program => program::run(comm, lesson).await?,
     };

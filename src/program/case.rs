@@ -163,6 +163,7 @@ fn slot_input(name: &str, lists: &[Vec<TensorJson>], k: usize, grad: bool) -> Re
         ranks: (held.len() != world).then(|| held.iter().map(|(g, _)| *g).collect()),
         values: Some(values),
         value: None,
+        per_rank: None,
         seed: None,
         range: None,
         grad,

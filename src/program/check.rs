@@ -183,6 +183,11 @@ fn input_values(index: usize, inp: &Input, world: usize) -> Result<Vec<Option<Te
             "{what}: give one of \"values\", \"value\", \"seed\""
         )));
     }
+    if inp.per_rank.is_some() && (inp.value.is_none() || inp.replicated) {
+        return Err(Error::Input(format!(
+            "{what}: \"per_rank\" adds r times itself to \"value\" on rank r: give \"value\" too, and not \"replicated\""
+        )));
+    }
     if inp.range.is_some() && (inp.values.is_some() || inp.value.is_some()) {
         return Err(Error::Input(format!(
             "{what}: \"range\" is for generated values"
@@ -235,7 +240,25 @@ fn input_values(index: usize, inp: &Input, world: usize) -> Result<Vec<Option<Te
             };
             check(v, k, &whose)?;
         }
-        vec![v.clone(); holders.len()]
+        match &inp.per_rank {
+            Some(d) => {
+                if d.len() != v.len() || d.iter().any(|x| !x.is_finite()) {
+                    return Err(Error::Input(format!(
+                        "{what}: \"per_rank\" needs {} finite values (one per value), got {}",
+                        v.len(),
+                        d.len()
+                    )));
+                }
+                let mut out = Vec::with_capacity(holders.len());
+                for (k, &r) in holders.iter().enumerate() {
+                    let at: Vec<f32> = v.iter().zip(d).map(|(a, b)| a + r as f32 * b).collect();
+                    check(&at, k, &format!(" on rank {r}"))?;
+                    out.push(at);
+                }
+                out
+            }
+            None => vec![v.clone(); holders.len()],
+        }
     } else {
         let range = inp.range.unwrap_or((-1.0, 1.0));
         if !(range.0.is_finite() && range.1.is_finite() && range.0 <= range.1) {
@@ -254,6 +277,43 @@ fn input_values(index: usize, inp: &Input, world: usize) -> Result<Vec<Option<Te
     for ((v, shape), &r) in held.into_iter().zip(&shapes).zip(&holders) {
         out[r] =
             Some(Tensor::from_vec(v, shape).map_err(|e| Error::Input(format!("{what}: {e}")))?);
+    }
+    Ok(out)
+}
+
+/// The program with every `name.*` in a step's inputs replaced by the parts of the list output
+/// `name` (`name.0`, `name.1`, ... one per rank of the group of the collective that bound it).
+fn expand_parts(p: &Program, world: usize) -> Result<Program> {
+    let mut out = p.clone();
+    // List outputs bound so far: name -> number of parts.
+    let mut lists: HashMap<String, usize> = HashMap::new();
+    for (si, s) in out.steps.iter_mut().enumerate() {
+        if s.inputs.iter().any(|n| n.ends_with(".*")) {
+            let mut names = Vec::with_capacity(s.inputs.len());
+            for n in &s.inputs {
+                match n.strip_suffix(".*") {
+                    Some(base) => {
+                        let k = lists.get(base).ok_or_else(|| {
+                            err(
+                                si,
+                                s,
+                                format!(
+                                    "`{n}` names the parts of a list output (of gather, all_gather or all_to_all), and no earlier step binds `{base}` as one"
+                                ),
+                            )
+                        })?;
+                        names.extend((0..*k).map(|i| format!("{base}.{i}")));
+                    }
+                    None => names.push(n.clone()),
+                }
+            }
+            s.inputs = names;
+        }
+        if let (StepKind::Collective { spec, .. }, Some(o)) = (&s.kind, &s.out)
+            && lists_outputs(spec.kind())
+        {
+            lists.insert(o.clone(), s.group.as_ref().map_or(world, Vec::len));
+        }
     }
     Ok(out)
 }
@@ -482,6 +542,8 @@ pub(super) fn plan(p: &Program, world: usize) -> Result<Plan> {
             "world must be 1..={MAX_WORLD}, got {world}"
         )));
     }
+    let expanded = expand_parts(p, world)?;
+    let p = &expanded;
     let mut env: Vec<HashMap<String, Vec<usize>>> = vec![HashMap::new(); world];
     // Replicated objective: the values invariant over a group (its global ranks), per rank.
     let replicated = p.objective == super::ObjectiveName::Replicated;

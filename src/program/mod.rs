@@ -10,6 +10,7 @@
 //!    {"name": "w", "shape": [3, 2], "seed": 7, "replicated": true},   the same on every rank
 //!    {"name": "t", "shape": [2], "values": [[1, 2], [3, 4], [5, 6]]}, one list per rank
 //!    {"name": "c", "shape": [2], "value": [0.5, 1], "grad": false},  a constant
+//!    {"name": "v", "shape": [2], "value": [1, 1], "per_rank": [1, -1]}, [1 + r, 1 - r] on rank r
 //!    {"name": "r", "shapes": [[3, 1], [1, 1]], "ranks": [0, 2]}],     on ranks 0 and 2 only
 //!  "steps": [
 //!    {"op": "matmul", "in": ["x", "w"], "out": "h"},
@@ -20,7 +21,8 @@
 //! ```
 //!
 //! - **Inputs** are the values the gradient is taken with respect to (unless `"grad": false`).
-//!   Values: `"values"` (one list per rank), `"value"` (every rank), or generated from `"seed"`
+//!   Values: `"values"` (one list per rank), `"value"` (every rank; plus `r ·` `"per_rank"` on
+//!   rank `r`: values that differ by rank in any world), or generated from `"seed"`
 //!   (default: the input's index) uniformly in `"range"` (default `[-1, 1]`), different per rank
 //!   unless `"replicated": true`. Under the replicated objective a replicated input is invariant
 //!   over the world (like a closed-over value in JAX's shard_map).
@@ -36,7 +38,8 @@
 //!   `perm`, `dst`, `src` + `shape`, `in_splits` / `out_splits`); `"group"` (global ranks, default
 //!   all) runs it on a subgroup, roots and peers are group ranks. A collective whose output is a
 //!   list (gather on the root, all_gather, all_to_all) binds `out.0`, `out.1`, ...; list inputs
-//!   (scatter's root, reduce_scatter, all_to_all) name one value per group rank.
+//!   (scatter's root, reduce_scatter, all_to_all) name one value per group rank. `out.*` in a
+//!   step's `"in"` names all the parts, in order (`concat` of an all_gather in any world).
 //!   `all_to_all_single` may give its splits per group rank (a list of lists) and leave out
 //!   `out_splits` (then rank `r` receives `in_splits[i][r]` rows from rank `i`).
 //! - **`"ranks"`** (global ranks) limits a step to some ranks: a rank-dependent program, e.g. a
@@ -135,9 +138,13 @@ pub struct Input {
     /// Values per rank that holds it, in the order of `ranks` (row-major).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub values: Option<Vec<Vec<f32>>>,
-    /// Values, the same on every rank.
+    /// Values, the same on every rank (with `per_rank`: on rank 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub value: Option<Vec<f32>>,
+    /// With `value`: rank `r` (global) holds `value + r · per_rank`, so one description fits
+    /// every world size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_rank: Option<Vec<f32>>,
     /// Seed of generated values (default: the input's index).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,

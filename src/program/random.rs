@@ -426,6 +426,7 @@ pub fn random_program(seed: u64, o: &RandomOptions) -> Program {
                 ranks: None,
                 values: None,
                 value: None,
+                per_rank: None,
                 seed: Some(seed.wrapping_add(i as u64)),
                 range: None,
                 grad: true,
