@@ -384,6 +384,46 @@ fn data_parallel_replicas_stay_identical_and_the_loss_falls() {
             (w[0] - 2.0).abs() < 0.2 && (w[1] + 1.0).abs() < 0.2 && (w[2] - 0.5).abs() < 0.1,
             "{w:?}"
         );
+        // A single-device reference: full-batch gradient descent on every rank's data together
+        // (the mean squared error over all n·8 samples, its gradient written out in f64) takes
+        // the same steps as the ranks with their averaged gradients.
+        let plan = l
+            .program
+            .as_ref()
+            .expect("program")
+            .plan(Some(n))
+            .expect("plan");
+        let (mut rows, mut ys) = (Vec::new(), Vec::new());
+        for r in 0..n {
+            let ins = plan.inputs(r);
+            let (x, noise) = (ins[0].to_vec(), ins[1].to_vec());
+            for i in 0..8 {
+                let row = [f64::from(x[2 * i]), f64::from(x[2 * i + 1]), 1.0];
+                ys.push(2.0 * row[0] - row[1] + 0.5 + f64::from(noise[i]));
+                rows.push(row);
+            }
+        }
+        let m = rows.len() as f64;
+        let mut wr = [0.0f64; 3];
+        for k in 1..=steps {
+            let mut g = [0.0f64; 3];
+            for (row, y) in rows.iter().zip(&ys) {
+                let e = row.iter().zip(&wr).map(|(a, b)| a * b).sum::<f64>() - y;
+                for j in 0..3 {
+                    g[j] += 2.0 * e * row[j] / m;
+                }
+            }
+            for j in 0..3 {
+                wr[j] -= f64::from(l.lr.unwrap_or(0.3)) * g[j];
+            }
+            let got = vals(&t, k, 0, "w");
+            for j in 0..3 {
+                assert!(
+                    (f64::from(got[j]) - wr[j]).abs() < 1e-4,
+                    "world {n} step {k}: ranks {got:?}, one device {wr:?}"
+                );
+            }
+        }
     }
 }
 
@@ -622,4 +662,45 @@ fn program_pipeline_hand_derived() {
     );
     assert!(vals(&t, 10, 2, "dF/da").is_empty());
     assert!(vals(&t, 11, 2, "dF/dx").iter().all(|&v| v == 0.0));
+}
+
+#[test]
+fn a_training_lesson_says_what_it_cannot_train() {
+    let lesson = |inputs: &str, lr: f32| {
+        let text = format!(
+            r#"{{"name": "t", "title": "t", "why": "w", "kind": "program", "steps": 3, "lr": {lr},
+                "program": {{"world": 2, "inputs": [{inputs}],
+                             "steps": [{{"op": "square", "in": ["w"], "out": "q"}},
+                                       {{"op": "sum", "in": ["q"], "out": "loss"}}],
+                             "loss": "loss"}}}}"#
+        );
+        lesson::parse(&text).unwrap_or_else(|e| panic!("{e}"))
+    };
+    let err = |l: &Lesson| {
+        futures::executor::block_on(lesson::run_simulated(l, 2, &Device::Cpu, &[]))
+            .expect_err("refused")
+            .to_string()
+    };
+    // Generated per rank: the replicas would start apart.
+    let e = err(&lesson(r#"{"name": "w", "shape": [2]}"#, 0.3));
+    assert!(
+        e.contains("parameter \"w\" must start equal on every rank"),
+        "{e}"
+    );
+    let e = err(&lesson(
+        r#"{"name": "w", "shape": [2], "grad": false}"#,
+        0.3,
+    ));
+    assert!(e.contains("training needs an input with gradient"), "{e}");
+    let e = err(&lesson(
+        r#"{"name": "w", "shape": [2], "value": [1, 2]}"#,
+        -1.0,
+    ));
+    assert!(e.contains("\"lr\" must be a positive number"), "{e}");
+    // Replicated values train: w -= 0.25 · 2w halves w every step (both ranks' gradients 2w).
+    let t = simulate(
+        &lesson(r#"{"name": "w", "shape": [2], "value": [1, 2]}"#, 0.25),
+        2,
+    );
+    assert_eq!(vals(&t, 3, 1, "w"), [0.125, 0.25]);
 }

@@ -8,11 +8,11 @@
 //! Lesson JSON:
 //! ```text
 //! {"name": "all_gather", "title": "...", "why": "one or two sentences",
-//!  "kind": "collective" | "objectives" | "data_parallel" | "pipeline_parallel" | "program",
+//!  "kind": "collective" | "objectives" | "pipeline_parallel" | "program",
 //!  "collective": "all_gather", "op": "max", "root": 1,      (kind collective; op/root where used;
 //!                                                           the last rank is root in smaller worlds)
 //!  "world": 3,                                              (default world of `distgrad run`)
-//!  "steps": 20, "lr": 0.3,                                 (kind data_parallel)
+//!  "steps": 20, "lr": 0.3,                    (kind program: train it data-parallel)
 //!  "program": {...}}                                        (kind program: a program's JSON)
 //! ```
 //! - `collective`: inputs x → forward (arrows of the collective) → cotangents → backward (the same
@@ -20,9 +20,6 @@
 //!   The inputs are those of `distgrad vjp`'s example; a rank may replace its own (same shape).
 //! - `objectives`: `s = all_reduce(SUM, x)`, `loss = 0.5·sum(s²)` differentiated under both
 //!   objective conventions: the gradients differ by exactly the world size N.
-//! - `data_parallel`: linear regression, one data shard per rank, gradients averaged with
-//!   all_reduce(AVG) each step; per step the loss of this rank and of the group, the weights and a
-//!   hash of them (equal on every rank: the replicas stay identical).
 //! - `pipeline_parallel`: rank r is stage r of a chain `h_r = tanh(w_r ⊙ h_{r−1})` (`h_{−1}` = x on
 //!   rank 0), each stage sending its activation on to the next; the last stage's loss is
 //!   `0.5·sum(h²)`. Backward goes stage by stage the other way: each send's dual is a recv of the
@@ -31,19 +28,25 @@
 //! - `program`: any program ([`crate::program`]): the inputs, each step's result on every rank
 //!   (a collective's messages drawn), the gradient of the global objective with respect to each
 //!   step's result, and the backward pass (the collectives it ran) with the inputs' gradients.
-//!   A lesson is then a program plus its narrative (`title`, `why`). It runs at the group's
+//!   A lesson is then a program plus its narrative (`title`, `why`). With `"steps"` (and `"lr"`,
+//!   default 0.3) it trains the program data-parallel instead (`train.rs`): each step every rank
+//!   runs it forward and backward on its own data, the parameters' gradients (inputs with
+//!   gradient, equal on every rank at the start) are averaged with all_reduce(AVG) and every rank
+//!   steps; per step the loss of this rank and of the group, the parameters and a hash of them
+//!   (equal on every rank: the replicas stay identical). The data-parallel lesson is such a
+//!   program: linear regression, one data shard per rank. It runs at the group's
 //!   world where its program fits one (values from `value` + `per_rank`, lists as `out.*`):
 //!   the tensor-parallel lesson is such a program.
 //!
-//! One file per lesson kind (`collective.rs`, `objectives.rs`, `data_parallel.rs`,
-//! `pipeline_parallel.rs`, `program.rs`), each a `run` giving this rank's steps; the
+//! One file per lesson kind (`collective.rs`, `objectives.rs`, `pipeline_parallel.rs`,
+//! `program.rs`, and its training mode `train.rs`), each a `run` giving this rank's steps; the
 //! lesson and trace types, the step helpers they share, and assembling / rendering traces are here.
 
 mod collective;
-mod data_parallel;
 mod objectives;
 mod pipeline_parallel;
 mod program;
+mod train;
 
 use serde::{Deserialize, Serialize};
 
@@ -63,8 +66,6 @@ pub enum LessonKind {
     Collective,
     /// The two objective conventions (sum of rank losses vs replicated loss).
     Objectives,
-    /// Data-parallel training with all_reduce(AVG) of the gradients.
-    DataParallel,
     /// A chain of stages, one per rank (send forward, recv backward).
     PipelineParallel,
     /// Any program ([`crate::program`]) step by step.
@@ -95,15 +96,23 @@ pub struct Lesson {
     /// Default world size for `distgrad run`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub world: Option<usize>,
-    /// Training steps (data_parallel; default 20).
+    /// Training steps (kind program: train the program data-parallel for this many steps).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub steps: Option<usize>,
-    /// Learning rate (data_parallel; default 0.3).
+    /// Learning rate of the training steps (default 0.3).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lr: Option<f32>,
     /// The program (kind `program`; its `world` is `distgrad run`'s default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub program: Option<crate::program::Program>,
+}
+
+impl Lesson {
+    /// Whether the lesson trains its program (kind `program` with `"steps"`): its trace is a loss
+    /// curve and replica hashes.
+    pub fn trains(&self) -> bool {
+        self.kind == LessonKind::Program && self.steps.is_some()
+    }
 }
 
 /// A named value a rank holds at a step: tensors, or a text (a hash).
@@ -318,7 +327,6 @@ pub async fn run_rank<T: Transport>(
     let steps = match lesson.kind {
         LessonKind::Collective => collective::run(comm, lesson, own_input).await?,
         LessonKind::Objectives => objectives::run(comm).await?,
-        LessonKind::DataParallel => data_parallel::run(comm, lesson).await?,
         LessonKind::PipelineParallel => pipeline_parallel::run(comm).await?,
         LessonKind::Program => program::run(comm, lesson).await?,
     };

@@ -3,7 +3,8 @@
 //! objective with respect to each step's result (cotangents), the backward pass through each
 //! collective step, last to first (the messages reversed, the collectives its dual really ran,
 //! the cotangent of the step's result and the gradients of what the step read), and the
-//! gradients of the inputs.
+//! gradients of the inputs. With `"steps"` the lesson trains the program instead (see
+//! [`super::train`]).
 
 use super::*;
 use crate::program::{Program, trace_rank};
@@ -14,6 +15,9 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
         .as_ref()
         .ok_or_else(|| Error::Input(format!("lesson {}: no \"program\"", lesson.name)))?;
     let plan = plan_for(lesson, program, comm.world_size())?;
+    if let Some(steps) = lesson.steps {
+        return super::train::run(comm, lesson, &plan, steps).await;
+    }
     let views = plan.views();
     comm.take_calls();
     // The collectives each tape node's backward ran on this rank.

@@ -18,7 +18,7 @@
 // a tab is not in the state the phase needs, on wrong values, or when a hidden figure is over 5x
 // its visible one (a wait on a clamped timer costs far more than that).
 import { spawn } from 'node:child_process';
-import { cpSync, mkdtempSync, rmSync, writeFileSync, mkdirSync } from 'node:fs';
+import { cpSync, mkdtempSync, readFileSync, rmSync, writeFileSync, mkdirSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { randomBytes } from 'node:crypto';
@@ -165,9 +165,11 @@ async function main() {
   // The app plus a 200-step data-parallel lesson, served from a copy.
   const dir = mkdtempSync(join(tmpdir(), 'distgrad-hidden-'));
   cpSync(DIST, dir, { recursive: true });
+  // The shipped data-parallel lesson (a program it trains), with more steps.
+  const dp = JSON.parse(readFileSync(join(DIST, 'lessons', 'data_parallel.json'), 'utf8'));
   writeFileSync(join(dir, 'lessons', `data_parallel_${LESSON_STEPS}.json`), JSON.stringify({
-    name: `data_parallel_${LESSON_STEPS}`, title: `Data-parallel training, ${LESSON_STEPS} steps`,
-    kind: 'data_parallel', steps: LESSON_STEPS, lr: 0.3, why: 'hidden-tab test', world: WORLD,
+    ...dp, name: `data_parallel_${LESSON_STEPS}`, title: `Data-parallel training, ${LESSON_STEPS} steps`,
+    steps: LESSON_STEPS, why: 'hidden-tab test',
   }));
   const relay = await startRelay(BIN, dir);
   const base = `http://${relay.host}/`;

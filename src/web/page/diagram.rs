@@ -102,7 +102,7 @@ pub(super) fn diagram(
     s
 }
 
-/// Loss per rank (thin) and of the group (thick) up to the shown step (data_parallel).
+/// Loss per rank (thin) and of the group (thick) up to the shown step (a lesson that trains its program).
 pub(super) fn loss_plot(trace: &Trace, upto: usize) -> String {
     let value = |st: &lesson::Step, r: usize, name: &str| -> Option<f64> {
         st.ranks

@@ -189,7 +189,7 @@ pub(super) fn render_lesson() {
             };
             note = format!("{what}: <strong>{}</strong>", esc(c));
         }
-        if lesson.kind == LessonKind::DataParallel {
+        if lesson.trains() {
             let hashes: Vec<String> = st
                 .ranks
                 .iter()
@@ -210,7 +210,7 @@ pub(super) fn render_lesson() {
                 }
             ));
         }
-        let plot = (lesson.kind == LessonKind::DataParallel).then(|| loss_plot(trace, k));
+        let plot = lesson.trains().then(|| loss_plot(trace, k));
         Some((
             format!("{} ", esc(&trace.title)),
             esc(&trace.why),
