@@ -191,14 +191,20 @@ fn objectives_differ_by_exactly_the_world_size() {
         let t = simulate(&l, n);
         // x_r = [r+1, 2]: s = [n(n+1)/2, 2n]; per-rank-sum objective: N·s; replicated: s.
         let s = [(n * (n + 1) / 2) as f32, 2.0 * n as f32];
+        // Steps: 0 inputs, 1-4 forward (all_reduce, square, sum, scale), 5 backward under the
+        // sum of rank losses, 6 under the replicated loss, 7 the ratio.
+        assert_eq!(t.steps.len(), 8);
+        let loss = 0.5 * (s[0] * s[0] + s[1] * s[1]);
         for r in 0..n {
+            assert_eq!(vals(&t, 0, r, "x"), [r as f32 + 1.0, 2.0]);
             assert_eq!(vals(&t, 1, r, "s"), s);
-            assert_eq!(vals(&t, 2, r, "dL/dx"), [n as f32 * s[0], n as f32 * s[1]]);
-            assert_eq!(vals(&t, 3, r, "dL/dx"), s);
-            assert_eq!(vals(&t, 4, r, "ratio"), [n as f32, n as f32]);
+            assert_eq!(vals(&t, 4, r, "loss"), [loss]);
+            assert_eq!(vals(&t, 5, r, "dL/dx"), [n as f32 * s[0], n as f32 * s[1]]);
+            assert_eq!(vals(&t, 6, r, "dL/dx"), s);
+            assert_eq!(vals(&t, 7, r, "ratio x"), [n as f32, n as f32]);
         }
-        assert_eq!(t.steps[2].collective.as_deref(), Some("all_reduce(op=sum)"));
-        assert_eq!(t.steps[3].collective.as_deref(), Some("nothing"));
+        assert_eq!(t.steps[5].collective.as_deref(), Some("all_reduce(op=sum)"));
+        assert_eq!(t.steps[6].collective.as_deref(), Some("nothing"));
     }
 }
 
@@ -697,6 +703,10 @@ fn a_training_lesson_says_what_it_cannot_train() {
         -1.0,
     ));
     assert!(e.contains("\"lr\" must be a positive number"), "{e}");
+    let mut both = lesson(r#"{"name": "w", "shape": [2], "value": [1, 2]}"#, 0.3);
+    both.compare_objectives = true;
+    let e = err(&both);
+    assert!(e.contains("do not go together"), "{e}");
     // Replicated values train: w -= 0.25 · 2w halves w every step (both ranks' gradients 2w).
     let t = simulate(
         &lesson(r#"{"name": "w", "shape": [2], "value": [1, 2]}"#, 0.25),

@@ -8,18 +8,17 @@
 //! Lesson JSON:
 //! ```text
 //! {"name": "all_gather", "title": "...", "why": "one or two sentences",
-//!  "kind": "collective" | "objectives" | "pipeline_parallel" | "program",
+//!  "kind": "collective" | "pipeline_parallel" | "program",
 //!  "collective": "all_gather", "op": "max", "root": 1,      (kind collective; op/root where used;
 //!                                                           the last rank is root in smaller worlds)
 //!  "world": 3,                                              (default world of `distgrad run`)
 //!  "steps": 20, "lr": 0.3,                    (kind program: train it data-parallel)
+//!  "compare_objectives": true,             (kind program: differentiate it under both objectives)
 //!  "program": {...}}                                        (kind program: a program's JSON)
 //! ```
 //! - `collective`: inputs x → forward (arrows of the collective) → cotangents → backward (the same
 //!   arrows reversed, and the name of the collective the backward pass really ran) → gradients.
 //!   The inputs are those of `distgrad vjp`'s example; a rank may replace its own (same shape).
-//! - `objectives`: `s = all_reduce(SUM, x)`, `loss = 0.5·sum(s²)` differentiated under both
-//!   objective conventions: the gradients differ by exactly the world size N.
 //! - `pipeline_parallel`: rank r is stage r of a chain `h_r = tanh(w_r ⊙ h_{r−1})` (`h_{−1}` = x on
 //!   rank 0), each stage sending its activation on to the next; the last stage's loss is
 //!   `0.5·sum(h²)`. Backward goes stage by stage the other way: each send's dual is a recv of the
@@ -34,12 +33,15 @@
 //!   gradient, equal on every rank at the start) are averaged with all_reduce(AVG) and every rank
 //!   steps; per step the loss of this rank and of the group, the parameters and a hash of them
 //!   (equal on every rank: the replicas stay identical). The data-parallel lesson is such a
-//!   program: linear regression, one data shard per rank. It runs at the group's
+//!   program: linear regression, one data shard per rank. With `"compare_objectives": true` it
+//!   runs the program under both objective conventions (`objectives.rs`): the forward pass once,
+//!   the backward pass under each with the collectives it ran, and the gradients' ratio (the
+//!   two-objectives lesson: `s = all_reduce(SUM, x)`, `loss = ½·sum(s²)`, the factor is N). It runs at the group's
 //!   world where its program fits one (values from `value` + `per_rank`, lists as `out.*`):
 //!   the tensor-parallel lesson is such a program.
 //!
-//! One file per lesson kind (`collective.rs`, `objectives.rs`, `pipeline_parallel.rs`,
-//! `program.rs`, and its training mode `train.rs`), each a `run` giving this rank's steps; the
+//! One file per lesson kind (`collective.rs`, `pipeline_parallel.rs`, `program.rs`, and the
+//! program lesson's modes `train.rs` and `objectives.rs`), each a `run` giving this rank's steps; the
 //! lesson and trace types, the step helpers they share, and assembling / rendering traces are here.
 
 mod collective;
@@ -50,7 +52,7 @@ mod train;
 
 use serde::{Deserialize, Serialize};
 
-use crate::autograd::{Objective, Tape};
+use crate::autograd::Tape;
 use crate::collective::{Communicator, Kind, P2p, ReduceOp};
 use crate::dist;
 use crate::error::{Error, Result};
@@ -64,8 +66,6 @@ use crate::vjp::{self, Prepared, TensorJson};
 pub enum LessonKind {
     /// One collective forward and backward.
     Collective,
-    /// The two objective conventions (sum of rank losses vs replicated loss).
-    Objectives,
     /// A chain of stages, one per rank (send forward, recv backward).
     PipelineParallel,
     /// Any program ([`crate::program`]) step by step.
@@ -102,6 +102,9 @@ pub struct Lesson {
     /// Learning rate of the training steps (default 0.3).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lr: Option<f32>,
+    /// Kind `program`: differentiate the program under both objective conventions.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub compare_objectives: bool,
     /// The program (kind `program`; its `world` is `distgrad run`'s default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub program: Option<crate::program::Program>,
@@ -294,10 +297,6 @@ async fn read(t: &Tensor) -> Result<TensorJson> {
     TensorJson::read(t).await
 }
 
-fn duals<T: Transport>(comm: &P2p<T>) -> Option<String> {
-    Some(ran(comm).unwrap_or_else(|| "nothing".into()))
-}
-
 /// The collective lesson's case for `world` ranks (`distgrad vjp`'s example).
 pub async fn lesson_case(lesson: &Lesson, world: usize) -> Result<vjp::Case> {
     let which = vjp::parse_collective(lesson.collective.as_deref().unwrap_or(""))?;
@@ -326,7 +325,6 @@ pub async fn run_rank<T: Transport>(
     comm.take_calls();
     let steps = match lesson.kind {
         LessonKind::Collective => collective::run(comm, lesson, own_input).await?,
-        LessonKind::Objectives => objectives::run(comm).await?,
         LessonKind::PipelineParallel => pipeline_parallel::run(comm).await?,
         LessonKind::Program => program::run(comm, lesson).await?,
     };

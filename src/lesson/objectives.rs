@@ -1,69 +1,93 @@
-//! The `objectives` lesson: one program differentiated under both objective conventions; the
-//! gradients differ by exactly the world size.
+//! A `program` lesson with `"objectives": "both"`: its program differentiated under both
+//! objective conventions. The forward pass is the same; the backward pass under the sum of
+//! every rank's loss (PyTorch's) and under the one replicated loss (JAX's) runs different
+//! collectives, and where every rank holds the same loss the gradients differ by exactly the
+//! number of ranks that share it.
 
+use super::program::{forward_steps, plan_for, value_of};
 use super::*;
+use crate::program::{ObjectiveName, Program, trace_rank};
 
-pub(super) async fn run<T: Transport>(comm: &P2p<T>) -> Result<Vec<RankStep>> {
-    let me = comm.rank();
-    let n = comm.world_size();
-    let device = comm.options().device.clone();
-    let group = comm.world();
-    let x0 = Tensor::from_vec(vec![me as f32 + 1.0, 2.0], &[2])?.to_device(&device)?;
-    let all = arrows(Kind::AllReduce, n, 0, &[]);
-    let mut out = vec![step(
-        "inputs".into(),
-        Phase::Input,
-        Vec::new(),
-        vec![Named::tensors("x", vec![read(&x0).await?])],
-    )];
-    let mut grads = Vec::new();
-    for objective in [Objective::SumOfRankLosses, Objective::Replicated] {
-        let tape = Tape::with_objective(objective);
-        let x = tape.var(x0.clone());
-        let s = dist::all_reduce(comm, &x, ReduceOp::Sum, &group).await?;
+/// Run the lesson's program under both objectives (see the module docs).
+pub(super) async fn run<T: Transport>(
+    comm: &P2p<T>,
+    lesson: &Lesson,
+    program: &Program,
+) -> Result<Vec<RankStep>> {
+    let mut traces = Vec::with_capacity(2);
+    let mut steps = Vec::new();
+    for objective in [ObjectiveName::SumOfRankLosses, ObjectiveName::Replicated] {
+        let mut p = program.clone();
+        p.objective = objective;
+        let plan = plan_for(lesson, &p, comm.world_size())?;
         comm.take_calls();
-        let loss = s.square()?.sum()?.scale(0.5)?;
-        if objective == Objective::SumOfRankLosses {
-            let mut f = step(
-                "forward: s = all_reduce(SUM, x); loss = 0.5·sum(s²)".into(),
-                Phase::Forward,
-                all.clone(),
-                vec![
-                    Named::tensors("s", vec![read(&s.value()).await?]),
-                    Named::tensors("loss", vec![read(&loss.value()).await?]),
-                ],
-            );
-            f.collective = Some("all_reduce(op=sum)".into());
-            out.push(f);
+        let run = trace_rank(
+            comm,
+            &plan,
+            || {
+                comm.take_calls();
+            },
+            &mut |_| {},
+        )
+        .await?;
+        let ran = recorded(comm);
+        if objective == ObjectiveName::SumOfRankLosses {
+            steps = forward_steps(&p, &plan.views(), &run).await?;
         }
-        let g = tape.backward(&loss, comm).await?.wrt(&x)?;
-        let dual = duals(comm);
+        let mut grads = Vec::new();
+        for inp in p.inputs.iter().filter(|i| i.grad) {
+            grads.push(Named::tensors(
+                &format!("dL/d{}", inp.name),
+                value_of(&inp.name, &run.grads).await?,
+            ));
+        }
         let (label, arrows) = match objective {
-            Objective::SumOfRankLosses => (
-                "backward, objective = SUM of every rank's loss: dL/dx = N·s",
-                reversed(&all),
+            ObjectiveName::SumOfRankLosses => (
+                "backward, objective = the SUM of every rank's loss",
+                // The messages of the forward collectives, reversed.
+                plan.views()
+                    .iter()
+                    .rev()
+                    .flat_map(|v| reversed(&v.arrows))
+                    .collect::<Vec<_>>(),
             ),
-            Objective::Replicated => (
-                "backward, objective = the ONE replicated loss: dL/dx = s",
-                Vec::new(),
-            ),
+            ObjectiveName::Replicated => {
+                ("backward, objective = the ONE replicated loss", Vec::new())
+            }
+        };
+        let dual = if ran.is_empty() {
+            "nothing".to_string()
+        } else {
+            ran.join(" + ")
         };
         let mut b = step(
-            format!("{label} (ran: {})", dual.clone().unwrap_or_default()),
+            format!("{label} (ran: {dual})"),
             Phase::Backward,
             arrows,
-            vec![Named::tensors("dL/dx", vec![read(&g).await?])],
+            grads,
         );
-        b.collective = dual;
-        out.push(b);
-        grads.push(g);
+        b.collective = Some(dual);
+        steps.push(b);
+        traces.push(run);
     }
-    let ratio = grads[0].div(&grads[1])?;
-    out.push(step(
-        format!("the two gradients differ by the factor N = {n}"),
+    // The ratio of the two gradients, input by input.
+    let mut ratios = Vec::new();
+    for inp in program.inputs.iter().filter(|i| i.grad) {
+        let (a, b) = (
+            traces[0].grads.get(&inp.name),
+            traces[1].grads.get(&inp.name),
+        );
+        let ratio = match (a, b) {
+            (Some(a), Some(b)) => vec![read(&a.div(b)?).await?],
+            _ => Vec::new(),
+        };
+        ratios.push(Named::tensors(&format!("ratio {}", inp.name), ratio));
+    }
+    steps.push(step(
+        "the two gradients, divided: the factor is the number of ranks that share the loss".into(),
         Phase::Result,
         Vec::new(),
-        vec![Named::tensors("ratio", vec![read(&ratio).await?])],
+        ratios,
     ));
-    Ok(out)
+    Ok(steps)
 }

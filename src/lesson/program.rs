@@ -4,16 +4,26 @@
 //! collective step, last to first (the messages reversed, the collectives its dual really ran,
 //! the cotangent of the step's result and the gradients of what the step read), and the
 //! gradients of the inputs. With `"steps"` the lesson trains the program instead (see
-//! [`super::train`]).
+//! [`super::train`]); with `"compare_objectives"` it differentiates it under both objective
+//! conventions (see [`super::objectives`]).
 
 use super::*;
-use crate::program::{Program, trace_rank};
+use crate::program::{Program, StepView, TracedRun, trace_rank};
 
 pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<Vec<RankStep>> {
     let program = lesson
         .program
         .as_ref()
         .ok_or_else(|| Error::Input(format!("lesson {}: no \"program\"", lesson.name)))?;
+    if lesson.compare_objectives {
+        if lesson.steps.is_some() {
+            return Err(Error::Input(format!(
+                "lesson {}: \"steps\" (training) and \"compare_objectives\" do not go together",
+                lesson.name
+            )));
+        }
+        return super::objectives::run(comm, lesson, program).await;
+    }
     let plan = plan_for(lesson, program, comm.world_size())?;
     if let Some(steps) = lesson.steps {
         return super::train::run(comm, lesson, &plan, steps).await;
@@ -36,54 +46,12 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
         },
     )
     .await?;
-    let value = async |name: &str, of: &std::collections::HashMap<String, Tensor>| {
-        // A list output binds name.0, name.1, ...: shown together.
-        let parts: Vec<&Tensor> = match of.get(name) {
-            Some(t) => vec![t],
-            None => (0..)
-                .map_while(|k| of.get(&format!("{name}.{k}")))
-                .collect(),
-        };
-        let mut out = Vec::with_capacity(parts.len());
-        for t in parts {
-            out.push(read(t).await?);
-        }
-        Ok::<_, Error>(out)
-    };
-    let mut steps = Vec::with_capacity(2 * views.len() + 3);
-    let mut inputs = Vec::new();
-    for inp in &program.inputs {
-        inputs.push(Named::tensors(
-            &inp.name,
-            value(&inp.name, &run.values).await?,
-        ));
-    }
-    steps.push(step("inputs".into(), Phase::Input, Vec::new(), inputs));
-    for v in &views {
-        let mut values = Vec::new();
-        match &v.out {
-            Some(out) => values.push(Named::tensors(out, value(out, &run.values).await?)),
-            // A send binds nothing: show what it sends.
-            None => {
-                for name in &v.inputs {
-                    values.push(Named::tensors(name, value(name, &run.values).await?));
-                }
-            }
-        }
-        let mut s = step(
-            format!("forward: {}", v.label),
-            Phase::Forward,
-            v.arrows.clone(),
-            values,
-        );
-        s.collective = v.collective.clone();
-        steps.push(s);
-    }
+    let mut steps = forward_steps(program, &views, &run).await?;
     let mut cotangents = Vec::new();
     for out in views.iter().filter_map(|v| v.out.as_ref()).rev() {
         cotangents.push(Named::tensors(
             &format!("dF/d{out}"),
-            value(out, &run.grads).await?,
+            value_of(out, &run.grads).await?,
         ));
     }
     steps.push(step(
@@ -110,13 +78,13 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
         if let Some(out) = &v.out {
             values.push(Named::tensors(
                 &format!("dF/d{out}"),
-                value(out, &run.grads).await?,
+                value_of(out, &run.grads).await?,
             ));
         }
         for name in &v.inputs {
             values.push(Named::tensors(
                 &format!("dF/d{name}"),
-                value(name, &run.grads).await?,
+                value_of(name, &run.grads).await?,
             ));
         }
         let ran = if calls.is_empty() {
@@ -138,7 +106,7 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
     for inp in program.inputs.iter().filter(|i| i.grad) {
         grads.push(Named::tensors(
             &format!("dF/d{}", inp.name),
-            value(&inp.name, &run.grads).await?,
+            value_of(&inp.name, &run.grads).await?,
         ));
     }
     steps.push(step(
@@ -150,9 +118,70 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
     Ok(steps)
 }
 
+/// A value by name as shown: a list output's parts (`name.0`, `name.1`, ...) together; nothing
+/// where this rank does not hold it.
+pub(super) async fn value_of(
+    name: &str,
+    of: &std::collections::HashMap<String, Tensor>,
+) -> Result<Vec<TensorJson>> {
+    let parts: Vec<&Tensor> = match of.get(name) {
+        Some(t) => vec![t],
+        None => (0..)
+            .map_while(|k| of.get(&format!("{name}.{k}")))
+            .collect(),
+    };
+    let mut out = Vec::with_capacity(parts.len());
+    for t in parts {
+        out.push(read(t).await?);
+    }
+    Ok(out)
+}
+
+/// The inputs, then each step's result (a collective with its messages), from a traced run.
+pub(super) async fn forward_steps(
+    program: &Program,
+    views: &[StepView],
+    run: &TracedRun,
+) -> Result<Vec<RankStep>> {
+    let mut steps = Vec::with_capacity(views.len() + 1);
+    let mut inputs = Vec::new();
+    for inp in &program.inputs {
+        inputs.push(Named::tensors(
+            &inp.name,
+            value_of(&inp.name, &run.values).await?,
+        ));
+    }
+    steps.push(step("inputs".into(), Phase::Input, Vec::new(), inputs));
+    for v in views {
+        let mut values = Vec::new();
+        match &v.out {
+            Some(out) => values.push(Named::tensors(out, value_of(out, &run.values).await?)),
+            // A send binds nothing: show what it sends.
+            None => {
+                for name in &v.inputs {
+                    values.push(Named::tensors(name, value_of(name, &run.values).await?));
+                }
+            }
+        }
+        let mut s = step(
+            format!("forward: {}", v.label),
+            Phase::Forward,
+            v.arrows.clone(),
+            values,
+        );
+        s.collective = v.collective.clone();
+        steps.push(s);
+    }
+    Ok(steps)
+}
+
 /// The lesson's program checked for `world` ranks, saying so when the lesson was written for
 /// another world.
-fn plan_for(lesson: &Lesson, program: &Program, world: usize) -> Result<crate::program::Plan> {
+pub(super) fn plan_for(
+    lesson: &Lesson,
+    program: &Program,
+    world: usize,
+) -> Result<crate::program::Plan> {
     program.plan(Some(world)).map_err(|e| {
         Error::Input(format!(
             "lesson {}: {e}{}",
