@@ -285,37 +285,28 @@ fn the_cli_prints_a_case_as_a_program() {
     let dir = std::env::temp_dir().join(format!("distgrad-case-programs-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join("scatter.json");
-    let out = Command::new(bin)
-        .args([
-            "vjp",
-            "scatter",
-            "--world",
-            "3",
-            "--root",
-            "2",
-            "--print-program",
-        ])
-        .output()
-        .expect("run distgrad");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    // Runs the binary, expecting success.
+    let ok = |args: &[&str]| {
+        let out = Command::new(bin).args(args).output().expect("run distgrad");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {err}");
+        out
+    };
+    let out = ok(&[
+        "vjp",
+        "scatter",
+        "--world",
+        "3",
+        "--root",
+        "2",
+        "--print-program",
+    ]);
     std::fs::write(&path, &out.stdout).expect("write");
     let text = String::from_utf8(out.stdout).expect("utf-8");
     assert!(text.contains("\"ranks\": [\n        2\n      ]"), "{text}");
     // distgrad run: the root's gradients are the cotangents [1, r + 1] of rank r, the others
     // hold no input.
-    let out = Command::new(bin)
-        .args(["run", path.to_str().expect("path"), "--json"])
-        .output()
-        .expect("run distgrad");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = ok(&["run", path.to_str().expect("path"), "--json"]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
     assert_eq!(
         v[2]["grads"],
