@@ -326,9 +326,31 @@ pub async fn run_rank<T: Transport>(
     let steps = match lesson.kind {
         LessonKind::Collective => collective::run(comm, lesson, own_input).await?,
         LessonKind::PipelineParallel => pipeline_parallel::run(comm).await?,
-        LessonKind::Program => program::run(comm, lesson).await?,
+        LessonKind::Program => program_lesson(comm, lesson).await?,
     };
     Ok(RankTrace { rank: me, steps })
+}
+
+/// A `program` lesson: shown step by step, trained (`"steps"`), or under both objectives.
+async fn program_lesson<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<Vec<RankStep>> {
+    let program = lesson
+        .program
+        .as_ref()
+        .ok_or_else(|| Error::Input(format!("lesson {}: no \"program\"", lesson.name)))?;
+    match (lesson.compare_objectives, lesson.steps) {
+        (true, Some(_)) => Err(Error::Input(format!(
+            "lesson {}: \"steps\" (training) and \"compare_objectives\" do not go together",
+            lesson.name
+        ))),
+        (true, None) => objectives::run(comm, lesson, program).await,
+        (false, steps) => {
+            let plan = program::plan_for(lesson, program, comm.world_size())?;
+            match steps {
+                Some(n) => train::run(comm, lesson, &plan, n).await,
+                None => program::run(comm, program, &plan).await,
+            }
+        }
+    }
 }
 
 /// The calls this rank's communicator recorded since the last look, in order.

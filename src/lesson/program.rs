@@ -3,38 +3,26 @@
 //! objective with respect to each step's result (cotangents), the backward pass through each
 //! collective step, last to first (the messages reversed, the collectives its dual really ran,
 //! the cotangent of the step's result and the gradients of what the step read), and the
-//! gradients of the inputs. With `"steps"` the lesson trains the program instead (see
-//! [`super::train`]); with `"compare_objectives"` it differentiates it under both objective
-//! conventions (see [`super::objectives`]).
+//! gradients of the inputs. (With `"steps"` the lesson trains the program instead, `train.rs`;
+//! with `"compare_objectives"` it differentiates it under both objective conventions,
+//! `objectives.rs`.)
 
 use super::*;
-use crate::program::{Program, StepView, TracedRun, trace_rank};
+use crate::program::{Plan, Program, StepView, TracedRun, trace_rank};
 
-pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<Vec<RankStep>> {
-    let program = lesson
-        .program
-        .as_ref()
-        .ok_or_else(|| Error::Input(format!("lesson {}: no \"program\"", lesson.name)))?;
-    if lesson.compare_objectives {
-        if lesson.steps.is_some() {
-            return Err(Error::Input(format!(
-                "lesson {}: \"steps\" (training) and \"compare_objectives\" do not go together",
-                lesson.name
-            )));
-        }
-        return super::objectives::run(comm, lesson, program).await;
-    }
-    let plan = plan_for(lesson, program, comm.world_size())?;
-    if let Some(steps) = lesson.steps {
-        return super::train::run(comm, lesson, &plan, steps).await;
-    }
+/// Show `plan` (the lesson's program for this group) step by step (see the module docs).
+pub(super) async fn run<T: Transport>(
+    comm: &P2p<T>,
+    program: &Program,
+    plan: &Plan,
+) -> Result<Vec<RankStep>> {
     let views = plan.views();
     comm.take_calls();
     // The collectives each tape node's backward ran on this rank.
     let mut ran_by_node: Vec<(usize, Vec<String>)> = Vec::new();
     let run = trace_rank(
         comm,
-        &plan,
+        plan,
         || {
             comm.take_calls();
         },
