@@ -13,7 +13,7 @@ use crate::vjp::{Case, TensorJson};
 /// with outputs the loss `Σ_k sum(y_k ⊙ c_k)`, the cotangents `c_k` constants (`sum(y_k)` where
 /// the case gives none: cotangents of ones). Under the sum of rank losses the loss's gradient
 /// with respect to `y_k` is exactly `c_k`, so the program's gradients are the case's, bit for
-/// bit, and [`crate::gradcheck`] can check them by finite differences.
+/// bit, and [`mod@crate::gradcheck`] can check them by finite differences.
 pub fn from_case(case: &Case) -> Result<Program> {
     let (group, specs) = crate::vjp::case_calls(case)?;
     let world = case.world;
