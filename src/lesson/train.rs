@@ -112,7 +112,8 @@ pub(super) async fn run<T: Transport>(
                 None => g.extend(std::iter::repeat_n(0.0, inputs[i].numel())),
             }
         }
-        let g = Tensor::from_vec(g, &[params(&inputs)?.len()])?.to_device(&device)?;
+        let len = g.len();
+        let g = Tensor::from_vec(g, &[len])?.to_device(&device)?;
         let g = comm
             .all_reduce(&g, ReduceOp::Avg, &group)
             .await?
