@@ -243,12 +243,12 @@ fn tensor_parallel_hand_derived_and_backward_is_reduce_scatter() {
 
 #[test]
 fn pipeline_parallel_hand_derived_and_backward_runs_send_recv() {
-    // x = [1, -2]; stage r: w_r = [1 - r/4, 1/2 + r/4], h_r = tanh(w_r ⊙ h_{r-1}) (h_{-1} = x);
-    // L = ½|h_last|². Backward by hand: g_last = h_last; through stage r with input a_r:
-    // dL/dw_r = g_r ⊙ (1 - h_r²) ⊙ a_r, and g_{r-1} = g_r ⊙ (1 - h_r²) ⊙ w_r (sent back).
-    // Computed here in f64, independently of the tape.
+    // x = [1, -2] on stage 0; stage r: w_r = [1 - r/4, 1/2 + r/4], h_r = tanh(w_r ⊙ h_{r-1})
+    // (h_{-1} = x); L = ½|h_last|² on the last stage. Backward by hand: g_last = h_last; through
+    // stage r with input a_r: dL/dw_r = g_r ⊙ (1 - h_r²) ⊙ a_r, and g_{r-1} = g_r ⊙ (1 - h_r²) ⊙
+    // w_r (sent back). Computed here in f64, independently of the tape and of the program.
     let close = |got: &[f32], want: &[f64], what: &str| {
-        assert_eq!(got.len(), want.len(), "{what}");
+        assert_eq!(got.len(), want.len(), "{what}: got {got:?}, want {want:?}");
         for (g, w) in got.iter().zip(want) {
             assert!(
                 (*g as f64 - w).abs() <= 1e-6 * (1.0 + w.abs()),
@@ -257,7 +257,12 @@ fn pipeline_parallel_hand_derived_and_backward_runs_send_recv() {
         }
     };
     let l = load("pipeline_parallel");
-    for world in [1, 2, 3, 5] {
+    assert_eq!(
+        l.kind,
+        lesson::LessonKind::Program,
+        "the pipeline is a program lesson"
+    );
+    for world in [1, 2, 3, 5, 8] {
         let t = simulate(&l, world);
         let last = world - 1;
         let w = |r: usize| [1.0 - 0.25 * r as f64, 0.5 + 0.25 * r as f64];
@@ -281,56 +286,75 @@ fn pipeline_parallel_hand_derived_and_backward_runs_send_recv() {
                 g[r - 1] = back[r];
             }
         }
-        // Steps: 0 inputs, 1 + s forward of stage s, 1 + world the loss, then one backward step
-        // per boundary s → s−1 from the last stage down (one local step with a single stage).
-        let fwd = |s: usize| 1 + s;
-        let bwd = |s: usize| 2 + world + (last - s);
+        let find = |prefix: &str| -> usize {
+            let hits: Vec<usize> = (0..t.steps.len())
+                .filter(|&k| t.steps[k].label.starts_with(prefix))
+                .collect();
+            assert_eq!(hits.len(), 1, "world {world}: one step {prefix:?}");
+            hits[0]
+        };
+        // Only the stage that runs a step shows its value there.
+        let only = |k: usize, rank: usize, name: &str, want: &[f64], ctx: &str| {
+            for r in 0..world {
+                let got = vals(&t, k, r, name);
+                if r == rank {
+                    close(&got, want, ctx);
+                } else {
+                    assert!(got.is_empty(), "{ctx}: rank {r} shows {name} = {got:?}");
+                }
+            }
+        };
+        for s in 0..world {
+            let ctx = format!("world {world} stage {s}");
+            let k = find(&format!("forward: tanh [p{s}] -> h{s}"));
+            only(k, s, &format!("h{s}"), &h[s], &ctx);
+            if s < last {
+                // Stage s sends h_s on; stage s + 1 receives it, later in the program.
+                let k = find(&format!("forward: send(dst={}) [h{s}]", s + 1));
+                assert_eq!(t.steps[k].arrows, vec![(s, s + 1)], "{ctx}");
+                let kr = find(&format!("forward: recv(src={s}) [] -> h{s}"));
+                assert!(kr > k, "{ctx}: the recv comes after the send");
+                only(kr, s + 1, &format!("h{s}"), &h[s], &ctx);
+                // Backward: the dual of stage s+1's recv sends dF/dh_s back (from stage s+1);
+                // the dual of stage s's send receives it (arrow s+1 → s).
+                let br = find(&format!("backward through recv(src={s})"));
+                only(br, s + 1, &format!("dF/dh{s}"), &back[s + 1], &ctx);
+                let bs = find(&format!("backward through send(dst={})", s + 1));
+                assert!(bs > br, "{ctx}: backward runs from the last stage down");
+                only(bs, s, &format!("dF/dh{s}"), &g[s], &ctx);
+                assert_eq!(t.steps[bs].arrows, vec![(s + 1, s)], "{ctx}");
+                for (k, ran_on) in [(br, s + 1), (bs, s)] {
+                    for r in 0..world {
+                        let text = t.steps[k].ranks[r]
+                            .iter()
+                            .find(|v| v.name == "backward ran")
+                            .and_then(|v| v.text.clone());
+                        let want = (r == ran_on).then(|| "send/recv".to_string());
+                        assert_eq!(text, want, "{ctx}: step {k} rank {r}");
+                    }
+                    assert_eq!(t.steps[k].collective.as_deref(), Some("send/recv"), "{ctx}");
+                }
+            }
+        }
+        // No point-to-point step in a world of one.
         assert_eq!(
-            t.steps.len(),
-            3 + world.max(2) - 1 + world - 1,
+            t.steps
+                .iter()
+                .filter(|s| s.phase == Phase::Backward)
+                .count(),
+            2 * last,
             "world {world}"
         );
-        for (s, hs) in h.iter().enumerate() {
-            let ctx = format!("world {world} stage {s}");
-            close(&vals(&t, fwd(s), s, &format!("h{s}")), hs, &ctx);
-            // Activations travel forward one stage per step.
-            let f = &t.steps[fwd(s)].arrows;
-            assert_eq!(
-                f,
-                &if s < last { vec![(s, s + 1)] } else { vec![] },
-                "{ctx}"
+        only(find("forward: scale [S] -> L"), last, "L", &[loss], "loss");
+        let res = t.steps.len() - 1;
+        for (r, want) in dw.iter().enumerate() {
+            close(
+                &vals(&t, res, r, "dF/dw"),
+                want,
+                &format!("world {world} dF/dw{r}"),
             );
         }
-        if world == 1 {
-            close(&vals(&t, 3, 0, "dL/dh0"), &g[0], "world 1");
-            close(&vals(&t, 3, 0, "dL/dw0"), &dw[0], "world 1");
-            assert_eq!(t.steps[3].collective.as_deref(), Some("nothing"));
-        }
-        for s in (1..world).rev() {
-            let (p, k) = (s - 1, bwd(s));
-            let ctx = format!("world {world} boundary {s} → {p}");
-            close(&vals(&t, k, s, &format!("dL/dh{s}")), &g[s], &ctx);
-            close(&vals(&t, k, s, &format!("dL/dw{s}")), &dw[s], &ctx);
-            // Sent by stage s, received by stage s−1: the same numbers at both ends.
-            close(&vals(&t, k, s, &format!("dL/dh{p}")), &back[s], &ctx);
-            close(&vals(&t, k, p, &format!("dL/dh{p}")), &g[p], &ctx);
-            if p == 0 {
-                close(&vals(&t, k, 0, "dL/dw0"), &dw[0], &ctx);
-            }
-            assert_eq!(t.steps[k].arrows, vec![(s, p)], "{ctx}");
-            // What the two stages' communicators recorded at this boundary: the dual of stage
-            // s's recv and of stage s−1's send, each a point-to-point call; nobody else's.
-            for r in 0..world {
-                let text = t.steps[k].ranks[r]
-                    .iter()
-                    .find(|v| v.name == "backward ran")
-                    .and_then(|v| v.text.clone());
-                let want = (r == s || r == p).then(|| "send/recv".to_string());
-                assert_eq!(text, want, "{ctx}: rank {r}");
-            }
-            assert_eq!(t.steps[k].collective.as_deref(), Some("send/recv"), "{ctx}");
-        }
-        close(&vals(&t, 1 + world, last, "L"), &[loss], "loss");
+        only(res, 0, "dF/dx", &back[0], &format!("world {world} dF/dx"));
     }
 }
 
@@ -472,6 +496,71 @@ fn an_edited_input_must_keep_the_shape() {
         .unwrap();
     // rank 0 now [10, -1], rank 1 [2, 2]: sum [12, 1]
     assert_eq!(vals(&t, 1, 1, "y"), [12.0, 1.0]);
+}
+
+/// `distgrad run --print-program`: the program a lesson (or a program file) runs for the world,
+/// expanded, which `distgrad run -` runs with the lesson's own numbers.
+#[test]
+fn run_prints_the_program_a_lesson_runs() {
+    use std::io::Write;
+    let bin = env!("CARGO_BIN_EXE_distgrad");
+    let print = |file: &str, world: &str| -> serde_json::Value {
+        let out = Command::new(bin)
+            .args(["run", file, "--world", world, "--print-program"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("a program as JSON")
+    };
+    let run_stdin = |program: &serde_json::Value| -> serde_json::Value {
+        let mut child = Command::new(bin)
+            .args(["run", "-", "--json"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(program.to_string().as_bytes())
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success());
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    // The pipeline lesson at 4 stages: its "for" blocks expanded (recv, mul, tanh, send per stage
+    // but the first's recv and the last's send, then the loss's 3 steps), world 4.
+    let dir = lessons_dir();
+    let pipe = dir.join("pipeline_parallel.json");
+    let p = print(pipe.to_str().unwrap(), "4");
+    assert_eq!(p["world"], 4);
+    let steps = p["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 4 * 4 - 2 + 3);
+    assert!(steps.iter().all(|s| s.get("for").is_none() && s.get("if").is_none()));
+    assert_eq!(steps[3]["collective"], "recv");
+    assert_eq!(steps[3]["src"], 0);
+    assert_eq!(steps[3]["out"], "h0");
+    assert_eq!(steps[3]["ranks"], serde_json::json!([1]));
+    // Run as a program, it gives the lesson's gradients on every stage.
+    let runs = run_stdin(&p);
+    let t = simulate(&load("pipeline_parallel"), 4);
+    let res = t.steps.len() - 1;
+    for r in 0..4 {
+        let got: Vec<f32> = runs[r]["grads"][1]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        assert_eq!(got, vals(&t, res, r, "dF/dw"), "rank {r}");
+    }
+    // A collective lesson's program is `distgrad vjp`'s case as a program.
+    let p = print(dir.join("reduce.json").to_str().unwrap(), "5");
+    let l = load("reduce");
+    let case = futures::executor::block_on(lesson::lesson_case(&l, 5)).unwrap();
+    let want = serde_json::to_value(distgrad::program::from_case(&case).unwrap()).unwrap();
+    assert_eq!(p, want);
 }
 
 #[test]

@@ -180,6 +180,81 @@ fn one_program_for_every_world() {
     assert_eq!(runs[0].loss, None);
 }
 
+/// `"for"` blocks, by hand: a ring written once for every world (rank s sends x_s to s + 1, the
+/// last rank to 0), and blocks that nest.
+#[test]
+fn for_blocks_by_hand() {
+    // x_r = r + 1; rank s receives p_s = x_{s-1} (cyclic) and loss_s = x_s · p_s, so
+    // F = Σ_s x_s x_{s-1} and dF/dx_r = x_{r-1} + x_{r+1} (cyclic; at world 2 both are x_{1-r}).
+    let p = program(
+        r#"{"world": 3,
+            "inputs": [{"name": "x", "shape": [1], "value": [1], "per_rank": [1]}],
+            "steps": [
+              {"for": "s", "from": 0, "to": "last", "steps": [
+                {"collective": "send", "dst": "s+1", "in": ["x"], "ranks": ["s"], "if": "s < last"},
+                {"collective": "send", "dst": 0, "in": ["x"], "ranks": ["s"], "if": "s == last"}]},
+              {"for": "s", "from": 0, "to": "last", "steps": [
+                {"collective": "recv", "src": "s-1", "shape": [1], "out": "p", "ranks": ["s"], "if": "s > 0"},
+                {"collective": "recv", "src": "last", "shape": [1], "out": "p", "ranks": [0], "if": "s == 0"}]},
+              {"op": "mul", "in": ["x", "p"], "out": "loss"}],
+            "loss": "loss"}"#,
+    );
+    for n in [2usize, 3, 4, 7, 8] {
+        let plan = p.plan(Some(n)).expect("plan");
+        assert_eq!(plan.program().steps.len(), 2 * n + 1, "world {n}");
+        let runs = run_local(&plan, CommOptions::default()).expect("run");
+        let x = |r: usize| (r % n + 1) as f32;
+        for (r, run) in runs.iter().enumerate() {
+            let prev = x((r + n - 1) % n);
+            assert_eq!(run.loss, Some(x(r) * prev), "world {n} rank {r}");
+            let want = prev + x((r + 1) % n);
+            assert_eq!(run.grads, vec![Some(vec![want])], "world {n} rank {r}");
+        }
+        let r = gradcheck_program(&plan, &Options::default()).expect("check");
+        assert!(r.passed, "world {n}: {}", r.render());
+    }
+    // Nested blocks: rank s sends x_s to every other rank t (names carry both variables); rank t
+    // keeps what it got from rank 0 (or, on rank 0, from rank 1) as q. Expanded: 2·n·(n−1) steps.
+    let p = program(
+        r#"{"world": 3,
+            "inputs": [{"name": "x", "shape": [1], "value": [1], "per_rank": [1]}],
+            "steps": [
+              {"for": "s", "from": 0, "to": "last", "steps": [
+                {"for": "t", "from": 0, "to": "last", "steps": [
+                  {"collective": "send", "dst": "t", "in": ["x"], "ranks": ["s"], "if": "s != t"},
+                  {"collective": "recv", "src": "s", "shape": [1], "out": "y{s}_{t}", "ranks": ["t"], "if": "s != t"}]}]},
+              {"for": "t", "from": 1, "to": "last", "steps": [
+                {"op": "scale", "by": 1, "in": ["y0_{t}"], "out": "q", "ranks": ["t"]}]},
+              {"op": "scale", "by": 1, "in": ["y1_0"], "out": "q", "ranks": [0]},
+              {"op": "mul", "in": ["q", "x"], "out": "loss"}],
+            "loss": "loss"}"#,
+    );
+    for n in [2usize, 3, 5] {
+        let plan = p.plan(Some(n)).expect("plan");
+        assert_eq!(
+            plan.program().steps.len(),
+            2 * n * (n - 1) + n + 1,
+            "world {n}"
+        );
+        let runs = run_local(&plan, CommOptions::default()).expect("run");
+        // loss_0 = x_1 x_0 = 2, loss_t = x_0 x_t = t + 1; dF/dx_0 = x_1 + Σ_{t>0} x_t, dF/dx_1 = x_0
+        // + x_0, dF/dx_t = x_0 for t > 1.
+        for (t, run) in runs.iter().enumerate() {
+            let want_loss = if t == 0 { 2.0 } else { (t + 1) as f32 };
+            assert_eq!(run.loss, Some(want_loss), "world {n} rank {t}");
+            let want = match t {
+                0 => 2.0 + (1..n).map(|k| (k + 1) as f32).sum::<f32>(),
+                1 => 2.0,
+                _ => 1.0,
+            };
+            assert_eq!(run.grads, vec![Some(vec![want])], "world {n} rank {t}");
+        }
+    }
+    // A program with blocks writes back as it was written.
+    let text = serde_json::to_string(&p).expect("serialize");
+    assert_eq!(program(&text), p);
+}
+
 #[test]
 fn per_rank_inputs_by_hand() {
     // scatter from root 2 of the list s0, s1, s2 that only rank 2 holds: rank j gets s_j, its
@@ -482,6 +557,55 @@ fn bad_programs_are_clear_errors() {
             "shapes must agree across the group",
         ),
         (r#"[1, 2]"#, "program JSON"),
+        // "for" blocks: every error names the block, the step in it and the variable's value.
+        (
+            r#"{"world": 2, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"op": "sum", "in": ["x"], "out": "loss", "if": "1 > 0"}], "loss": "loss"}"#,
+            "\"if\" is for the steps of a \"for\" block",
+        ),
+        (
+            r#"{"world": 2, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": 0, "steps": []}], "loss": "x"}"#,
+            "the \"for\" block over `s` needs \"to\" (inclusive)",
+        ),
+        (
+            r#"{"world": 2, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "last", "from": 0, "to": 1, "steps": []}], "loss": "x"}"#,
+            "`last` is not a variable name",
+        ),
+        (
+            r#"{"world": 2, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": 0, "to": 1, "steps": [], "step": []}], "loss": "x"}"#,
+            "unknown field `step` in the \"for\" block over `s`",
+        ),
+        (
+            r#"{"world": 3, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": 0, "to": "last", "steps": [{"collective": "send", "dst": "s-1", "in": ["x"], "ranks": ["s"]}]}], "loss": "x"}"#,
+            "step 0 (for s), its step 0 with s = 0: \"dst\": `s-1` is -1, below 0",
+        ),
+        (
+            r#"{"world": 3, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": 0, "to": "t", "steps": []}], "loss": "x"}"#,
+            "step 0 (for s): \"to\": in `t`: unknown variable `t`",
+        ),
+        (
+            r#"{"world": 3, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": 0, "to": 1, "steps": [{"op": "tanh", "in": ["x"], "out": "y{s", "ranks": ["s"]}]}], "loss": "x"}"#,
+            "\"out\": `y{s`: a `{` without its `}`",
+        ),
+        (
+            r#"{"world": 3, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": 0, "to": 1, "steps": [{"op": "tanh", "in": ["x"], "out": "y{s}", "ranks": ["s"], "if": "s"}]}], "loss": "x"}"#,
+            "a condition compares two expressions",
+        ),
+        (
+            r#"{"world": 3, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": 0, "to": 1, "steps": [{"for": "s", "from": 0, "to": 1, "steps": []}]}], "loss": "x"}"#,
+            "`s` is already a variable of an enclosing block",
+        ),
+        (
+            r#"{"world": 3, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": 0, "to": 400, "steps": [{"for": "t", "from": 0, "to": 400, "steps": [{"op": "tanh", "in": ["x"], "out": "y{s}_{t}"}]}]}], "loss": "x"}"#,
+            "the program grows beyond 100000 steps",
+        ),
+        (
+            r#"{"world": 3, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": 0, "to": "1000000000000", "steps": [{"for": "t", "from": 0, "to": 9, "steps": []}]}], "loss": "x"}"#,
+            "the program grows beyond 100000 steps and block repetitions",
+        ),
+        (
+            r#"{"world": 3, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": 0, "to": "last", "steps": [{"op": "tanh", "in": ["x"], "out": "y", "ranks": ["s+1"]}]}], "loss": "x"}"#,
+            "\"ranks\" [3]: ranks must be distinct and below world 3",
+        ),
     ];
     for (json, want) in cases {
         let e = match Program::parse(json).and_then(|p| p.plan(None)) {

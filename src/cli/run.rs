@@ -7,7 +7,7 @@ use super::DeviceArg;
 /// Flags of `distgrad run`.
 #[derive(clap::Args)]
 pub struct RunArgs {
-    /// The program or lesson file (a program has "steps" and "loss").
+    /// The program or lesson file (a program has "steps" and "loss"; `-`: stdin).
     lesson: std::path::PathBuf,
     /// World size, 1..=64 (default: the program's or lesson's, else 3).
     #[arg(long)]
@@ -18,17 +18,34 @@ pub struct RunArgs {
     /// Compute backend of the ranks, as in the page.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     device: DeviceArg,
+    /// Print, instead of running it, the program this file runs for the world as JSON: a
+    /// program's own with its "for" blocks and `out.*` lists expanded, a program lesson's, or a
+    /// collective lesson's one-collective program (the `distgrad vjp` case it shows);
+    /// `distgrad run -` and `distgrad gradcheck -` take it.
+    #[arg(long, conflicts_with = "json")]
+    print_program: bool,
 }
 
 /// Run `distgrad run`.
 pub fn run(a: RunArgs) -> distgrad::Result<()> {
     let device = a.device.open()?;
     let path = a.lesson.as_path();
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| distgrad::Error::Input(format!("reading {}: {e}", path.display())))?;
+    let text = if path.as_os_str() == "-" {
+        std::io::read_to_string(std::io::stdin())
+            .map_err(|e| distgrad::Error::Input(format!("reading stdin: {e}")))?
+    } else {
+        std::fs::read_to_string(path)
+            .map_err(|e| distgrad::Error::Input(format!("reading {}: {e}", path.display())))?
+    };
     if serde_json::from_str::<serde_json::Value>(&text)
         .is_ok_and(|v| v.get("steps").is_some() && v.get("loss").is_some())
     {
+        if a.print_program {
+            let program = distgrad::program::Program::parse(&text)
+                .map_err(|e| distgrad::Error::Input(format!("{}: {e}", path.display())))?;
+            let world = a.world.unwrap_or(program.world);
+            return print_program(&program, world);
+        }
         return run_program(&a, &text, &device);
     }
     let lesson = distgrad::lesson::parse(&text).map_err(|e| {
@@ -57,6 +74,15 @@ pub fn run(a: RunArgs) -> distgrad::Result<()> {
         .or(lesson.world)
         .or(lesson.program.as_ref().map(|p| p.world))
         .unwrap_or(3);
+    if a.print_program {
+        let program = match &lesson.program {
+            Some(p) => p.clone(),
+            None => distgrad::program::from_case(&futures::executor::block_on(
+                distgrad::lesson::lesson_case(&lesson, world),
+            )?)?,
+        };
+        return print_program(&program, world);
+    }
     let trace = futures::executor::block_on(distgrad::lesson::run_simulated(
         &lesson,
         world,
@@ -71,6 +97,20 @@ pub fn run(a: RunArgs) -> distgrad::Result<()> {
     } else {
         print!("{}", distgrad::lesson::render(&trace));
     }
+    Ok(())
+}
+
+/// `--print-program`: the program as it runs for `world` ranks (checked; blocks and lists
+/// expanded), as JSON.
+fn print_program(program: &distgrad::program::Program, world: usize) -> distgrad::Result<()> {
+    let plan = program.plan(Some(world))?;
+    let mut expanded = plan.program().clone();
+    expanded.world = world;
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&expanded)
+            .map_err(|e| distgrad::Error::Input(e.to_string()))?
+    );
     Ok(())
 }
 

@@ -8,7 +8,7 @@
 //! Lesson JSON:
 //! ```text
 //! {"name": "all_gather", "title": "...", "why": "one or two sentences",
-//!  "kind": "collective" | "pipeline_parallel" | "program",
+//!  "kind": "collective" | "program",
 //!  "collective": "all_gather", "op": "max", "root": 1,      (kind collective; op/root where used;
 //!                                                           the last rank is root in smaller worlds)
 //!  "world": 3,                                              (default world of `distgrad run`)
@@ -19,11 +19,6 @@
 //! - `collective`: inputs x → forward (arrows of the collective) → cotangents → backward (the same
 //!   arrows reversed, and the name of the collective the backward pass really ran) → gradients.
 //!   The inputs are those of `distgrad vjp`'s example; a rank may replace its own (same shape).
-//! - `pipeline_parallel`: rank r is stage r of a chain `h_r = tanh(w_r ⊙ h_{r−1})` (`h_{−1}` = x on
-//!   rank 0), each stage sending its activation on to the next; the last stage's loss is
-//!   `0.5·sum(h²)`. Backward goes stage by stage the other way: each send's dual is a recv of the
-//!   activation's gradient from the next stage, each recv's dual a send of the input's gradient
-//!   back to the previous one.
 //! - `program`: any program ([`crate::program`]): the inputs, each step's result on every rank
 //!   (a collective's messages drawn), the gradient of the global objective with respect to each
 //!   step's result, and the backward pass (the collectives it ran) with the inputs' gradients.
@@ -38,23 +33,23 @@
 //!   the backward pass under each with the collectives it ran, and the gradients' ratio (the
 //!   two-objectives lesson: `s = all_reduce(SUM, x)`, `loss = ½·sum(s²)`, the factor is N). It runs at the group's
 //!   world where its program fits one (values from `value` + `per_rank`, lists as `out.*`):
-//!   the tensor-parallel lesson is such a program.
+//!   the tensor-parallel lesson is such a program, and so is the pipeline lesson: a `"for"`
+//!   block over the stage s (stage s receives `h{s-1}` from s − 1, computes
+//!   `h{s} = tanh(w ⊙ h{s-1})` and sends it to s + 1; the last stage holds the loss), whose
+//!   backward runs each send's dual, a recv, and each recv's dual, a send.
 //!
-//! One file per lesson kind (`collective.rs`, `pipeline_parallel.rs`, `program.rs`, and the
+//! One file per lesson kind (`collective.rs`, `program.rs`, and the
 //! program lesson's modes `train.rs` and `objectives.rs`), each a `run` giving this rank's steps; the
 //! lesson and trace types, the step helpers they share, and assembling / rendering traces are here.
 
 mod collective;
 mod objectives;
-mod pipeline_parallel;
 mod program;
 mod train;
 
 use serde::{Deserialize, Serialize};
 
-use crate::autograd::Tape;
 use crate::collective::{Communicator, Kind, P2p, ReduceOp};
-use crate::dist;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::transport::Transport;
@@ -66,8 +61,6 @@ use crate::vjp::{self, Prepared, TensorJson};
 pub enum LessonKind {
     /// One collective forward and backward.
     Collective,
-    /// A chain of stages, one per rank (send forward, recv backward).
-    PipelineParallel,
     /// Any program ([`crate::program`]) step by step.
     Program,
 }
@@ -325,7 +318,6 @@ pub async fn run_rank<T: Transport>(
     comm.take_calls();
     let steps = match lesson.kind {
         LessonKind::Collective => collective::run(comm, lesson, own_input).await?,
-        LessonKind::PipelineParallel => pipeline_parallel::run(comm).await?,
         LessonKind::Program => program_lesson(comm, lesson).await?,
     };
     Ok(RankTrace { rank: me, steps })
@@ -359,12 +351,6 @@ fn recorded<T: Transport>(comm: &P2p<T>) -> Vec<String> {
         .iter()
         .map(|(_, s)| vjp::short_sig(s))
         .collect()
-}
-
-/// [`recorded`] as one text (`send/recv + send/recv`), or `None` when nothing ran.
-fn ran<T: Transport>(comm: &P2p<T>) -> Option<String> {
-    let calls = recorded(comm);
-    (!calls.is_empty()).then(|| calls.join(" + "))
 }
 
 /// Put the ranks' traces (index = rank) together; every rank must have run the same steps. A step

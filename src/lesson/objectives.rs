@@ -32,7 +32,7 @@ pub(super) async fn run<T: Transport>(
         .await?;
         let ran = recorded(comm);
         if objective == ObjectiveName::SumOfRankLosses {
-            steps = forward_steps(&p, &plan.views(), &run).await?;
+            steps = forward_steps(&p, &plan.views(), &run, comm.rank()).await?;
         }
         let mut grads = Vec::new();
         for inp in p.inputs.iter().filter(|i| i.grad) {

@@ -34,9 +34,16 @@ pub(super) async fn run<T: Transport>(
         },
     )
     .await?;
-    let mut steps = forward_steps(program, &views, &run).await?;
+    let me = comm.rank();
+    let mut steps = forward_steps(program, &views, &run, me).await?;
     let mut cotangents = Vec::new();
+    let mut listed = std::collections::HashSet::new();
+    // Each name once (ranks may bind one name in different steps: a pipeline's h0 is computed on
+    // stage 0 and received on stage 1).
     for out in views.iter().filter_map(|v| v.out.as_ref()).rev() {
+        if !listed.insert(out) {
+            continue;
+        }
         cotangents.push(Named::tensors(
             &format!("dF/d{out}"),
             value_of(out, &run.grads).await?,
@@ -61,27 +68,24 @@ pub(super) async fn run<T: Transport>(
             .filter(|(n, _)| nodes.contains(n))
             .flat_map(|(_, c)| c.iter().cloned())
             .collect();
-        // The cotangent that arrives at the step's result, and what its dual makes of it.
+        // The cotangent that arrives at the step's result, and what its dual makes of it (on
+        // the ranks that ran the step).
         let mut values = Vec::new();
-        if let Some(out) = &v.out {
-            values.push(Named::tensors(
-                &format!("dF/d{out}"),
-                value_of(out, &run.grads).await?,
-            ));
-        }
-        for name in &v.inputs {
+        for name in v.out.iter().chain(&v.inputs) {
             values.push(Named::tensors(
                 &format!("dF/d{name}"),
-                value_of(name, &run.grads).await?,
+                shown(v, me, name, &run.grads).await?,
             ));
         }
-        let ran = if calls.is_empty() {
-            String::new()
+        // What this rank's backward ran for the step (ranks differ: the dual of a send is a
+        // recv on the sender, of a recv a send on the receiver).
+        values.push(if calls.is_empty() {
+            Named::tensors("backward ran", Vec::new())
         } else {
-            format!(" (ran: {})", calls.join(" + "))
-        };
+            Named::text("backward ran", calls.join(" + "))
+        });
         let mut b = step(
-            format!("backward through {}{ran}", v.label),
+            format!("backward through {}", v.label),
             Phase::Backward,
             reversed(&v.arrows),
             values,
@@ -130,6 +134,7 @@ pub(super) async fn forward_steps(
     program: &Program,
     views: &[StepView],
     run: &TracedRun,
+    me: usize,
 ) -> Result<Vec<RankStep>> {
     let mut steps = Vec::with_capacity(views.len() + 1);
     let mut inputs = Vec::new();
@@ -143,11 +148,11 @@ pub(super) async fn forward_steps(
     for v in views {
         let mut values = Vec::new();
         match &v.out {
-            Some(out) => values.push(Named::tensors(out, value_of(out, &run.values).await?)),
+            Some(out) => values.push(Named::tensors(out, shown(v, me, out, &run.values).await?)),
             // A send binds nothing: show what it sends.
             None => {
                 for name in &v.inputs {
-                    values.push(Named::tensors(name, value_of(name, &run.values).await?));
+                    values.push(Named::tensors(name, shown(v, me, name, &run.values).await?));
                 }
             }
         }
@@ -161,6 +166,21 @@ pub(super) async fn forward_steps(
         steps.push(s);
     }
     Ok(steps)
+}
+
+/// A value of step `v` as rank `me` shows it: nothing where `me` does not run the step (rank 1 of
+/// a pipeline holds `h0` only once it received it, not at the step where stage 0 computes it).
+async fn shown(
+    v: &StepView,
+    me: usize,
+    name: &str,
+    of: &std::collections::HashMap<String, Tensor>,
+) -> Result<Vec<TensorJson>> {
+    if v.ranks.contains(&me) {
+        value_of(name, of).await
+    } else {
+        Ok(Vec::new())
+    }
 }
 
 /// The lesson's program checked for `world` ranks, saying so when the lesson was written for

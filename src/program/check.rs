@@ -390,7 +390,7 @@ fn local_shape(op: &LocalOp, ins: &[&Vec<usize>]) -> std::result::Result<Vec<usi
 /// The call each group rank makes (all_to_all_single's per-rank splits filled in).
 fn group_specs(kind: &StepKind, n: usize) -> std::result::Result<Vec<Spec>, String> {
     match kind {
-        StepKind::Local(_) => Err("internal: not a collective".into()),
+        StepKind::Local(_) | StepKind::For(_) => Err("internal: not a collective".into()),
         StepKind::Collective { spec, splits: None } => Ok(vec![spec.clone(); n]),
         StepKind::Collective {
             splits:
@@ -542,7 +542,7 @@ pub(super) fn plan(p: &Program, world: usize) -> Result<Plan> {
             "world must be 1..={MAX_WORLD}, got {world}"
         )));
     }
-    let expanded = expand_parts(p, world)?;
+    let expanded = expand_parts(&super::repeat::expand(p, world)?, world)?;
     let p = &expanded;
     let mut env: Vec<HashMap<String, Vec<usize>>> = vec![HashMap::new(); world];
     // Replicated objective: the values invariant over a group (its global ranks), per rank.
@@ -634,6 +634,9 @@ pub(super) fn plan(p: &Program, world: usize) -> Result<Plan> {
             Ok(())
         };
         match &s.kind {
+            StepKind::For(_) => {
+                return Err(e("internal: a \"for\" block left after expansion".into()));
+            }
             StepKind::Local(op) => {
                 if s.group.is_some() {
                     return Err(e("a local op takes no \"group\"".into()));

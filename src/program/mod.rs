@@ -45,6 +45,10 @@
 //! - **`"ranks"`** (global ranks) limits a step to some ranks: a rank-dependent program, e.g. a
 //!   `send` on rank 0 and the matching `recv` on rank 1. A collective other than send / recv runs
 //!   on every member of its group.
+//! - **`"for"` blocks** (`{"for": "s", "from": 0, "to": "last", "steps": [...]}`) repeat their
+//!   steps for every value of a rank variable once the world is known, with expressions in rank
+//!   fields (`"dst": "s+1"`), in names (`"out": "h{s}"`) and conditions (`"if": "s > 0"`): a
+//!   pipeline or a ring written once for any world ([`Block`] says the rules).
 //! - **The loss** is a one-element value; a rank without it contributes nothing. The global
 //!   objective is the sum of the ranks' losses; under the replicated objective a loss that is
 //!   invariant over a group counts once for the group (as [`crate::Objective`] says).
@@ -56,6 +60,7 @@
 mod case;
 mod check;
 mod random;
+mod repeat;
 mod run;
 mod trace;
 
@@ -67,6 +72,7 @@ use crate::error::{Error, Result};
 pub use case::from_case;
 pub use check::Plan;
 pub use random::{RandomOptions, random_program};
+pub use repeat::{Block, MAX_EXPANDED_STEPS};
 pub(crate) use run::loss_weight;
 #[cfg(not(target_arch = "wasm32"))]
 pub use run::run_local;
@@ -277,6 +283,9 @@ pub enum StepKind {
         /// all_to_all_single's split sizes per group rank.
         splits: Option<Splits>,
     },
+    /// A `"for"` block: steps repeated for each value of a rank variable, expanded when the
+    /// world is known ([`Program::plan`]); a plan's program has none.
+    For(Block),
 }
 
 /// all_to_all_single's split sizes given per group rank.
@@ -313,6 +322,7 @@ impl Step {
                 splits: Some(_),
             } => spec.kind().name().to_string(),
             StepKind::Collective { spec, .. } => spec.to_string(),
+            StepKind::For(b) => format!("for {} in {}..={}", b.var, b.from, b.to),
         };
         let out = self
             .out
@@ -329,6 +339,20 @@ impl<'de> Deserialize<'de> for Step {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         use serde::de::Error as _;
         let mut map = serde_json::Map::<String, serde_json::Value>::deserialize(d)?;
+        if map.contains_key("for") {
+            return Ok(Step {
+                kind: StepKind::For(Block::from_map(map).map_err(D::Error::custom)?),
+                inputs: Vec::new(),
+                out: None,
+                ranks: None,
+                group: None,
+            });
+        }
+        if map.contains_key("if") {
+            return Err(D::Error::custom(
+                "\"if\" is for the steps of a \"for\" block (it tests the block's variable)",
+            ));
+        }
         let take = |map: &mut serde_json::Map<String, serde_json::Value>, k: &str| map.remove(k);
         let inputs: Vec<String> = match take(&mut map, "in") {
             Some(v) => {
@@ -413,6 +437,7 @@ impl Serialize for Step {
         let mut v = match &self.kind {
             StepKind::Local(op) => serde_json::to_value(op),
             StepKind::Collective { spec, .. } => serde_json::to_value(spec),
+            StepKind::For(b) => return b.to_value().serialize(s),
         }
         .map_err(S::Error::custom)?;
         let map = v

@@ -25,6 +25,9 @@ pub struct StepView {
     pub out: Option<String>,
     /// The names it reads.
     pub inputs: Vec<String>,
+    /// The global ranks that run it (a local op's ranks; the members of a collective's group
+    /// that call it).
+    pub ranks: Vec<usize>,
 }
 
 impl Plan {
@@ -35,13 +38,13 @@ impl Plan {
             .zip(&self.program.steps)
             .map(|(planned, step)| {
                 let mut label = step.describe();
-                let (collective, arrows) = match &planned.what {
+                let (collective, arrows, ranks) = match &planned.what {
                     What::Local(_, runs) => {
-                        if runs.iter().any(|r| !r) {
-                            let on: Vec<usize> = (0..runs.len()).filter(|&r| runs[r]).collect();
+                        let on: Vec<usize> = (0..runs.len()).filter(|&r| runs[r]).collect();
+                        if on.len() != runs.len() {
                             label.push_str(&format!(" on ranks {on:?}"));
                         }
-                        (None, Vec::new())
+                        (None, Vec::new(), on)
                     }
                     What::Collective { group, specs } => {
                         let members = &self.groups[*group];
@@ -76,8 +79,9 @@ impl Plan {
                             } => spec.kind().name().to_string(),
                             StepKind::Collective { spec, .. } => spec.to_string(),
                             StepKind::Local(op) => op.name().to_string(),
+                            StepKind::For(b) => format!("for {}", b.var),
                         };
-                        (Some(what), arrows)
+                        (Some(what), arrows, calling)
                     }
                 };
                 StepView {
@@ -86,6 +90,7 @@ impl Plan {
                     arrows,
                     out: step.out.clone(),
                     inputs: step.inputs.clone(),
+                    ranks,
                 }
             })
             .collect()

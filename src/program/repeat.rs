@@ -1,0 +1,525 @@
+//! `"for"` blocks: steps written once with a rank variable and expanded for every value of it
+//! when the world is known (a pipeline's stage s receives from s − 1 and sends to s + 1, in any
+//! world).
+//!
+//! ```text
+//! {"for": "s", "from": 0, "to": "last", "steps": [
+//!    {"collective": "recv", "src": "s-1", "shape": [2], "out": "h{s-1}", "ranks": ["s"], "if": "s > 0"},
+//!    ...]}
+//! ```
+//!
+//! The rules are on [`Block`].
+
+use std::collections::HashMap;
+
+use serde_json::Value;
+
+use super::{Program, Step, StepKind};
+use crate::error::{Error, Result};
+
+/// Most steps plus block repetitions a program's blocks may expand to.
+pub const MAX_EXPANDED_STEPS: usize = 100_000;
+
+/// A `"for"` block as written; its steps are expanded once the world is known
+/// ([`Program::plan`](super::Program::plan)).
+///
+/// - `"from"` and `"to"` (inclusive) are integer expressions; the block's steps are repeated for
+///   each value in order (none when `to < from`). Blocks nest.
+/// - In a step of the block, a string where a number goes (`ranks`, `group`, `dst`, `src`,
+///   `root`, `perm`, `shape`, splits, `dim`, `start`, `len`) is an integer expression, and
+///   `{expr}` inside a string (`in`, `out`) is replaced by its value: `"h{s-1}"` is `h2` when
+///   `s` is 3.
+/// - `"if"`: a condition; the step is left out for the values where it is false.
+/// - Expressions: integers, the block variables, `world`, `last` (= world − 1), `+`, `-`, `*`,
+///   parentheses; conditions compare two expressions (`<`, `<=`, `>`, `>=`, `==`, `!=`) and join
+///   comparisons with `&&` and `||`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Block {
+    /// The variable's name.
+    pub var: String,
+    /// First value (an integer expression).
+    pub from: Value,
+    /// Last value, inclusive (an integer expression).
+    pub to: Value,
+    /// The steps, as JSON, with expressions in them.
+    pub steps: Vec<Value>,
+}
+
+/// Keys whose values are numbers (or lists of numbers) in a step: a string there is an
+/// expression.
+const NUMERIC_KEYS: [&str; 12] = [
+    "ranks",
+    "group",
+    "dst",
+    "src",
+    "root",
+    "perm",
+    "shape",
+    "in_splits",
+    "out_splits",
+    "dim",
+    "start",
+    "len",
+];
+
+/// Keys whose strings are names, where `{expr}` is replaced.
+const NAME_KEYS: [&str; 2] = ["in", "out"];
+
+impl Block {
+    /// Parse a block from a step's JSON object (which has `"for"`).
+    pub(super) fn from_map(
+        mut map: serde_json::Map<String, Value>,
+    ) -> std::result::Result<Block, String> {
+        let var = match map.remove("for") {
+            Some(Value::String(v)) => v,
+            _ => return Err("\"for\" names the block's variable, a string".into()),
+        };
+        if !is_ident(&var) || var == "world" || var == "last" {
+            return Err(format!(
+                "\"for\": `{var}` is not a variable name (letters, digits, _; not world or last)"
+            ));
+        }
+        let from = map
+            .remove("from")
+            .ok_or_else(|| format!("the \"for\" block over `{var}` needs \"from\""))?;
+        let to = map
+            .remove("to")
+            .ok_or_else(|| format!("the \"for\" block over `{var}` needs \"to\" (inclusive)"))?;
+        let steps = match map.remove("steps") {
+            Some(Value::Array(a)) => a,
+            _ => {
+                return Err(format!(
+                    "the \"for\" block over `{var}` needs \"steps\", a list of steps"
+                ));
+            }
+        };
+        if let Some(k) = map.keys().next() {
+            return Err(format!(
+                "unknown field `{k}` in the \"for\" block over `{var}` (it takes for, from, to, steps)"
+            ));
+        }
+        Ok(Block {
+            var,
+            from,
+            to,
+            steps,
+        })
+    }
+
+    /// The block as JSON (as written).
+    pub(super) fn to_value(&self) -> Value {
+        serde_json::json!({
+            "for": self.var,
+            "from": self.from,
+            "to": self.to,
+            "steps": self.steps,
+        })
+    }
+}
+
+/// The program with every `"for"` block replaced by its steps for `world` ranks.
+pub(super) fn expand(p: &Program, world: usize) -> Result<Program> {
+    if !p.steps.iter().any(|s| matches!(s.kind, StepKind::For(_))) {
+        return Ok(p.clone());
+    }
+    let mut env = HashMap::new();
+    env.insert("world".to_string(), world as i64);
+    env.insert("last".to_string(), world as i64 - 1);
+    let mut steps = Vec::new();
+    // Iterations and steps left (empty blocks nested deep must not run for ever either).
+    let mut budget = MAX_EXPANDED_STEPS;
+    for (si, s) in p.steps.iter().enumerate() {
+        match &s.kind {
+            StepKind::For(b) => {
+                expand_block(b, &env, &format!("step {si}"), &mut steps, &mut budget)?
+            }
+            _ => steps.push(s.clone()),
+        }
+    }
+    Ok(Program { steps, ..p.clone() })
+}
+
+fn expand_block(
+    b: &Block,
+    env: &HashMap<String, i64>,
+    at: &str,
+    out: &mut Vec<Step>,
+    budget: &mut usize,
+) -> Result<()> {
+    let here = format!("{at} (for {})", b.var);
+    let bound = |v: &Value, what: &str| -> Result<i64> {
+        number(v, env).map_err(|e| Error::Input(format!("{here}: \"{what}\": {e}")))
+    };
+    let (from, to) = (bound(&b.from, "from")?, bound(&b.to, "to")?);
+    if env.contains_key(&b.var) {
+        return Err(Error::Input(format!(
+            "{here}: `{}` is already a variable of an enclosing block",
+            b.var
+        )));
+    }
+    let mut env = env.clone();
+    for v in from..=to {
+        env.insert(b.var.clone(), v);
+        if *budget == 0 {
+            return Err(Error::Input(format!(
+                "{here}: the program grows beyond {MAX_EXPANDED_STEPS} steps and block repetitions"
+            )));
+        }
+        *budget -= 1;
+        for (k, item) in b.steps.iter().enumerate() {
+            let at = format!("{here}, its step {k} with {} = {v}", b.var);
+            let fail = |e: String| Error::Input(format!("{at}: {e}"));
+            let Value::Object(map) = item else {
+                return Err(fail("a step is a JSON object".into()));
+            };
+            if map.contains_key("for") {
+                let block = Block::from_map(map.clone()).map_err(fail)?;
+                expand_block(&block, &env, &at, out, budget)?;
+                continue;
+            }
+            let mut map = map.clone();
+            if let Some(c) = map.remove("if") {
+                let Value::String(c) = c else {
+                    return Err(fail("\"if\" is a condition written as a string".into()));
+                };
+                if !Parser::new(&c, &env).condition_all().map_err(fail)? {
+                    continue;
+                }
+            }
+            for (key, value) in map.iter_mut() {
+                if NUMERIC_KEYS.contains(&key.as_str()) {
+                    numbers_in(value, &env).map_err(|e| fail(format!("\"{key}\": {e}")))?;
+                } else if NAME_KEYS.contains(&key.as_str()) {
+                    names_in(value, &env).map_err(|e| fail(format!("\"{key}\": {e}")))?;
+                }
+            }
+            let step: Step =
+                serde_json::from_value(Value::Object(map)).map_err(|e| fail(e.to_string()))?;
+            if *budget == 0 {
+                return Err(fail(format!(
+                    "the program grows beyond {MAX_EXPANDED_STEPS} steps and block repetitions"
+                )));
+            }
+            *budget -= 1;
+            out.push(step);
+        }
+    }
+    Ok(())
+}
+
+/// An integer from a number or an expression string.
+fn number(v: &Value, env: &HashMap<String, i64>) -> std::result::Result<i64, String> {
+    match v {
+        Value::Number(n) => n.as_i64().ok_or_else(|| format!("{n} is not an integer")),
+        Value::String(s) => Parser::new(s, env).expr_all(),
+        other => Err(format!("{other} is neither an integer nor an expression")),
+    }
+}
+
+/// Replace every expression string in a numeric field (nested lists too) by its value; values
+/// used as ranks, sizes or indices must not be negative.
+fn numbers_in(v: &mut Value, env: &HashMap<String, i64>) -> std::result::Result<(), String> {
+    match v {
+        Value::String(s) => {
+            let n = Parser::new(s, env).expr_all()?;
+            if n < 0 {
+                return Err(format!("`{s}` is {n}, below 0"));
+            }
+            *v = Value::from(n);
+        }
+        Value::Array(a) => {
+            for x in a {
+                numbers_in(x, env)?;
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Replace `{expr}` in every name (a string or a list of strings) by its value.
+fn names_in(v: &mut Value, env: &HashMap<String, i64>) -> std::result::Result<(), String> {
+    match v {
+        Value::String(s) => *s = substitute(s, env)?,
+        Value::Array(a) => {
+            for x in a {
+                names_in(x, env)?;
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+fn substitute(s: &str, env: &HashMap<String, i64>) -> std::result::Result<String, String> {
+    let mut out = String::new();
+    let mut rest = s;
+    while let Some(open) = rest.find('{') {
+        out.push_str(&rest[..open]);
+        let close = rest[open..]
+            .find('}')
+            .ok_or_else(|| format!("`{s}`: a `{{` without its `}}`"))?;
+        let inner = &rest[open + 1..open + close];
+        let n = Parser::new(inner, env)
+            .expr_all()
+            .map_err(|e| format!("`{s}`: {e}"))?;
+        out.push_str(&n.to_string());
+        rest = &rest[open + close + 1..];
+    }
+    if rest.contains('}') {
+        return Err(format!("`{s}`: a `}}` without its `{{`"));
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+fn is_ident(s: &str) -> bool {
+    let mut c = s.chars();
+    c.next()
+        .is_some_and(|f| f.is_ascii_alphabetic() || f == '_')
+        && c.all(|x| x.is_ascii_alphanumeric() || x == '_')
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Tok {
+    Num(i64),
+    Ident(String),
+    Sym(&'static str),
+}
+
+/// A small recursive-descent parser of integer expressions and conditions.
+struct Parser<'a> {
+    text: &'a str,
+    toks: Vec<Tok>,
+    pos: usize,
+    env: &'a HashMap<String, i64>,
+    error: Option<String>,
+}
+
+const SYMBOLS: [&str; 13] = [
+    "<=", ">=", "==", "!=", "&&", "||", "<", ">", "+", "-", "*", "(", ")",
+];
+
+impl<'a> Parser<'a> {
+    fn new(text: &'a str, env: &'a HashMap<String, i64>) -> Parser<'a> {
+        let mut toks = Vec::new();
+        let mut error = None;
+        let b = text.as_bytes();
+        let mut i = 0;
+        while i < b.len() {
+            let c = b[i] as char;
+            if c.is_ascii_whitespace() {
+                i += 1;
+            } else if c.is_ascii_digit() {
+                let start = i;
+                while i < b.len() && b[i].is_ascii_digit() {
+                    i += 1;
+                }
+                match text[start..i].parse::<i64>() {
+                    Ok(n) if n <= 1 << 40 => toks.push(Tok::Num(n)),
+                    _ => {
+                        error = Some(format!("`{}` is too large", &text[start..i]));
+                        break;
+                    }
+                }
+            } else if c.is_ascii_alphabetic() || c == '_' {
+                let start = i;
+                while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == b'_') {
+                    i += 1;
+                }
+                toks.push(Tok::Ident(text[start..i].to_string()));
+            } else if let Some(sym) = SYMBOLS.iter().find(|s| text[i..].starts_with(**s)) {
+                toks.push(Tok::Sym(sym));
+                i += sym.len();
+            } else {
+                let ch = text[i..].chars().next().unwrap_or(c);
+                error = Some(format!("unexpected `{ch}`"));
+                break;
+            }
+        }
+        Parser {
+            text,
+            toks,
+            pos: 0,
+            env,
+            error,
+        }
+    }
+
+    fn fail<T>(&self, why: impl std::fmt::Display) -> std::result::Result<T, String> {
+        Err(format!("in `{}`: {why}", self.text))
+    }
+
+    fn peek(&self) -> Option<&Tok> {
+        self.toks.get(self.pos)
+    }
+
+    fn eat(&mut self, sym: &'static str) -> bool {
+        if self.peek() == Some(&Tok::Sym(sym)) {
+            self.pos += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn finish<T>(&self, v: T) -> std::result::Result<T, String> {
+        match self.peek() {
+            None => Ok(v),
+            Some(t) => self.fail(format!("unexpected {t:?} after the end")),
+        }
+    }
+
+    /// The whole text as an integer expression.
+    fn expr_all(mut self) -> std::result::Result<i64, String> {
+        if let Some(e) = &self.error {
+            return self.fail(e);
+        }
+        let v = self.expr()?;
+        self.finish(v)
+    }
+
+    /// The whole text as a condition.
+    fn condition_all(mut self) -> std::result::Result<bool, String> {
+        if let Some(e) = &self.error {
+            return self.fail(e);
+        }
+        let v = self.or()?;
+        self.finish(v)
+    }
+
+    fn or(&mut self) -> std::result::Result<bool, String> {
+        let mut v = self.and()?;
+        while self.eat("||") {
+            let r = self.and()?;
+            v = v || r;
+        }
+        Ok(v)
+    }
+
+    fn and(&mut self) -> std::result::Result<bool, String> {
+        let mut v = self.compare()?;
+        while self.eat("&&") {
+            let r = self.compare()?;
+            v = v && r;
+        }
+        Ok(v)
+    }
+
+    fn compare(&mut self) -> std::result::Result<bool, String> {
+        let a = self.expr()?;
+        for op in ["<=", ">=", "==", "!=", "<", ">"] {
+            if self.eat(op) {
+                let b = self.expr()?;
+                return Ok(match op {
+                    "<=" => a <= b,
+                    ">=" => a >= b,
+                    "==" => a == b,
+                    "!=" => a != b,
+                    "<" => a < b,
+                    _ => a > b,
+                });
+            }
+        }
+        self.fail("a condition compares two expressions (<, <=, >, >=, ==, !=)")
+    }
+
+    fn expr(&mut self) -> std::result::Result<i64, String> {
+        let mut v = self.term()?;
+        loop {
+            if self.eat("+") {
+                let t = self.term()?;
+                v = self.checked(v.checked_add(t))?;
+            } else if self.eat("-") {
+                let t = self.term()?;
+                v = self.checked(v.checked_sub(t))?;
+            } else {
+                return Ok(v);
+            }
+        }
+    }
+
+    fn term(&mut self) -> std::result::Result<i64, String> {
+        let mut v = self.factor()?;
+        while self.eat("*") {
+            let f = self.factor()?;
+            v = self.checked(v.checked_mul(f))?;
+        }
+        Ok(v)
+    }
+
+    fn checked(&self, v: Option<i64>) -> std::result::Result<i64, String> {
+        match v {
+            Some(v) if v.abs() <= 1 << 40 => Ok(v),
+            _ => self.fail("the value is too large"),
+        }
+    }
+
+    fn factor(&mut self) -> std::result::Result<i64, String> {
+        if self.eat("-") {
+            return Ok(-self.factor()?);
+        }
+        if self.eat("(") {
+            let v = self.expr()?;
+            if !self.eat(")") {
+                return self.fail("a `(` without its `)`");
+            }
+            return Ok(v);
+        }
+        match self.peek().cloned() {
+            Some(Tok::Num(n)) => {
+                self.pos += 1;
+                Ok(n)
+            }
+            Some(Tok::Ident(name)) => {
+                self.pos += 1;
+                match self.env.get(&name) {
+                    Some(v) => Ok(*v),
+                    None => {
+                        let mut known: Vec<&String> = self.env.keys().collect();
+                        known.sort();
+                        self.fail(format!("unknown variable `{name}` (known: {known:?})"))
+                    }
+                }
+            }
+            Some(t) => self.fail(format!("expected a number or a variable, got {t:?}")),
+            None => self.fail("expected a number or a variable at the end"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env() -> HashMap<String, i64> {
+        HashMap::from([
+            ("s".to_string(), 3),
+            ("world".to_string(), 5),
+            ("last".to_string(), 4),
+        ])
+    }
+
+    #[test]
+    fn expressions_and_conditions_by_hand() {
+        let e = env();
+        let x = |t: &str| Parser::new(t, &e).expr_all();
+        assert_eq!(x("s-1"), Ok(2));
+        assert_eq!(x(" 2 * (s + 1) - last "), Ok(4));
+        assert_eq!(x("-s + world"), Ok(2));
+        assert_eq!(x("7"), Ok(7));
+        let c = |t: &str| Parser::new(t, &e).condition_all();
+        assert_eq!(c("s > 0"), Ok(true));
+        assert_eq!(c("s == last"), Ok(false));
+        assert_eq!(c("s < last && s != 2"), Ok(true));
+        assert_eq!(c("s == 0 || s == 3"), Ok(true));
+        assert_eq!(c("s >= world"), Ok(false));
+        for bad in ["s +", "t", "s )", "(s", "s $ 1", "", "99999999999999999999"] {
+            assert!(x(bad).is_err(), "{bad}");
+        }
+        assert!(c("s").is_err());
+        assert_eq!(substitute("h{s-1}.{last}", &e), Ok("h2.4".to_string()));
+        assert!(substitute("h{s", &e).is_err());
+        assert!(substitute("h}s", &e).is_err());
+    }
+}
