@@ -8,12 +8,16 @@
 //   1. every collective (every reduce op, roots != 0, subgroups) forward + backward in all tabs equals
 //      `distgrad vjp <case> --json` (the native in-process run), and the dual the tabs ran is the same;
 //   2. the page's Run button (request -> rank 0 -> every rank) runs on every tab;
-//   3. a native `distgrad worker` and 3 tabs in one room (mixed group) give the native result
+//   3. a native `distgrad worker` and 3 tabs in one room (mixed group) give the native result, for a
+//      vjp case and for a program (`worker --program` beside the page's `runProgramHere`), and the
+//      program's gradient check across them (`--gradcheck` / `checkProgramHere`) is the native one
 //      (with --net webrtc, channel or auto the tabs' pairs with the worker fall back to the relay and
 //      say so; channel: BroadcastChannels between the tabs of this browser; auto, the page's default:
 //      BroadcastChannels between these tabs, all in one browser, after which the worker's pairs try
 //      WebRTC);
-//   4. closing one tab mid-run makes every other tab show an error within 5 s.
+//   4. closing one tab mid-run makes every other tab show an error within 5 s;
+//   5. a clean leave keeps the data already sent: a tab sends 16 MiB and leaves at once, and the
+//      receiving tab gets every value (3 rounds, over the --net route).
 // --device is the page's compute choice (default auto: the page's own, which takes the CPU over a
 // software WebGPU adapter such as this SwiftShader and must say so; gpu: WebGPU on SwiftShader).
 // Prints figures (not asserted): page load to ready, 4-tab all_reduce of 1 MiB forward + backward,
@@ -21,7 +25,7 @@
 // uses `unshare -n`), so that ICE never tries another interface. Exits non-zero on any failure.
 
 import { spawn, execFileSync } from 'node:child_process';
-import { readdirSync, statSync, mkdirSync, writeFileSync } from 'node:fs';
+import { readdirSync, readFileSync, statSync, mkdirSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { randomBytes } from 'node:crypto';
 import { chromium } from 'playwright-core';
@@ -311,6 +315,54 @@ async function main() {
       await Promise.all(mpages.map((p) => p.close()));
     }
 
+    // ---- 3b. mixed group, one program: `distgrad worker --program` as rank 3 and three tabs run the
+    // shipped ring program (a "for" block of sends and recvs) and then check its gradients, against
+    // `distgrad run` / `distgrad gradcheck` on in-process ranks ----
+    for (const check of [false, true]) {
+      const what = check ? 'gradcheck' : 'run';
+      const file = 'www/programs/ring.json';
+      const text = readFileSync(file, 'utf8');
+      const want = JSON.parse(execFileSync(BIN, check
+        ? ['gradcheck', file, '--world', String(WORLD), '--json']
+        : ['run', file, '--world', String(WORLD), '--json'], { encoding: 'utf8' }));
+      const mroom = `mixed-program-${what}-${NET}-${process.pid}`;
+      const token = randomBytes(16).toString('hex');
+      const wargs = ['worker', '--relay', `ws://${relay.host}/ws`, '--room', mroom, '--world', String(WORLD), '--rank', '3',
+        '--token', token, '--program', file, '--timeout-secs', '60'];
+      if (check) wargs.push('--gradcheck', '--report-json');
+      const worker = spawn(BIN, wargs, { stdio: ['ignore', 'pipe', 'inherit'] });
+      let wout = '';
+      worker.stdout.on('data', (d) => { wout += d; });
+      const wdone = new Promise((r) => worker.on('exit', r));
+      const mpages = await openTabs(ctx, `${base}?room=${mroom}&world=${WORLD}&token=${token}${NET_PARAM}`, 3, errors);
+      const ms = await waitReady(mpages, 60000);
+      const fn = check ? 'checkProgramHere' : 'runProgramHere';
+      const got = await withTimeout(Promise.all(mpages.map((p) => p.evaluate(([f, j]) => window.distgrad[f](j), [fn, text]).then(JSON.parse))), 120000, `mixed ${what}`);
+      const code = await withTimeout(wdone, 30000, 'native worker exit');
+      if (code !== 0) { fail(`mixed ${what}: native worker exited ${code}`); continue; }
+      const native = JSON.parse(wout.trim().split('\n').pop());
+      const near = (a, b) => a === b || (a !== null && b !== null && Math.abs(a - b) <= 1e-4 * Math.max(1, Math.abs(a), Math.abs(b)));
+      const byRank = [];
+      ms.forEach((st, i) => { byRank[st.rank] = got[i]; });
+      byRank[3] = native;
+      for (const [r, g] of byRank.entries()) {
+        const who = r === 3 ? 'rank 3 (native worker)' : `rank ${r} (tab)`;
+        if (!check) {
+          const w = want[r];
+          const same = near(g.loss, w.loss) && g.grads.length === w.grads.length
+            && g.grads.every((x, i) => x.length === w.grads[i].length && x.every((v, k) => near(v, w.grads[i][k])));
+          if (!same) fail(`mixed run: ${who}: ${JSON.stringify(g)}, in-process ${JSON.stringify(w)}`);
+        } else {
+          // Every rank of the check holds the same report; its verdict and rows are the in-process check's.
+          const rows = (x) => JSON.stringify(x.rows.map((q) => [q.rank, q.input, q.checked, q.failed, q.kinks]));
+          if (g.verdict !== want.verdict || g.evaluations !== want.evaluations || rows(g) !== rows(want) || !near(g.value, want.value))
+            fail(`mixed gradcheck: ${who}: ${g.verdict}, ${g.evaluations} runs, F = ${g.value}, rows ${rows(g)}; in-process ${want.verdict}, ${want.evaluations} runs, F = ${want.value}, rows ${rows(want)}`);
+        }
+      }
+      log(`mixed group, one program (native worker = rank 3, three tabs): ring.json ${check ? `gradcheck ${want.verdict} (${want.evaluations} runs of all ranks), the same report on every rank` : 'losses and gradients'} = the in-process ${what}`);
+      await Promise.all(mpages.map((p) => p.close()));
+    }
+
     // ---- 4. closing a tab mid-run: the others show an error within 5 s ----
     {
       const runs = byRank.slice(0, 3).map((p) => p.evaluate(() => window.distgrad.benchAllReduce(4 << 20)).catch((e) => String(e)));
@@ -334,6 +386,29 @@ async function main() {
       log(`closed rank 3's tab mid-run: ranks 0-2 showed an error within ${worst} ms: "${seen[0]?.error}"`);
       figures.error_after_close_ms = worst;
       await byRank[0].screenshot({ path: join(OUT, `tab-closed-${NET}.png`) });
+    }
+    // ---- 5. a clean leave keeps the data already sent: rank 0 sends 16 MiB to rank 1 and leaves at
+    // once (its goodbye follows the data on the link); rank 1 must receive every value ----
+    {
+      const ROUNDS = 3;
+      const NUMEL = 4 << 20;
+      const times = [];
+      for (let round = 0; round < ROUNDS; round++) {
+        const lroom = `leave-${NET}-${process.pid}-${round}`;
+        const ltoken = randomBytes(16).toString('hex');
+        const lpages = await openTabs(ctx, `${base}?room=${lroom}&world=2&token=${ltoken}${NET_PARAM}`, 2, errors);
+        const ls = await waitReady(lpages, 60000);
+        const [p0, p1] = ls[0].rank === 0 ? lpages : [lpages[1], lpages[0]];
+        const recv = p1.evaluate(([n]) => window.distgrad.recvFrom(0, n), [NUMEL]).then(JSON.parse, (e) => ({ error: String(e) }));
+        const sent = await p0.evaluate(([n]) => window.distgrad.sendAndLeave(1, n), [NUMEL]).catch((e) => `error: ${e}`);
+        if (!sent.startsWith('sent')) fail(`leave round ${round}: the sender failed: ${sent}`);
+        const got = await withTimeout(recv, 60000, `leave round ${round}: the receive`);
+        if (got.error) fail(`leave round ${round} over ${NET}: the receiver lost data already sent: ${got.error}`);
+        else if (got.received !== NUMEL || got.mismatches !== 0) fail(`leave round ${round}: received ${got.received} values, ${got.mismatches} wrong`);
+        else times.push(got.ms);
+        await Promise.all(lpages.map((p) => p.close()));
+      }
+      log(`clean leave over ${NET}: ${times.length}/${ROUNDS} rounds of 16 MiB sent then left at once, every value received (${times.map((t) => t.toFixed(0)).join(', ')} ms)`);
     }
     const unexpected = errors.filter((e) => !/left the room|failed|disconnected|lost|closed|Aborted|abort/i.test(e));
     if (unexpected.length) fail(`console errors: ${unexpected.join(' | ')}`);

@@ -165,6 +165,16 @@ pub(super) fn install_api() {
         set_fn(&api, name, f.as_ref());
         f.forget();
     }
+    for (name, check) in [("runProgramHere", false), ("checkProgramHere", true)] {
+        let f = Closure::<dyn Fn(String) -> js_sys::Promise>::new(move |text: String| {
+            promise(async move {
+                let a = app()?;
+                program_here(&a, &text, check).await
+            })
+        });
+        set_fn(&api, name, f.as_ref());
+        f.forget();
+    }
     let f = Closure::<dyn Fn() -> String>::new(|| {
         state(|s| serde_json::to_string(&s.program_result).unwrap_or_else(|_| "null".into()))
     });
@@ -183,6 +193,16 @@ pub(super) fn install_api() {
         state(|s| serde_json::to_string(&s.bench_result).unwrap_or_else(|_| "null".into()))
     });
     set_fn(&api, "benchResult", f.as_ref());
+    f.forget();
+    let f = Closure::<dyn Fn(u32, u32) -> js_sys::Promise>::new(|dst: u32, numel: u32| {
+        promise(send_and_leave(dst as usize, numel as usize))
+    });
+    set_fn(&api, "sendAndLeave", f.as_ref());
+    f.forget();
+    let f = Closure::<dyn Fn(u32, u32) -> js_sys::Promise>::new(|src: u32, numel: u32| {
+        promise(recv_from(src as usize, numel as usize))
+    });
+    set_fn(&api, "recvFrom", f.as_ref());
     f.forget();
     let f = Closure::<dyn Fn(u32) -> js_sys::Promise>::new(|numel: u32| {
         promise(bench_all_reduce(numel as usize))

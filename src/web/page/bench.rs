@@ -269,3 +269,47 @@ pub(super) fn show_bench(v: &serde_json::Value) {
     html.push_str("</tbody></table>");
     set_html("bench-result", &html);
 }
+
+/// The value of element `i` of what [`send_and_leave`] sends from rank `src` (exact in f32).
+fn leave_pattern(src: usize, i: usize) -> f32 {
+    ((i % 4093) + 8 * src) as f32
+}
+
+/// `sendAndLeave(dst, numel)`: send `numel` values to rank `dst`, then leave the room at once
+/// (the goodbye on every link after the data, as a closing tab does). A clean leave must never
+/// cost the receiver data already sent: [`recv_from`] on `dst` gets all of it.
+pub(super) async fn send_and_leave(dst: usize, numel: usize) -> Result<String> {
+    let app = app()?;
+    let _busy = app.busy.lock().await;
+    let comm = app
+        .comm
+        .as_ref()
+        .ok_or_else(|| Error::Input("no group in single-tab mode".into()))?;
+    let me = comm.rank();
+    let x = Tensor::from_vec((0..numel).map(|i| leave_pattern(me, i)).collect(), &[numel])?;
+    comm.send(&x, dst, &comm.world()).await?;
+    comm.transport().close();
+    state(|s| s.phase = "left".into());
+    set_text("phase", "left the room (sendAndLeave)");
+    Ok(format!("sent {numel} values to rank {dst} and left"))
+}
+
+/// `recvFrom(src, numel)`: receive `numel` values from rank `src` and compare them with what
+/// [`send_and_leave`] sends: JSON with the count and the mismatches.
+pub(super) async fn recv_from(src: usize, numel: usize) -> Result<String> {
+    let app = app()?;
+    let _busy = app.busy.lock().await;
+    let comm = app
+        .comm
+        .as_ref()
+        .ok_or_else(|| Error::Input("no group in single-tab mode".into()))?;
+    let t0 = now_ms();
+    let got = comm.recv(&[numel], src, &comm.world()).await?.read().await?;
+    let ms = now_ms() - t0;
+    let mismatches = got
+        .iter()
+        .enumerate()
+        .filter(|&(i, &v)| v != leave_pattern(src, i))
+        .count();
+    Ok(serde_json::json!({"received": got.len(), "mismatches": mismatches, "ms": ms}).to_string())
+}

@@ -21,10 +21,15 @@
 //! `distgrad vjp` case; resolves to the rank's result JSON), `request(collective, op, root)` (the
 //! Run button), `benchAllReduce(numel)` (forward + backward of a SUM all_reduce; resolves to JSON
 //! with the milliseconds and checksums), `runProgram(json)` / `checkProgram(json)` (ask for a
-//! program to run / its gradients to be checked on every tab), `programResult()` (JSON of the last
+//! program to run / its gradients to be checked on every tab), `runProgramHere(json)` /
+//! `checkProgramHere(json)` (this rank's part of a program or of its check, without asking the
+//! other tabs: every rank must call it at the same time or be a native `distgrad worker --program`;
+//! resolves to the rank's run or the check's report), `programResult()` (JSON of the last
 //! program's result on this tab, or `null`), `benchRoom()` (ask for the room benchmark on every
-//! tab: raw round trips and throughput of the tabs' links beside all_reduce's figures) and
-//! `benchResult()` (its table, or `null`).
+//! tab: raw round trips and throughput of the tabs' links beside all_reduce's figures),
+//! `benchResult()` (its table, or `null`), and for the transport's leave ordering
+//! `sendAndLeave(dst, numel)` (send values to `dst`, then leave the room at once) with
+//! `recvFrom(src, numel)` (receive them and count mismatches).
 //!
 //! One file per concern: the page's state, start and the types every part shares are here;
 //! `dom.rs` (DOM helpers), `params.rs` (URL parameters, share links), `ranks.rs` (network events,

@@ -144,6 +144,36 @@ pub(super) async fn request_program(app: &App, text: String, check: bool) -> Res
     request(app, Bus::Program { text, check }).await
 }
 
+/// `runProgramHere` / `checkProgramHere`: this rank's part of a program (or of its gradient
+/// check) on the room's group, without the bus: every other rank must do the same at the same time,
+/// a tab through this call or a native `distgrad worker --program [--gradcheck]` (a mixed group).
+/// The result is this rank's run as `worker --program` prints it, or the check's report as
+/// `worker --program --gradcheck --report-json` does.
+pub(super) async fn program_here(app: &App, text: &str, check: bool) -> Result<String> {
+    let (_, plan) = plan_text(text, app.world)?;
+    let comm = app
+        .comm
+        .as_ref()
+        .ok_or_else(|| Error::Input("no group in single-tab mode".into()))?;
+    let _busy = app.busy.lock().await;
+    if check {
+        let o = gradcheck::Options {
+            comm: crate::collective::CommOptions {
+                device: app.device.clone(),
+                ..vjp::case_options()
+            },
+            ..gradcheck::Options::default()
+        };
+        Ok(gradcheck::check_program_on(comm, &plan, &o)
+            .await?
+            .to_json()
+            .to_string())
+    } else {
+        serde_json::to_string(&crate::program::run_rank(comm, &plan, None, true).await?)
+            .map_err(|e| Error::Input(e.to_string()))
+    }
+}
+
 /// What every rank does with an announced program.
 pub(super) async fn perform_program(app: &App, text: &str, check: bool) {
     let (program, plan) = match plan_text(text, app.world) {
