@@ -1,5 +1,6 @@
 // Shared by the end-to-end scripts: arguments, the relay process, numeric comparison, page state.
 import { spawn } from 'node:child_process';
+import { createSocket } from 'node:dgram';
 
 /** `--key value` pairs of the command line as an object. */
 export function parseArgs(argv) {
@@ -10,10 +11,13 @@ export function parseArgs(argv) {
 
 export const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
-/** `distgrad relay --static <dist>` on an ephemeral loopback port; resolves to {proc, host}. */
-export function startRelay(bin, dist) {
+/**
+ * `distgrad relay --static <dist>` on an ephemeral loopback port (`extra`: more flags); resolves to
+ * {proc, host}.
+ */
+export function startRelay(bin, dist, extra = []) {
   return new Promise((resolve, reject) => {
-    const p = spawn(bin, ['relay', '--addr', '127.0.0.1:0', '--static', dist], { stdio: ['ignore', 'pipe', 'inherit'] });
+    const p = spawn(bin, ['relay', '--addr', '127.0.0.1:0', '--static', dist, ...extra], { stdio: ['ignore', 'pipe', 'inherit'] });
     let out = '';
     p.stdout.on('data', (d) => {
       out += d;
@@ -53,4 +57,34 @@ export async function waitFor(pages, pred, ms, what, brief = (s) => s.phase) {
 export function watch(page, name, errors) {
   page.on('pageerror', (e) => errors.push(`${name}: uncaught ${e.message}`));
   page.on('console', (m) => { if (m.type() === 'error') errors.push(`${name}: console error: ${m.text()}`); });
+}
+
+/**
+ * A minimal STUN server (RFC 5389 Binding only) on a loopback UDP port: answers every Binding
+ * request with the sender's address (XOR-MAPPED-ADDRESS) and counts the requests. Resolves to
+ * {port, requests(), close()}.
+ */
+export function startStun() {
+  return new Promise((resolve, reject) => {
+    const sock = createSocket('udp4');
+    let requests = 0;
+    sock.on('message', (msg, from) => {
+      // Header: type (0x0001 Binding request), length, magic cookie 0x2112A442, transaction id.
+      if (msg.length < 20 || msg.readUInt16BE(0) !== 0x0001 || msg.readUInt32BE(4) !== 0x2112a442) return;
+      requests += 1;
+      const res = Buffer.alloc(32);
+      res.writeUInt16BE(0x0101, 0); // Binding success
+      res.writeUInt16BE(12, 2); // one attribute of 4 + 8 bytes
+      msg.copy(res, 4, 4, 20); // cookie and transaction id
+      res.writeUInt16BE(0x0020, 20); // XOR-MAPPED-ADDRESS
+      res.writeUInt16BE(8, 22);
+      res.writeUInt8(0x01, 25); // IPv4
+      res.writeUInt16BE(from.port ^ 0x2112, 26);
+      const ip = from.address.split('.').reduce((a, b) => ((a << 8) | Number(b)) >>> 0, 0);
+      res.writeUInt32BE((ip ^ 0x2112a442) >>> 0, 28);
+      sock.send(res, from.port, from.address);
+    });
+    sock.on('error', reject);
+    sock.bind(0, '127.0.0.1', () => resolve({ port: sock.address().port, requests: () => requests, close: () => sock.close() }));
+  });
 }

@@ -29,7 +29,7 @@ import { readdirSync, readFileSync, statSync, mkdirSync, writeFileSync } from 'n
 import { join } from 'node:path';
 import { randomBytes } from 'node:crypto';
 import { chromium } from 'playwright-core';
-import { parseArgs, sleep, startRelay, close, stateOf } from './common.mjs';
+import { parseArgs, sleep, startRelay, startStun, close, stateOf } from './common.mjs';
 
 const args = parseArgs(process.argv.slice(2));
 const BIN = args.bin;
@@ -160,7 +160,10 @@ const median = (xs) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)];
 async function main() {
   log('native reference: distgrad vjp for every case');
   const cases = suite();
-  const relay = await startRelay(BIN, DIST);
+  // Over WebRTC the relay hands the tabs a STUN server (a loopback one started here) with the
+  // welcome; the tabs' peer connections must really query it, and still link.
+  const stun = NET === 'webrtc' ? await startStun() : null;
+  const relay = await startRelay(BIN, DIST, stun ? ['--ice-server', `stun:127.0.0.1:${stun.port}`] : []);
   const base = `http://${relay.host}/`;
   log(`relay + web app at ${base}`);
   const browser = await chromium.launch({ executablePath: CHROMIUM, headless: true, args: chromeArgs });
@@ -410,11 +413,17 @@ async function main() {
       }
       log(`clean leave over ${NET}: ${times.length}/${ROUNDS} rounds of 16 MiB sent then left at once, every value received (${times.map((t) => t.toFixed(0)).join(', ')} ms)`);
     }
+    if (stun) {
+      const n = stun.requests();
+      if (n === 0) fail('the relay\'s STUN server (--ice-server) got no Binding request from the tabs');
+      else log(`ICE servers: the tabs' peer connections sent ${n} Binding requests to the relay's STUN server (--ice-server stun:127.0.0.1:${stun.port}), answered, and linked over WebRTC`);
+    }
     const unexpected = errors.filter((e) => !/left the room|failed|disconnected|lost|closed|Aborted|abort/i.test(e));
     if (unexpected.length) fail(`console errors: ${unexpected.join(' | ')}`);
   } finally {
     await browser.close();
     relay.proc.kill('SIGINT');
+    stun?.close();
   }
   const wasm = readdirSync(DIST).find((f) => f.endsWith('.wasm'));
   if (wasm) figures.wasm_bytes = statSync(join(DIST, wasm)).size;
