@@ -381,12 +381,27 @@ pub enum Control {
         /// Opaque signaling payload.
         data: serde_json::Value,
     },
+    /// Client → relay → every other member: the sender aborted its group (a failed collective,
+    /// a bad argument). On the WebSocket, so it overtakes the data the sender's data stream may
+    /// still hold for a member that stopped reading; the relay forwards one per member, stamped
+    /// with `from`, without waiting for any receiver's queue. Members take it as they take the
+    /// abort note on the data path ([`Tag::ABORT`]).
+    Abort {
+        /// Source rank (relay → client, stamped by the relay).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        from: Option<u32>,
+        /// Why (at most [`MAX_ABORT_REASON`] bytes are forwarded).
+        reason: String,
+    },
     /// Relay → client: a refusal or fault; the relay closes the connection after sending it.
     Error {
         /// What was wrong.
         message: String,
     },
 }
+
+/// Longest abort reason the relay forwards (bytes; longer ones are cut at a character boundary).
+pub const MAX_ABORT_REASON: usize = 1024;
 
 /// First bytes of a data stream's hello. The first byte is not ASCII, so the relay tells a data
 /// stream from an HTTP request (which opens a WebSocket) by it.

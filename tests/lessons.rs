@@ -509,7 +509,11 @@ fn run_prints_the_program_a_lesson_runs() {
             .args(["run", file, "--world", world, "--print-program"])
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         serde_json::from_slice(&out.stdout).expect("a program as JSON")
     };
     let run_stdin = |program: &serde_json::Value| -> serde_json::Value {
@@ -537,7 +541,11 @@ fn run_prints_the_program_a_lesson_runs() {
     assert_eq!(p["world"], 4);
     let steps = p["steps"].as_array().unwrap();
     assert_eq!(steps.len(), 4 * 4 - 2 + 3);
-    assert!(steps.iter().all(|s| s.get("for").is_none() && s.get("if").is_none()));
+    assert!(
+        steps
+            .iter()
+            .all(|s| s.get("for").is_none() && s.get("if").is_none())
+    );
     assert_eq!(steps[3]["collective"], "recv");
     assert_eq!(steps[3]["src"], 0);
     assert_eq!(steps[3]["out"], "h0");

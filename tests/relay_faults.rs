@@ -990,3 +990,158 @@ fn a_receiver_that_never_reads_stops_its_sender() {
         assert!(err.to_string().contains("accepted nothing"), "{err}");
     });
 }
+
+/// An abort reaches every peer at once over the relay path, even while one member is frozen (it
+/// never reads, so the relay's queue for it is full and the aborting rank's data to it is stuck):
+/// ranks 1 and 2, waiting on rank 0, fail with rank 0's reason within one send timeout of the
+/// abort, not after the frozen member times out (nor world × timeout).
+#[test]
+fn an_abort_reaches_the_others_while_a_member_is_frozen() {
+    let relay = TestRelay::start(RelayConfig {
+        max_frame: 64 << 10,
+        max_pending_bytes: 256 << 10,
+        idle_timeout: Duration::from_secs(20),
+        ..RelayConfig::default()
+    });
+    let url = relay.url();
+    const SEND_TIMEOUT: Duration = Duration::from_secs(3);
+    let (aborted_tx, aborted_rx) = mpsc::channel::<Instant>();
+    let aborted_rx = std::sync::Mutex::new(aborted_rx);
+    let abort_at = std::sync::OnceLock::<Instant>::new();
+    std::thread::scope(|s| {
+        // Rank 3: joins and never reads again.
+        let frozen = s.spawn(|| {
+            rank_runtime().block_on(async {
+                let (raw, _) = Raw::join(&url, "frozen", Some("t"), 4, 3).await;
+                tokio::time::sleep(Duration::from_secs(8)).await;
+                drop(raw);
+            })
+        });
+        let waiters: Vec<_> = [1u32, 2]
+            .into_iter()
+            .map(|r| {
+                let (url, abort_at, aborted_rx) = (&url, &abort_at, &aborted_rx);
+                s.spawn(move || {
+                    rank_runtime().block_on(async move {
+                        let mut j = join_opts("frozen", "t", 4, r);
+                        j.send_timeout = SEND_TIMEOUT;
+                        let t = WsTransport::connect(url, j).await.expect("join");
+                        let got =
+                            tokio::time::timeout(Duration::from_secs(15), t.recv(0, p2p_tag(999)))
+                                .await
+                                .expect("the waiting rank heard nothing within 15 s");
+                        let seen = Instant::now();
+                        let at = match abort_at.get() {
+                            Some(at) => *at,
+                            None => aborted_rx.lock().unwrap().recv().expect("abort time"),
+                        };
+                        (r, got.map(|_| ()), seen.saturating_duration_since(at))
+                    })
+                })
+            })
+            .collect();
+        let aborter = s.spawn(|| {
+            rank_runtime().block_on(async {
+                let mut j = join_opts("frozen", "t", 4, 0);
+                j.max_payload = 64 << 10;
+                j.send_timeout = SEND_TIMEOUT;
+                let t = WsTransport::connect(&url, j).await.expect("join");
+                // Fill the relay's queue for the frozen rank: sends to it stall.
+                let msg = Bytes::from(vec![7u8; 1 << 20]);
+                let stuck = async {
+                    for k in 0..64u64 {
+                        if t.send(3, p2p_tag(k), msg.clone()).await.is_err() {
+                            break;
+                        }
+                    }
+                };
+                let abort = async {
+                    tokio::time::sleep(Duration::from_millis(800)).await;
+                    let at = Instant::now();
+                    let _ = abort_at.set(at);
+                    let _ = aborted_tx.send(at);
+                    t.abort("rank 0 gave up (test)").await;
+                    at.elapsed()
+                };
+                let (_, took) = tokio::join!(stuck, abort);
+                // Stay in the room: the others must learn of the abort from its notes, not from
+                // this rank's connection ending.
+                tokio::time::sleep(SEND_TIMEOUT + Duration::from_secs(2)).await;
+                took
+            })
+        });
+        let took = aborter.join().expect("aborting rank");
+        eprintln!("rank 0's abort returned after {took:?}");
+        for w in waiters {
+            let (r, got, after) = w.join().expect("waiting rank");
+            let e = got.expect_err("the recv must fail");
+            eprintln!("rank {r}: failed {after:?} after the abort: {e}");
+            assert!(
+                e.to_string().contains("rank 0 gave up (test)"),
+                "rank {r} names rank 0's reason: {e}"
+            );
+            assert!(
+                after <= SEND_TIMEOUT + Duration::from_secs(1),
+                "rank {r} learned of the abort {after:?} after it (one send timeout is {SEND_TIMEOUT:?})"
+            );
+        }
+        frozen.join().expect("frozen rank");
+    });
+}
+
+/// The relay forwards one abort per member, to every other member, stamped with the sender's rank
+/// and its reason cut to `MAX_ABORT_REASON` bytes; a second abort from the same member goes
+/// nowhere (no flooding the others' queues with notes).
+#[test]
+fn the_relay_forwards_one_abort_per_member() {
+    let relay = TestRelay::default_config();
+    let url = relay.url();
+    rank_runtime().block_on(async {
+        let (mut a, _) = Raw::join(&url, "aborts", Some("t"), 3, 0).await;
+        let (mut b, _) = Raw::join(&url, "aborts", Some("t"), 3, 1).await;
+        let (mut c, _) = Raw::join(&url, "aborts", Some("t"), 3, 2).await;
+        for r in [&mut a, &mut b, &mut c] {
+            // Members, then ready.
+            while !matches!(r.next_control().await, Control::Ready { .. }) {}
+        }
+        let long = "é".repeat(3000);
+        a.send_control(&Control::Abort {
+            from: Some(2),
+            reason: long.clone(),
+        })
+        .await;
+        a.send_control(&Control::Abort {
+            from: None,
+            reason: "again".into(),
+        })
+        .await;
+        for (name, r) in [("rank 1", &mut b), ("rank 2", &mut c)] {
+            match r.next_control().await {
+                Control::Abort { from, reason } => {
+                    // The relay stamps the true sender, whatever the note claims.
+                    assert_eq!(from, Some(0), "{name}");
+                    assert!(reason.len() <= distgrad::wire::MAX_ABORT_REASON, "{name}");
+                    assert!(
+                        reason.len() >= distgrad::wire::MAX_ABORT_REASON - 1,
+                        "{name}"
+                    );
+                    assert!(
+                        long.starts_with(&reason),
+                        "{name}: cut at a character boundary"
+                    );
+                }
+                other => panic!("{name}: expected the abort, got {other:?}"),
+            }
+            let next = r.next_within(Duration::from_millis(500)).await;
+            assert!(
+                next.is_none(),
+                "{name}: a second abort from the same member was forwarded: {next:?}"
+            );
+        }
+        let back = a.next_within(Duration::from_millis(300)).await;
+        assert!(
+            back.is_none(),
+            "the sender got its own abort back: {back:?}"
+        );
+    });
+}

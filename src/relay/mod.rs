@@ -978,6 +978,8 @@ async fn serve_member(
     ping.tick().await;
     let mut last_heard = tokio::time::Instant::now();
     let mut stopping = shared.stopping.clone();
+    // One abort per member is forwarded (a member cannot flood the others' queues with them).
+    let mut aborted = false;
     loop {
         let msg = tokio::select! {
             m = stream.next() => m,
@@ -1030,6 +1032,35 @@ async fn serve_member(
                         let _ = tx.send(Out::Routed(fwd, permit));
                     }
                 }
+                Ok(Control::Abort { reason, .. }) if !aborted => {
+                    aborted = true;
+                    let mut cut = reason.len().min(crate::wire::MAX_ABORT_REASON);
+                    while !reason.is_char_boundary(cut) {
+                        cut -= 1;
+                    }
+                    let fwd = control(&Control::Abort {
+                        from: Some(seat.rank),
+                        reason: reason[..cut].to_string(),
+                    });
+                    let others: Vec<mpsc::UnboundedSender<Out>> = {
+                        let mut rooms = shared.rooms();
+                        seat.room_in(&mut rooms)
+                            .map(|r| {
+                                r.members
+                                    .iter()
+                                    .filter(|&(&k, _)| k != seat.rank)
+                                    .map(|(_, m)| m.link.tx.clone())
+                                    .collect()
+                            })
+                            .unwrap_or_default()
+                    };
+                    // Not charged to the receivers' budgets and never waited for: a member whose
+                    // queue is full (it stopped reading) must not hold up the others' notes.
+                    for tx in others {
+                        let _ = tx.send(Out::Text(fwd.clone()));
+                    }
+                }
+                Ok(Control::Abort { .. }) => {}
                 Ok(Control::NoStream) => {
                     let mut rooms = shared.rooms();
                     if let Some(r) = seat.room_in(&mut rooms) {

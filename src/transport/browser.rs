@@ -340,6 +340,16 @@ impl Shared {
                 });
                 let _ = self.joining.unbounded_send(msg);
             }
+            // A peer's abort, ahead of whatever its data path still holds (a native member
+            // sends it on its WebSocket).
+            Control::Abort {
+                from: Some(from),
+                reason,
+            } if (from as usize) < self.world => {
+                if let Some(mb) = self.mailbox.borrow().as_ref() {
+                    mb.deliver(from as usize, Tag::ABORT, Bytes::from(reason.into_bytes()));
+                }
+            }
             Control::Signal {
                 from: Some(from),
                 data,

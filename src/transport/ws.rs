@@ -365,6 +365,13 @@ impl WsTransport {
                             peer_left(&mb, &linked_here, rank, &reason)
                         }
                         Ok(Control::Error { message }) => break format!("relay error: {message}"),
+                        // A peer's abort, ahead of whatever its data path still holds.
+                        Ok(Control::Abort {
+                            from: Some(from),
+                            reason,
+                        }) if (from as usize) < world && from as usize != rank => {
+                            mb.deliver(from as usize, Tag::ABORT, Bytes::from(reason.into_bytes()))
+                        }
                         Ok(Control::Signal {
                             from: Some(from),
                             data,
@@ -611,7 +618,19 @@ impl Transport for WsTransport {
     }
 
     async fn abort(&self, reason: &str) {
-        route::abort_all(self, Some(&self.mailbox), reason).await;
+        self.mailbox.abort_local(reason);
+        // The relay's note first, on the WebSocket: it reaches every member at once even while
+        // the data path (the data stream, a member that stopped reading) holds frames up.
+        if let Some(out) = &self.out
+            && let Ok(text) = serde_json::to_string(&Control::Abort {
+                from: None,
+                reason: reason.to_string(),
+            })
+        {
+            let _ = tokio::time::timeout(self.send_timeout, out.send(Message::text(text))).await;
+        }
+        // Then on every route, direct links included (a peer takes the first note it gets).
+        route::abort_all(self, None, reason).await;
     }
 }
 

@@ -304,7 +304,11 @@ pub(super) async fn recv_from(src: usize, numel: usize) -> Result<String> {
         .as_ref()
         .ok_or_else(|| Error::Input("no group in single-tab mode".into()))?;
     let t0 = now_ms();
-    let got = comm.recv(&[numel], src, &comm.world()).await?.read().await?;
+    let got = comm
+        .recv(&[numel], src, &comm.world())
+        .await?
+        .read()
+        .await?;
     let ms = now_ms() - t0;
     let mismatches = got
         .iter()
