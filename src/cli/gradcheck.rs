@@ -169,15 +169,20 @@ pub enum TransportArg {
     Direct,
 }
 
-/// Read a program file (`-`: stdin).
-pub fn read_program(path: &std::path::Path) -> distgrad::Result<Program> {
-    let text = if path.as_os_str() == "-" {
+/// A file's text (`-`: stdin).
+pub fn read_text(path: &std::path::Path) -> distgrad::Result<String> {
+    if path.as_os_str() == "-" {
         std::io::read_to_string(std::io::stdin())
-            .map_err(|e| distgrad::Error::Input(format!("reading stdin: {e}")))?
+            .map_err(|e| distgrad::Error::Input(format!("reading stdin: {e}")))
     } else {
         std::fs::read_to_string(path)
-            .map_err(|e| distgrad::Error::Input(format!("reading {}: {e}", path.display())))?
-    };
+            .map_err(|e| distgrad::Error::Input(format!("reading {}: {e}", path.display())))
+    }
+}
+
+/// Read a program file (`-`: stdin).
+pub fn read_program(path: &std::path::Path) -> distgrad::Result<Program> {
+    let text = read_text(path)?;
     Program::parse(&text).map_err(|e| distgrad::Error::Input(format!("{}: {e}", path.display())))
 }
 

@@ -30,13 +30,7 @@ pub struct RunArgs {
 pub fn run(a: RunArgs) -> distgrad::Result<()> {
     let device = a.device.open()?;
     let path = a.lesson.as_path();
-    let text = if path.as_os_str() == "-" {
-        std::io::read_to_string(std::io::stdin())
-            .map_err(|e| distgrad::Error::Input(format!("reading stdin: {e}")))?
-    } else {
-        std::fs::read_to_string(path)
-            .map_err(|e| distgrad::Error::Input(format!("reading {}: {e}", path.display())))?
-    };
+    let text = super::gradcheck::read_text(path)?;
     if serde_json::from_str::<serde_json::Value>(&text)
         .is_ok_and(|v| v.get("steps").is_some() && v.get("loss").is_some())
     {

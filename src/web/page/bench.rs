@@ -5,10 +5,7 @@ use super::*;
 pub(super) async fn bench_all_reduce(numel: usize) -> Result<String> {
     let app = app()?;
     let _busy = app.busy.lock().await;
-    let comm = app
-        .comm
-        .as_ref()
-        .ok_or_else(|| Error::Input("no group in single-tab mode".into()))?;
+    let comm = app.group()?;
     let x = Tensor::from_vec((0..numel).map(|i| (i % 7) as f32).collect(), &[numel])?
         .to_device(&app.device)?;
     let t0 = now_ms();
@@ -281,10 +278,7 @@ fn leave_pattern(src: usize, i: usize) -> f32 {
 pub(super) async fn send_and_leave(dst: usize, numel: usize) -> Result<String> {
     let app = app()?;
     let _busy = app.busy.lock().await;
-    let comm = app
-        .comm
-        .as_ref()
-        .ok_or_else(|| Error::Input("no group in single-tab mode".into()))?;
+    let comm = app.group()?;
     let me = comm.rank();
     let x = Tensor::from_vec((0..numel).map(|i| leave_pattern(me, i)).collect(), &[numel])?;
     comm.send(&x, dst, &comm.world()).await?;
@@ -299,10 +293,7 @@ pub(super) async fn send_and_leave(dst: usize, numel: usize) -> Result<String> {
 pub(super) async fn recv_from(src: usize, numel: usize) -> Result<String> {
     let app = app()?;
     let _busy = app.busy.lock().await;
-    let comm = app
-        .comm
-        .as_ref()
-        .ok_or_else(|| Error::Input("no group in single-tab mode".into()))?;
+    let comm = app.group()?;
     let t0 = now_ms();
     let got = comm
         .recv(&[numel], src, &comm.world())

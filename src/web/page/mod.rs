@@ -177,6 +177,15 @@ struct App {
     exchanges: RefCell<u64>,
 }
 
+impl App {
+    /// The room's group; an error in single-tab mode (no other tabs to talk to).
+    fn group(&self) -> Result<&P2p<BrowserTransport>> {
+        self.comm
+            .as_ref()
+            .ok_or_else(|| Error::Input("no group in single-tab mode".into()))
+    }
+}
+
 /// The lesson shown.
 #[derive(Default)]
 struct View {

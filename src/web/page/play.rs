@@ -4,10 +4,7 @@ use super::*;
 
 pub(super) async fn run_case(app: &App, case: &Case) -> Result<RankResult> {
     let _busy = app.busy.lock().await;
-    let comm = app
-        .comm
-        .as_ref()
-        .ok_or_else(|| Error::Input("no group in single-tab mode".into()))?;
+    let comm = app.group()?;
     let prepared = Prepared::new(case)?;
     let r = vjp::run_rank(comm, &prepared).await?;
     state(|s| {

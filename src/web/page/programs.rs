@@ -151,10 +151,7 @@ pub(super) async fn request_program(app: &App, text: String, check: bool) -> Res
 /// `worker --program --gradcheck --report-json` does.
 pub(super) async fn program_here(app: &App, text: &str, check: bool) -> Result<String> {
     let (_, plan) = plan_text(text, app.world)?;
-    let comm = app
-        .comm
-        .as_ref()
-        .ok_or_else(|| Error::Input("no group in single-tab mode".into()))?;
+    let comm = app.group()?;
     let _busy = app.busy.lock().await;
     if check {
         let o = gradcheck::Options {
