@@ -382,10 +382,13 @@ pub enum Control {
         data: serde_json::Value,
     },
     /// Client → relay → every other member: the sender aborted its group (a failed collective,
-    /// a bad argument). On the WebSocket, so it overtakes the data the sender's data stream may
-    /// still hold for a member that stopped reading; the relay forwards one per member, stamped
-    /// with `from`, without waiting for any receiver's queue. Members take it as they take the
-    /// abort note on the data path ([`Tag::ABORT`]).
+    /// a bad argument). Native members send it on the WebSocket beside the data-path notes; with
+    /// a data stream (the default) the WebSocket carries no data, so it overtakes data held up
+    /// for a member that stopped reading (without a stream, and from tabs, which send only the
+    /// data-path notes, it waits in line with the data). The relay forwards one per member,
+    /// stamped with `from`, without waiting for any receiver's queue. Members take it as they
+    /// take the abort note on the data path ([`Tag::ABORT`]). Relays and members of one build
+    /// know it; an older peer would take it for a malformed control message.
     Abort {
         /// Source rank (relay → client, stamped by the relay).
         #[serde(default, skip_serializing_if = "Option::is_none")]

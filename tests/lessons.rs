@@ -530,7 +530,11 @@ fn run_prints_the_program_a_lesson_runs() {
             .write_all(program.to_string().as_bytes())
             .unwrap();
         let out = child.wait_with_output().unwrap();
-        assert!(out.status.success());
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         serde_json::from_slice(&out.stdout).unwrap()
     };
     // The pipeline lesson at 4 stages: its "for" blocks expanded (recv, mul, tanh, send per stage

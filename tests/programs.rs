@@ -604,7 +604,23 @@ fn bad_programs_are_clear_errors() {
         ),
         (
             r#"{"world": 3, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": 0, "to": "last", "steps": [{"op": "tanh", "in": ["x"], "out": "y", "ranks": ["s+1"]}]}], "loss": "x"}"#,
-            "\"ranks\" [3]: ranks must be distinct and below world 3",
+            "step 0 (for s), its step 0 with s = 2 (tanh [x] -> y): \"ranks\" [3]: ranks must be distinct and below world 3",
+        ),
+        (
+            r#"{"world": 3, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": 0, "to": "last", "steps": [{"collective": "send", "dst": "((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((s))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))", "in": ["x"], "ranks": ["s"]}]}], "loss": "x"}"#,
+            "longer than 256 bytes",
+        ),
+        (
+            r#"{"world": 3, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": -9223372036854775808, "to": 0, "steps": []}], "loss": "x"}"#,
+            "is not an integer of at most 2^40 in size",
+        ),
+        (
+            r#"{"world": 3, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": 0, "to": 1099511627776, "steps": [{"op": "tanh", "in": ["x"], "out": "y", "if": "0 > 1"}]}], "loss": "x"}"#,
+            "the program grows beyond 100000 steps and block repetitions",
+        ),
+        (
+            r#"{"world": 3, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": 0, "to": 1, "steps": [{"op": "tanh", "in": ["x"], "out": "y{s}", "if": "(s > 0) && s < 2"}]}], "loss": "x"}"#,
+            "no parentheses around comparisons",
         ),
     ];
     for (json, want) in cases {

@@ -28,7 +28,6 @@ pub struct RunArgs {
 
 /// Run `distgrad run`.
 pub fn run(a: RunArgs) -> distgrad::Result<()> {
-    let device = a.device.open()?;
     let path = a.lesson.as_path();
     let text = super::gradcheck::read_text(path)?;
     if serde_json::from_str::<serde_json::Value>(&text)
@@ -38,9 +37,9 @@ pub fn run(a: RunArgs) -> distgrad::Result<()> {
             let program = distgrad::program::Program::parse(&text)
                 .map_err(|e| distgrad::Error::Input(format!("{}: {e}", path.display())))?;
             let world = a.world.unwrap_or(program.world);
-            return print_program(&program, world);
+            return print_program(&program, world, &path.display().to_string());
         }
-        return run_program(&a, &text, &device);
+        return run_program(&a, &text, &a.device.open()?);
     }
     let lesson = distgrad::lesson::parse(&text).map_err(|e| {
         // The folder's index lists the lessons; it is not one.
@@ -75,8 +74,9 @@ pub fn run(a: RunArgs) -> distgrad::Result<()> {
                 distgrad::lesson::lesson_case(&lesson, world),
             )?)?,
         };
-        return print_program(&program, world);
+        return print_program(&program, world, &format!("lesson {}", lesson.name));
     }
+    let device = a.device.open()?;
     let trace = futures::executor::block_on(distgrad::lesson::run_simulated(
         &lesson,
         world,
@@ -94,17 +94,22 @@ pub fn run(a: RunArgs) -> distgrad::Result<()> {
     Ok(())
 }
 
-/// `--print-program`: the program as it runs for `world` ranks (checked; blocks and lists
-/// expanded), as JSON.
-fn print_program(program: &distgrad::program::Program, world: usize) -> distgrad::Result<()> {
-    let plan = program.plan(Some(world))?;
-    let mut expanded = plan.program().clone();
-    expanded.world = world;
+/// `--print-program`: the program as it runs for `world` ranks, its "for" blocks expanded, as
+/// JSON; then checked, so a program the check refuses is printed (to find the step a message
+/// counts) and its error returned. `what` names the file for messages.
+fn print_program(
+    program: &distgrad::program::Program,
+    world: usize,
+    what: &str,
+) -> distgrad::Result<()> {
+    let with = |e: distgrad::Error| distgrad::Error::Input(format!("{what}: {e}"));
+    let expanded = program.expanded(world).map_err(with)?;
     println!(
         "{}",
         serde_json::to_string_pretty(&expanded)
             .map_err(|e| distgrad::Error::Input(e.to_string()))?
     );
+    program.plan(Some(world)).map_err(with)?;
     Ok(())
 }
 

@@ -542,7 +542,36 @@ pub(super) fn plan(p: &Program, world: usize) -> Result<Plan> {
             "world must be 1..={MAX_WORLD}, got {world}"
         )));
     }
-    let expanded = expand_parts(&super::repeat::expand(p, world)?, world)?;
+    let (repeated, origins) = super::repeat::expand(p, world)?;
+    // Messages name a step of a "for" block by where it came from, not by its place in the
+    // expanded program.
+    plan_expanded(&repeated, world).map_err(|e| match e {
+        Error::Input(m) => Error::Input(relabel(&m, &origins)),
+        e => e,
+    })
+}
+
+/// `step K (...)` at the start of a message, with K a step of the expanded program, said as the
+/// step of the program as written that K came from.
+fn relabel(m: &str, origins: &[String]) -> String {
+    let Some(rest) = m.strip_prefix("step ") else {
+        return m.to_string();
+    };
+    let digits = rest.chars().take_while(char::is_ascii_digit).count();
+    match rest[..digits]
+        .parse::<usize>()
+        .ok()
+        .and_then(|k| origins.get(k))
+    {
+        Some(origin) if *origin != format!("step {}", &rest[..digits]) => {
+            format!("{origin}{}", &rest[digits..])
+        }
+        _ => m.to_string(),
+    }
+}
+
+fn plan_expanded(p: &Program, world: usize) -> Result<Plan> {
+    let expanded = expand_parts(p, world)?;
     let p = &expanded;
     let mut env: Vec<HashMap<String, Vec<usize>>> = vec![HashMap::new(); world];
     // Replicated objective: the values invariant over a group (its global ranks), per rank.

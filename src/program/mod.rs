@@ -72,7 +72,7 @@ use crate::error::{Error, Result};
 pub use case::from_case;
 pub use check::Plan;
 pub use random::{RandomOptions, random_program};
-pub use repeat::{Block, MAX_EXPANDED_STEPS};
+pub use repeat::{Block, MAX_EXPANDED_BYTES, MAX_EXPANDED_STEPS};
 pub(crate) use run::loss_weight;
 #[cfg(not(target_arch = "wasm32"))]
 pub use run::run_local;
@@ -322,7 +322,13 @@ impl Step {
                 splits: Some(_),
             } => spec.kind().name().to_string(),
             StepKind::Collective { spec, .. } => spec.to_string(),
-            StepKind::For(b) => format!("for {} in {}..={}", b.var, b.from, b.to),
+            StepKind::For(b) => {
+                let raw = |v: &serde_json::Value| match v {
+                    serde_json::Value::String(t) => t.clone(),
+                    other => other.to_string(),
+                };
+                format!("for {} in {}..={}", b.var, raw(&b.from), raw(&b.to))
+            }
         };
         let out = self
             .out
@@ -478,6 +484,14 @@ impl Program {
     /// Parse a program from JSON text (errors say where).
     pub fn parse(json: &str) -> Result<Program> {
         serde_json::from_str(json).map_err(|e| Error::Input(format!("program JSON: {e}")))
+    }
+
+    /// The program for `world` ranks with its `"for"` blocks expanded (not checked otherwise;
+    /// [`Program::plan`] checks): what `distgrad run --print-program` shows.
+    pub fn expanded(&self, world: usize) -> Result<Program> {
+        let (mut p, _) = repeat::expand(self, world)?;
+        p.world = world;
+        Ok(p)
     }
 
     /// Check everything for `world` ranks (the program's own world if `None`) and prepare each

@@ -29,10 +29,14 @@ pub const MAX_EXPANDED_STEPS: usize = 100_000;
 ///   `root`, `perm`, `shape`, splits, `dim`, `start`, `len`) is an integer expression, and
 ///   `{expr}` inside a string (`in`, `out`) is replaced by its value: `"h{s-1}"` is `h2` when
 ///   `s` is 3.
-/// - `"if"`: a condition; the step is left out for the values where it is false.
-/// - Expressions: integers, the block variables, `world`, `last` (= world − 1), `+`, `-`, `*`,
-///   parentheses; conditions compare two expressions (`<`, `<=`, `>`, `>=`, `==`, `!=`) and join
-///   comparisons with `&&` and `||`.
+/// - `"if"`: a condition; the step (or a nested block) is left out for the values where it is
+///   false.
+/// - Expressions (at most 256 bytes, values up to 2^40): integers, the block variables, `world`,
+///   `last` (= world − 1), `+`, `-`, `*`, parentheses; conditions compare two expressions (`<`,
+///   `<=`, `>`, `>=`, `==`, `!=`) and join comparisons with `&&` and `||` (`&&` first; no
+///   parentheses around comparisons).
+/// - Expanding is bounded: at most [`MAX_EXPANDED_STEPS`] step visits and block repetitions, and
+///   [`MAX_EXPANDED_BYTES`] of step JSON.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Block {
     /// The variable's name.
@@ -117,34 +121,66 @@ impl Block {
     }
 }
 
-/// The program with every `"for"` block replaced by its steps for `world` ranks.
-pub(super) fn expand(p: &Program, world: usize) -> Result<Program> {
+/// Bytes of step JSON a program's blocks may expand to (each repetition of a step counts its own
+/// size), so a large step repeated many times cannot exhaust memory.
+pub const MAX_EXPANDED_BYTES: usize = 64 << 20;
+
+/// What expanding a program's blocks may cost: step visits (emitted or left out by `"if"`,
+/// nested blocks included) and bytes of emitted step JSON.
+struct Budget {
+    visits: usize,
+    bytes: usize,
+}
+
+impl Budget {
+    fn charge(&mut self, visits: usize, bytes: usize) -> std::result::Result<(), String> {
+        if visits > self.visits || bytes > self.bytes {
+            return Err(format!(
+                "the program grows beyond {MAX_EXPANDED_STEPS} steps and block repetitions \
+                 (or {} MiB of steps) once its blocks are expanded",
+                MAX_EXPANDED_BYTES >> 20
+            ));
+        }
+        self.visits -= visits;
+        self.bytes -= bytes;
+        Ok(())
+    }
+}
+
+/// The program with every `"for"` block replaced by its steps for `world` ranks, and for each
+/// step of the result where it came from (`step 3`, or `step 0 (for s), its step 2 with s = 1`),
+/// for messages about it.
+pub(super) fn expand(p: &Program, world: usize) -> Result<(Program, Vec<String>)> {
+    let origins_plain = || (0..p.steps.len()).map(|i| format!("step {i}")).collect();
     if !p.steps.iter().any(|s| matches!(s.kind, StepKind::For(_))) {
-        return Ok(p.clone());
+        return Ok((p.clone(), origins_plain()));
     }
     let mut env = HashMap::new();
     env.insert("world".to_string(), world as i64);
     env.insert("last".to_string(), world as i64 - 1);
-    let mut steps = Vec::new();
-    // Iterations and steps left (empty blocks nested deep must not run for ever either).
-    let mut budget = MAX_EXPANDED_STEPS;
+    let mut out = Vec::new();
+    let mut budget = Budget {
+        visits: MAX_EXPANDED_STEPS,
+        bytes: MAX_EXPANDED_BYTES,
+    };
     for (si, s) in p.steps.iter().enumerate() {
         match &s.kind {
             StepKind::For(b) => {
-                expand_block(b, &env, &format!("step {si}"), &mut steps, &mut budget)?
+                expand_block(b, &env, &format!("step {si}"), &mut out, &mut budget)?
             }
-            _ => steps.push(s.clone()),
+            _ => out.push((s.clone(), format!("step {si}"))),
         }
     }
-    Ok(Program { steps, ..p.clone() })
+    let (steps, origins) = out.into_iter().unzip();
+    Ok((Program { steps, ..p.clone() }, origins))
 }
 
 fn expand_block(
     b: &Block,
     env: &HashMap<String, i64>,
     at: &str,
-    out: &mut Vec<Step>,
-    budget: &mut usize,
+    out: &mut Vec<(Step, String)>,
+    budget: &mut Budget,
 ) -> Result<()> {
     let here = format!("{at} (for {})", b.var);
     let bound = |v: &Value, what: &str| -> Result<i64> {
@@ -157,35 +193,43 @@ fn expand_block(
             b.var
         )));
     }
+    // Each step's size as written, charged for every copy made of it.
+    let sizes: Vec<usize> = b
+        .steps
+        .iter()
+        .map(|v| serde_json::to_string(v).map_or(0, |t| t.len()))
+        .collect();
     let mut env = env.clone();
     for v in from..=to {
         env.insert(b.var.clone(), v);
-        if *budget == 0 {
-            return Err(Error::Input(format!(
-                "{here}: the program grows beyond {MAX_EXPANDED_STEPS} steps and block repetitions"
-            )));
-        }
-        *budget -= 1;
+        budget
+            .charge(1, 0)
+            .map_err(|e| Error::Input(format!("{here}: {e}")))?;
         for (k, item) in b.steps.iter().enumerate() {
             let at = format!("{here}, its step {k} with {} = {v}", b.var);
             let fail = |e: String| Error::Input(format!("{at}: {e}"));
+            budget.charge(1, 0).map_err(fail)?;
             let Value::Object(map) = item else {
                 return Err(fail("a step is a JSON object".into()));
             };
-            if map.contains_key("for") {
-                let block = Block::from_map(map.clone()).map_err(fail)?;
-                expand_block(&block, &env, &at, out, budget)?;
-                continue;
-            }
-            let mut map = map.clone();
-            if let Some(c) = map.remove("if") {
+            if let Some(c) = map.get("if") {
                 let Value::String(c) = c else {
                     return Err(fail("\"if\" is a condition written as a string".into()));
                 };
-                if !Parser::new(&c, &env).condition_all().map_err(fail)? {
+                if !Parser::new(c, &env).condition_all().map_err(fail)? {
                     continue;
                 }
             }
+            if map.contains_key("for") {
+                let mut map = map.clone();
+                map.remove("if");
+                let block = Block::from_map(map).map_err(fail)?;
+                expand_block(&block, &env, &at, out, budget)?;
+                continue;
+            }
+            budget.charge(0, sizes[k]).map_err(fail)?;
+            let mut map = map.clone();
+            map.remove("if");
             for (key, value) in map.iter_mut() {
                 if NUMERIC_KEYS.contains(&key.as_str()) {
                     numbers_in(value, &env).map_err(|e| fail(format!("\"{key}\": {e}")))?;
@@ -195,13 +239,7 @@ fn expand_block(
             }
             let step: Step =
                 serde_json::from_value(Value::Object(map)).map_err(|e| fail(e.to_string()))?;
-            if *budget == 0 {
-                return Err(fail(format!(
-                    "the program grows beyond {MAX_EXPANDED_STEPS} steps and block repetitions"
-                )));
-            }
-            *budget -= 1;
-            out.push(step);
+            out.push((step, at));
         }
     }
     Ok(())
@@ -210,7 +248,10 @@ fn expand_block(
 /// An integer from a number or an expression string.
 fn number(v: &Value, env: &HashMap<String, i64>) -> std::result::Result<i64, String> {
     match v {
-        Value::Number(n) => n.as_i64().ok_or_else(|| format!("{n} is not an integer")),
+        Value::Number(n) => n
+            .as_i64()
+            .filter(|v| v.unsigned_abs() <= MAX_VALUE as u64)
+            .ok_or_else(|| format!("{n} is not an integer of at most 2^40 in size")),
         Value::String(s) => Parser::new(s, env).expr_all(),
         other => Err(format!("{other} is neither an integer nor an expression")),
     }
@@ -280,11 +321,28 @@ fn is_ident(s: &str) -> bool {
         && c.all(|x| x.is_ascii_alphanumeric() || x == '_')
 }
 
+/// Largest magnitude of a value in an expression (and of an integer `from` / `to`).
+const MAX_VALUE: i64 = 1 << 40;
+
+/// Longest expression (bytes): expressions index ranks, so they are short; this also bounds the
+/// parser's nesting.
+const MAX_EXPR_LEN: usize = 256;
+
 #[derive(Debug, Clone, PartialEq)]
 enum Tok {
     Num(i64),
     Ident(String),
     Sym(&'static str),
+}
+
+impl std::fmt::Display for Tok {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Tok::Num(n) => write!(f, "`{n}`"),
+            Tok::Ident(s) => write!(f, "`{s}`"),
+            Tok::Sym(s) => write!(f, "`{s}`"),
+        }
+    }
 }
 
 /// A small recursive-descent parser of integer expressions and conditions.
@@ -304,7 +362,14 @@ impl<'a> Parser<'a> {
     fn new(text: &'a str, env: &'a HashMap<String, i64>) -> Parser<'a> {
         let mut toks = Vec::new();
         let mut error = None;
-        let b = text.as_bytes();
+        if text.len() > MAX_EXPR_LEN {
+            error = Some(format!("longer than {MAX_EXPR_LEN} bytes"));
+        }
+        let b = if error.is_some() {
+            &[][..]
+        } else {
+            text.as_bytes()
+        };
         let mut i = 0;
         while i < b.len() {
             let c = b[i] as char;
@@ -316,7 +381,7 @@ impl<'a> Parser<'a> {
                     i += 1;
                 }
                 match text[start..i].parse::<i64>() {
-                    Ok(n) if n <= 1 << 40 => toks.push(Tok::Num(n)),
+                    Ok(n) if n <= MAX_VALUE => toks.push(Tok::Num(n)),
                     _ => {
                         error = Some(format!("`{}` is too large", &text[start..i]));
                         break;
@@ -366,7 +431,7 @@ impl<'a> Parser<'a> {
     fn finish<T>(&self, v: T) -> std::result::Result<T, String> {
         match self.peek() {
             None => Ok(v),
-            Some(t) => self.fail(format!("unexpected {t:?} after the end")),
+            Some(t) => self.fail(format!("unexpected {t} after the end")),
         }
     }
 
@@ -421,7 +486,10 @@ impl<'a> Parser<'a> {
                 });
             }
         }
-        self.fail("a condition compares two expressions (<, <=, >, >=, ==, !=)")
+        self.fail(
+            "a condition compares two expressions (<, <=, >, >=, ==, !=), joined by && and || \
+             (no parentheses around comparisons)",
+        )
     }
 
     fn expr(&mut self) -> std::result::Result<i64, String> {
@@ -450,19 +518,28 @@ impl<'a> Parser<'a> {
 
     fn checked(&self, v: Option<i64>) -> std::result::Result<i64, String> {
         match v {
-            Some(v) if v.abs() <= 1 << 40 => Ok(v),
+            Some(v) if v.unsigned_abs() <= MAX_VALUE as u64 => Ok(v),
             _ => self.fail("the value is too large"),
         }
     }
 
     fn factor(&mut self) -> std::result::Result<i64, String> {
-        if self.eat("-") {
-            return Ok(-self.factor()?);
+        let mut negate = false;
+        while self.eat("-") {
+            negate = !negate;
         }
+        let v = self.atom()?;
+        Ok(if negate { -v } else { v })
+    }
+
+    fn atom(&mut self) -> std::result::Result<i64, String> {
         if self.eat("(") {
             let v = self.expr()?;
             if !self.eat(")") {
-                return self.fail("a `(` without its `)`");
+                return self.fail(
+                    "a `(` without its `)` (parentheses group numbers; conditions take no \
+                     parentheses around comparisons)",
+                );
             }
             return Ok(v);
         }
@@ -482,7 +559,7 @@ impl<'a> Parser<'a> {
                     }
                 }
             }
-            Some(t) => self.fail(format!("expected a number or a variable, got {t:?}")),
+            Some(t) => self.fail(format!("expected a number or a variable, got {t}")),
             None => self.fail("expected a number or a variable at the end"),
         }
     }

@@ -1034,13 +1034,9 @@ async fn serve_member(
                 }
                 Ok(Control::Abort { reason, .. }) if !aborted => {
                     aborted = true;
-                    let mut cut = reason.len().min(crate::wire::MAX_ABORT_REASON);
-                    while !reason.is_char_boundary(cut) {
-                        cut -= 1;
-                    }
                     let fwd = control(&Control::Abort {
                         from: Some(seat.rank),
-                        reason: reason[..cut].to_string(),
+                        reason: truncate(&reason, crate::wire::MAX_ABORT_REASON),
                     });
                     let others: Vec<mpsc::UnboundedSender<Out>> = {
                         let mut rooms = shared.rooms();

@@ -619,18 +619,22 @@ impl Transport for WsTransport {
 
     async fn abort(&self, reason: &str) {
         self.mailbox.abort_local(reason);
-        // The relay's note first, on the WebSocket: it reaches every member at once even while
-        // the data path (the data stream, a member that stopped reading) holds frames up.
-        if let Some(out) = &self.out
-            && let Ok(text) = serde_json::to_string(&Control::Abort {
-                from: None,
-                reason: reason.to_string(),
-            })
-        {
-            let _ = tokio::time::timeout(self.send_timeout, out.send(Message::text(text))).await;
-        }
-        // Then on every route, direct links included (a peer takes the first note it gets).
-        route::abort_all(self, None, reason).await;
+        // The relay's note on the WebSocket, beside the notes on every data route (direct links
+        // included; a peer takes the first it gets). With a data stream the WebSocket carries no
+        // data, so the relay's note reaches every member at once even while the data path holds
+        // frames up (a member that stopped reading); without one it waits in line with the data.
+        let control = async {
+            if let Some(out) = &self.out
+                && let Ok(text) = serde_json::to_string(&Control::Abort {
+                    from: None,
+                    reason: reason.to_string(),
+                })
+            {
+                let _ =
+                    tokio::time::timeout(self.send_timeout, out.send(Message::text(text))).await;
+            }
+        };
+        futures::join!(control, route::abort_all(self, None, reason));
     }
 }
 
