@@ -37,11 +37,24 @@ pub(super) async fn bench_all_reduce(numel: usize) -> Result<String> {
 const BENCH_GROUP: u32 = u32::MAX - 2;
 /// Repetitions of each timed measurement (the median is reported).
 const BENCH_REPS: usize = 15;
+/// Untimed repetitions before each measurement of small messages (as nccl-tests' warm-up
+/// iterations): the page's code and the links settle (the browser compiles hot WebAssembly again,
+/// optimized, after the first runs; measured: the first ~20 small all_reduces take 3-5x the
+/// later ones).
+const BENCH_WARMUP: usize = 30;
+/// Untimed repetitions before the large all_reduce (each is long enough to settle on its own).
+const BENCH_WARMUP_LARGE: usize = 3;
 /// Bytes rank 0 streams to rank 1 for the raw throughput, in messages of [`BENCH_CHUNK`].
 const BENCH_STREAM: usize = 4 << 20;
 const BENCH_CHUNK: usize = 256 << 10;
 /// Elements of the small and the large all_reduce.
 const BENCH_SIZES: [usize; 2] = [1, 1 << 18];
+
+/// The timed repetitions: those after the warm-up.
+fn timed(mut v: Vec<f64>) -> Vec<f64> {
+    v.drain(..BENCH_WARMUP.min(v.len()));
+    v
+}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -72,8 +85,8 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
     let mut rtt = Vec::new();
     let mut k = 0;
     for peer in 1..world {
-        let mut times = Vec::with_capacity(BENCH_REPS);
-        for _ in 0..BENCH_REPS {
+        let mut times = Vec::with_capacity(BENCH_WARMUP + BENCH_REPS);
+        for _ in 0..BENCH_WARMUP + BENCH_REPS {
             let ping = Bytes::from_static(&[1, 2, 3, 4]);
             if me == 0 {
                 let t0 = now_ms();
@@ -87,7 +100,7 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
             k += 2;
         }
         if me == 0 {
-            rtt.push(serde_json::json!({"peer": peer, "ms": median(times)}));
+            rtt.push(serde_json::json!({"peer": peer, "ms": median(timed(times))}));
         }
     }
     // Raw throughput rank 0 → rank 1: the stream, then a 4-byte answer once all arrived.
@@ -115,8 +128,8 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
     // Raw exchange: every rank sends 4 bytes to every other and waits for all of theirs (the
     // messages of a small all_reduce, without the collective around them).
     comm.barrier(&group).await?;
-    let mut exchange_ms = Vec::with_capacity(BENCH_REPS);
-    for _ in 0..BENCH_REPS {
+    let mut exchange_ms = Vec::with_capacity(BENCH_WARMUP + BENCH_REPS);
+    for _ in 0..BENCH_WARMUP + BENCH_REPS {
         let t0 = now_ms();
         for p in (0..world).filter(|&p| p != me) {
             t.send(p, tag(k), Bytes::from_static(&[1, 2, 3, 4])).await?;
@@ -127,7 +140,7 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
         exchange_ms.push(now_ms() - t0);
         k += 1;
     }
-    let exchange_ms = (world > 1).then(|| median(exchange_ms));
+    let exchange_ms = (world > 1).then(|| median(timed(exchange_ms)));
     // The collectives, each repetition started together: on the tab's device, and on a GPU tab
     // also on the CPU backend over the same links, so the GPU path's cost is a ratio too.
     let mut devices = vec![app.device.clone()];
@@ -138,8 +151,13 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
     for numel in BENCH_SIZES {
         for dev in &devices {
             let x = Tensor::from_vec(vec![1.0; numel], &[numel])?.to_device(dev)?;
-            let mut times = Vec::with_capacity(BENCH_REPS);
-            for _ in 0..BENCH_REPS {
+            let warmup = if numel == BENCH_SIZES[0] {
+                BENCH_WARMUP
+            } else {
+                BENCH_WARMUP_LARGE
+            };
+            let mut times = Vec::with_capacity(warmup + BENCH_REPS);
+            for _ in 0..warmup + BENCH_REPS {
                 comm.barrier(&group).await?;
                 let t0 = now_ms();
                 let tape = Tape::new();
@@ -150,6 +168,7 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
                 times.push(now_ms() - t0);
             }
             comm.take_calls();
+            times.drain(..warmup.min(times.len()));
             collectives.push((numel, device_label(dev), median(times)));
         }
     }
@@ -193,6 +212,8 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
             "device": device_label(&app.device),
             "all_reduce_fwd_bwd": rows,
             "reps": BENCH_REPS,
+            "warmup": BENCH_WARMUP,
+            "warmup_large": BENCH_WARMUP_LARGE,
         });
     }
     // Sent as text and parsed alike on every tab (rank 0 included), so every tab holds the same
