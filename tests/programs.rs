@@ -607,6 +607,14 @@ fn bad_programs_are_clear_errors() {
             "step 0 (for s), its step 0 with s = 2 (tanh [x] -> y): \"ranks\" [3]: ranks must be distinct and below world 3",
         ),
         (
+            r#"{"world": 3, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": 0, "to": "last", "steps": [{"collective": "send", "dst": "s+1", "in": ["x"], "ranks": ["s"], "if": "s < last"}, {"collective": "recv", "src": "s-1", "shape": [2], "out": "r", "ranks": ["s"], "if": "s > 0"}]}], "loss": "x"}"#,
+            "step 0 (for s), its step 0 with s = 0 sends a [1] tensor that step 0 (for s), its step 1 with s = 1 receives as [2]",
+        ),
+        (
+            r#"{"world": 3, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": 0, "to": "last", "steps": [{"collective": "send", "dst": "s+1", "in": ["x"], "ranks": ["s"], "if": "s < last"}]}], "loss": "x"}"#,
+            "group rank 0 sends 1 message(s) to group rank 1 (step 0 (for s), its step 0 with s = 0), which receives 0",
+        ),
+        (
             r#"{"world": 3, "inputs": [{"name": "x", "shape": [1]}], "steps": [{"for": "s", "from": 0, "to": "last", "steps": [{"collective": "send", "dst": "((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((((s))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))))", "in": ["x"], "ranks": ["s"]}]}], "loss": "x"}"#,
             "longer than 256 bytes",
         ),

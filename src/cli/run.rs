@@ -18,8 +18,8 @@ pub struct RunArgs {
     /// Compute backend of the ranks, as in the page.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     device: DeviceArg,
-    /// Print, instead of running it, the program this file runs for the world as JSON: a
-    /// program's own with its "for" blocks and `out.*` lists expanded, a program lesson's, or a
+    /// Print, instead of running it, the program this file runs for the world as JSON, its "for"
+    /// blocks expanded: a program's own, a program lesson's, or a
     /// collective lesson's one-collective program (the `distgrad vjp` case it shows);
     /// `distgrad run -` and `distgrad gradcheck -` take it.
     #[arg(long, conflicts_with = "json")]

@@ -1,4 +1,4 @@
-//! A `program` lesson with `"objectives": "both"`: its program differentiated under both
+//! A `program` lesson with `"compare_objectives": true`: its program differentiated under both
 //! objective conventions. The forward pass is the same; the backward pass under the sum of
 //! every rank's loss (PyTorch's) and under the one replicated loss (JAX's) runs different
 //! collectives, and where every rank holds the same loss the gradients differ by exactly the
@@ -20,6 +20,7 @@ pub(super) async fn run<T: Transport>(
         let mut p = program.clone();
         p.objective = objective;
         let plan = plan_for(lesson, &p, comm.world_size())?;
+        let views = plan.views();
         comm.take_calls();
         let run = trace_rank(
             comm,
@@ -32,7 +33,7 @@ pub(super) async fn run<T: Transport>(
         .await?;
         let ran = recorded(comm);
         if objective == ObjectiveName::SumOfRankLosses {
-            steps = forward_steps(&p, &plan.views(), &run, comm.rank()).await?;
+            steps = forward_steps(&p, &views, &run, comm.rank()).await?;
         }
         let mut grads = Vec::new();
         for inp in p.inputs.iter().filter(|i| i.grad) {
@@ -45,7 +46,7 @@ pub(super) async fn run<T: Transport>(
             ObjectiveName::SumOfRankLosses => (
                 "backward, objective = the SUM of every rank's loss",
                 // The messages of the forward collectives, reversed.
-                plan.views()
+                views
                     .iter()
                     .rev()
                     .flat_map(|v| reversed(&v.arrows))

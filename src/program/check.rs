@@ -85,8 +85,28 @@ pub(crate) fn lists_outputs(kind: Kind) -> bool {
     matches!(kind, Kind::Gather | Kind::AllGather | Kind::AllToAll)
 }
 
-fn err(step: usize, s: &Step, detail: impl std::fmt::Display) -> Error {
-    Error::Input(format!("step {step} ({}): {detail}", s.describe()))
+/// An error about a step; `at` says where it is in the program as written (`step 3`, or a step of
+/// a `"for"` block: `step 0 (for s), its step 2 with s = 1`).
+fn err(at: &str, s: &Step, detail: impl std::fmt::Display) -> Error {
+    Error::Input(format!("{at} ({}): {detail}", s.describe()))
+}
+
+/// Steps of the expanded program as messages name them: `steps [0, 2]`, or where they came from
+/// in a `"for"` block.
+fn steps_at(steps: &[usize], origins: &[String]) -> String {
+    let named: Vec<&str> = steps
+        .iter()
+        .map(|&k| origins.get(k).map_or("?", String::as_str))
+        .collect();
+    if steps
+        .iter()
+        .zip(&named)
+        .all(|(k, n)| *n == format!("step {k}"))
+    {
+        format!("steps {steps:?}")
+    } else {
+        named.join("; ")
+    }
 }
 
 fn check_name(what: &str, name: &str) -> Result<()> {
@@ -283,7 +303,7 @@ fn input_values(index: usize, inp: &Input, world: usize) -> Result<Vec<Option<Te
 
 /// The program with every `name.*` in a step's inputs replaced by the parts of the list output
 /// `name` (`name.0`, `name.1`, ... one per rank of the group of the collective that bound it).
-fn expand_parts(p: &Program, world: usize) -> Result<Program> {
+fn expand_parts(p: &Program, world: usize, origins: &[String]) -> Result<Program> {
     let mut out = p.clone();
     // List outputs bound so far: name -> number of parts.
     let mut lists: HashMap<String, usize> = HashMap::new();
@@ -295,7 +315,7 @@ fn expand_parts(p: &Program, world: usize) -> Result<Program> {
                     Some(base) => {
                         let k = lists.get(base).ok_or_else(|| {
                             err(
-                                si,
+                                &origins[si],
                                 s,
                                 format!(
                                     "`{n}` names the parts of a list output (of gather, all_gather or all_to_all), and no earlier step binds `{base}` as one"
@@ -542,36 +562,10 @@ pub(super) fn plan(p: &Program, world: usize) -> Result<Plan> {
             "world must be 1..={MAX_WORLD}, got {world}"
         )));
     }
-    let (repeated, origins) = super::repeat::expand(p, world)?;
     // Messages name a step of a "for" block by where it came from, not by its place in the
     // expanded program.
-    plan_expanded(&repeated, world).map_err(|e| match e {
-        Error::Input(m) => Error::Input(relabel(&m, &origins)),
-        e => e,
-    })
-}
-
-/// `step K (...)` at the start of a message, with K a step of the expanded program, said as the
-/// step of the program as written that K came from.
-fn relabel(m: &str, origins: &[String]) -> String {
-    let Some(rest) = m.strip_prefix("step ") else {
-        return m.to_string();
-    };
-    let digits = rest.chars().take_while(char::is_ascii_digit).count();
-    match rest[..digits]
-        .parse::<usize>()
-        .ok()
-        .and_then(|k| origins.get(k))
-    {
-        Some(origin) if *origin != format!("step {}", &rest[..digits]) => {
-            format!("{origin}{}", &rest[digits..])
-        }
-        _ => m.to_string(),
-    }
-}
-
-fn plan_expanded(p: &Program, world: usize) -> Result<Plan> {
-    let expanded = expand_parts(p, world)?;
+    let (repeated, origins) = super::repeat::expand(p, world)?;
+    let expanded = expand_parts(&repeated, world, &origins)?;
     let p = &expanded;
     let mut env: Vec<HashMap<String, Vec<usize>>> = vec![HashMap::new(); world];
     // Replicated objective: the values invariant over a group (its global ranks), per rank.
@@ -617,7 +611,7 @@ fn plan_expanded(p: &Program, world: usize) -> Result<Plan> {
     let mut sent: Messages = BTreeMap::new();
     let mut received: Messages = BTreeMap::new();
     for (si, s) in p.steps.iter().enumerate() {
-        let e = |d: String| err(si, s, d);
+        let e = |d: String| err(&origins[si], s, d);
         let lookup = |env: &HashMap<String, Vec<usize>>,
                       origin: &HashMap<String, String>,
                       r: usize,
@@ -640,7 +634,7 @@ fn plan_expanded(p: &Program, world: usize) -> Result<Plan> {
                 let o = origin.get(&name).map_or("an input", String::as_str);
                 return Err(e(format!("`{name}` is already defined on this rank ({o})")));
             }
-            origin.insert(name.clone(), format!("step {si} ({})", s.describe()));
+            origin.insert(name.clone(), format!("{} ({})", origins[si], s.describe()));
             env.insert(name, shape);
             Ok(())
         };
@@ -852,10 +846,12 @@ fn plan_expanded(p: &Program, world: usize) -> Result<Plan> {
     for (key, sends) in &sent {
         let recvs = received.get(key).map_or(&[][..], Vec::as_slice);
         let (g, src, dst) = *key;
-        let at = |v: &[(usize, Vec<usize>)]| v.iter().map(|(s, _)| *s).collect::<Vec<_>>();
+        let at = |v: &[(usize, Vec<usize>)]| {
+            steps_at(&v.iter().map(|(s, _)| *s).collect::<Vec<_>>(), &origins)
+        };
         if sends.len() != recvs.len() {
             return Err(Error::Input(format!(
-                "group {:?}: group rank {src} sends {} message(s) to group rank {dst} (steps {:?}), which receives {} (steps {:?})",
+                "group {:?}: group rank {src} sends {} message(s) to group rank {dst} ({}), which receives {} ({})",
                 groups[g],
                 sends.len(),
                 at(sends),
@@ -866,7 +862,8 @@ fn plan_expanded(p: &Program, world: usize) -> Result<Plan> {
         for ((ss, sh), (rs, rh)) in sends.iter().zip(recvs) {
             if sh != rh {
                 return Err(Error::Input(format!(
-                    "step {ss} sends a {sh:?} tensor that step {rs} receives as {rh:?}"
+                    "{} sends a {sh:?} tensor that {} receives as {rh:?}",
+                    origins[*ss], origins[*rs]
                 )));
             }
         }
@@ -875,8 +872,8 @@ fn plan_expanded(p: &Program, world: usize) -> Result<Plan> {
         if !sent.contains_key(key) {
             let (g, src, dst) = *key;
             return Err(Error::Input(format!(
-                "group {:?}: group rank {dst} receives from group rank {src} (step {}), which sends nothing",
-                groups[g], recvs[0].0
+                "group {:?}: group rank {dst} receives from group rank {src} ({}), which sends nothing",
+                groups[g], origins[recvs[0].0]
             )));
         }
     }

@@ -345,9 +345,9 @@ impl Shared {
             Control::Abort {
                 from: Some(from),
                 reason,
-            } if (from as usize) < self.world => {
-                if let Some(mb) = self.mailbox.borrow().as_ref() {
-                    mb.deliver(from as usize, Tag::ABORT, Bytes::from(reason.into_bytes()));
+            } => {
+                if let (Some(mb), Some(me)) = (self.mailbox.borrow().as_ref(), self.rank.get()) {
+                    route::peer_aborted(mb, me, self.world, from, reason);
                 }
             }
             Control::Signal {

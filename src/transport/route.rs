@@ -46,6 +46,16 @@ pub fn peer_left(mb: &Mailbox, linked: &Linked, rank: u32, reason: &str) {
     }
 }
 
+/// The relay forwards peer `from`'s abort (its control note, which may overtake that peer's data):
+/// taken as the abort note on the data path. A `from` that is not another rank of the world
+/// (`me` is ours) is ignored.
+pub fn peer_aborted(mb: &Mailbox, me: usize, world: usize, from: u32, reason: String) {
+    let from = from as usize;
+    if from < world && from != me {
+        mb.deliver(from, Tag::ABORT, Bytes::from(reason.into_bytes()));
+    }
+}
+
 /// Abort `t`: our own receives fail first (`local`, this rank's mailbox), then every peer is told
 /// at once, so one frozen peer holds the others up for one send wait at most, not one each.
 pub async fn abort_all<T: Transport>(t: &T, local: Option<&Mailbox>, reason: &str) {

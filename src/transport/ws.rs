@@ -369,9 +369,7 @@ impl WsTransport {
                         Ok(Control::Abort {
                             from: Some(from),
                             reason,
-                        }) if (from as usize) < world && from as usize != rank => {
-                            mb.deliver(from as usize, Tag::ABORT, Bytes::from(reason.into_bytes()))
-                        }
+                        }) => route::peer_aborted(&mb, rank, world, from, reason),
                         Ok(Control::Signal {
                             from: Some(from),
                             data,

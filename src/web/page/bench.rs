@@ -50,9 +50,9 @@ const BENCH_CHUNK: usize = 256 << 10;
 /// Elements of the small and the large all_reduce.
 const BENCH_SIZES: [usize; 2] = [1, 1 << 18];
 
-/// The timed repetitions: those after the warm-up.
-fn timed(mut v: Vec<f64>) -> Vec<f64> {
-    v.drain(..BENCH_WARMUP.min(v.len()));
+/// The timed repetitions: those after the first `warmup`.
+fn timed(mut v: Vec<f64>, warmup: usize) -> Vec<f64> {
+    v.drain(..warmup.min(v.len()));
     v
 }
 
@@ -100,7 +100,7 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
             k += 2;
         }
         if me == 0 {
-            rtt.push(serde_json::json!({"peer": peer, "ms": median(timed(times))}));
+            rtt.push(serde_json::json!({"peer": peer, "ms": median(timed(times, BENCH_WARMUP))}));
         }
     }
     // Raw throughput rank 0 → rank 1: the stream, then a 4-byte answer once all arrived.
@@ -140,7 +140,7 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
         exchange_ms.push(now_ms() - t0);
         k += 1;
     }
-    let exchange_ms = (world > 1).then(|| median(timed(exchange_ms)));
+    let exchange_ms = (world > 1).then(|| median(timed(exchange_ms, BENCH_WARMUP)));
     // The collectives, each repetition started together: on the tab's device, and on a GPU tab
     // also on the CPU backend over the same links, so the GPU path's cost is a ratio too.
     let mut devices = vec![app.device.clone()];
@@ -168,8 +168,7 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
                 times.push(now_ms() - t0);
             }
             comm.take_calls();
-            times.drain(..warmup.min(times.len()));
-            collectives.push((numel, device_label(dev), median(times)));
+            collectives.push((numel, device_label(dev), median(timed(times, warmup))));
         }
     }
     // Rank 0's table goes to every tab.
