@@ -31,12 +31,23 @@ fn t(seed: u64, shape: &[usize]) -> Tensor {
     Tensor::from_vec(vals(seed, shape.iter().product()), shape).unwrap()
 }
 
+/// The bits of `t`'s values as its device holds them (a GPU tensor's buffer, not its host copy).
 fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_vec().iter().map(|x| x.to_bits()).collect()
+    t.without_host_copy()
+        .to_vec()
+        .iter()
+        .map(|x| x.to_bits())
+        .collect()
+}
+
+/// `x` on `d` as a GPU op's result would be: no host copy, so sending it needs a readback.
+fn computed(x: Tensor, d: &Device) -> distgrad::Result<Tensor> {
+    Ok(x.to_device(d)?.without_host_copy())
 }
 
 fn close(a: &Tensor, b: &Tensor, tol: f32, what: &str) {
     assert_eq!(a.shape(), b.shape(), "{what}: shapes");
+    let (a, b) = (a.without_host_copy(), b.without_host_copy());
     for (i, (x, y)) in a.to_vec().iter().zip(b.to_vec()).enumerate() {
         assert!(
             (x - y).abs() <= tol * (1.0 + y.abs()),
@@ -140,8 +151,11 @@ fn program(device: Option<Device>, op: ReduceOp) -> Vec<(Vec<f32>, Vec<Vec<f32>>
             let loss = b.mul(&y.slice(0, 1, 3)?)?.mean()?;
             let grads = tape.backward(&loss, &comm).await?;
             Ok((
-                loss.value().try_to_vec()?,
-                vec![grads.wrt(&w1)?.try_to_vec()?, grads.wrt(&w2)?.try_to_vec()?],
+                loss.value().without_host_copy().try_to_vec()?,
+                vec![
+                    grads.wrt(&w1)?.without_host_copy().try_to_vec()?,
+                    grads.wrt(&w2)?.without_host_copy().try_to_vec()?,
+                ],
             ))
         }
     });
@@ -180,7 +194,8 @@ fn gradients_stay_on_the_gpu() {
             let x: Var = tape.var(Tensor::vector(&[1.0, 2.0]).to_device(&d)?);
             let y = dist::all_reduce(&comm, &x, ReduceOp::Sum, &comm.world()).await?;
             let g = tape.backward(&y.sum()?, &comm).await?.wrt(&x)?;
-            Ok(matches!(g.device(), Device::Gpu(_)) && g.to_vec() == vec![2.0, 2.0])
+            Ok(matches!(g.device(), Device::Gpu(_))
+                && g.without_host_copy().to_vec() == vec![2.0, 2.0])
         }
     });
     for r in res {
@@ -225,7 +240,8 @@ fn ring_all_reduce_local_steps_on_the_gpu_are_bit_exact() {
                                     d.name(),
                                     "result stays on the device"
                                 );
-                                Ok(y.read().await?.iter().map(|v| v.to_bits()).collect())
+                                let v = y.without_host_copy().read().await?;
+                                Ok(v.iter().map(|v| v.to_bits()).collect())
                             }
                         })
                         .into_iter()
@@ -357,8 +373,9 @@ async fn run_coll<C: Communicator>(
     })
 }
 
-/// GPU tensors leave the GPU only at the transport boundary: each collective reads back exactly
-/// the bytes its rank sends (counted by the device), a rank's own part of a result is its input,
+/// GPU tensors computed on the GPU (no host copy) leave it only at the transport boundary: each
+/// collective reads back exactly the bytes its rank sends (counted by the device), a rank's own
+/// part of a result is its input,
 /// received parts are uploaded, and the results equal the CPU's. World 4, `B` bytes per tensor:
 /// broadcast from 1 reads B (the root), gather to 2 reads 3B (the others), scatter from 0 reads 3B
 /// (the parts it sends), all_gather 4B (each rank's own), all_to_all 12B (3 parts per rank),
@@ -389,7 +406,7 @@ fn collectives_read_back_only_what_they_send() {
                 run_local(W, opts, |comm| {
                     let r = comm.rank() as u64;
                     let xs = (0..W as u64)
-                        .map(|j| t(100 * r + j, &[numel]).to_device(d))
+                        .map(|j| computed(t(100 * r + j, &[numel]), d))
                         .collect::<distgrad::Result<Vec<_>>>();
                     async move { run_coll(&comm, c, xs?).await }
                 })
@@ -428,25 +445,31 @@ fn broadcast_scalar_repeats_the_value_bit_for_bit() {
         assert_eq!(bits(&c), vec![v.to_bits(); 6], "CPU {v}");
         assert_eq!(bits(&s.broadcast_scalar(&[]).unwrap()), vec![v.to_bits()]);
         if let Some(d) = gpu() {
-            let g = s
-                .to_device(&d)
-                .unwrap()
-                .broadcast_scalar(&[5, 1, 7])
-                .unwrap();
-            assert!(matches!(g.device(), Device::Gpu(_)));
-            assert_eq!(bits(&g), vec![v.to_bits(); 35], "GPU {v}");
-            let one = Tensor::vector(&[v]).to_device(&d).unwrap();
-            assert_eq!(
-                bits(&one.broadcast_scalar(&[3]).unwrap()),
-                vec![v.to_bits(); 3]
-            );
+            // A value computed on the GPU (the copy kernel) and one known on the host (a fill
+            // uploaded, keeping its host copy).
+            for host in [false, true] {
+                let on = |x: &Tensor| {
+                    let x = x.to_device(&d).unwrap();
+                    if host { x } else { x.without_host_copy() }
+                };
+                let g = on(&s).broadcast_scalar(&[5, 1, 7]).unwrap();
+                assert!(matches!(g.device(), Device::Gpu(_)));
+                assert_eq!(g.has_host_copy(), host);
+                assert_eq!(bits(&g), vec![v.to_bits(); 35], "GPU {v} host {host}");
+                assert_eq!(g.to_vec().len(), 35);
+                let one = on(&Tensor::vector(&[v]));
+                assert_eq!(
+                    bits(&one.broadcast_scalar(&[3]).unwrap()),
+                    vec![v.to_bits(); 3]
+                );
+            }
         }
     }
     assert!(Tensor::vector(&[1.0, 2.0]).broadcast_scalar(&[2]).is_err());
 }
 
-/// `CommOptions::fold_on_device` off (the browser's setting): reductions of GPU tensors read each
-/// input back once, reduce on the host and upload the result: bitwise the CPU's result, the result
+/// `CommOptions::fold_on_device` off (the browser's setting): reductions of GPU tensors computed
+/// on the GPU read each input back once, reduce on the host and upload the result: bitwise the CPU's result, the result
 /// on the GPU, and exactly one readback of the input per rank (world 3, ring all_reduce,
 /// reduce_scatter, tree reduce to root 2).
 #[test]
@@ -468,7 +491,7 @@ fn reductions_folded_on_the_host_read_each_input_back_once() {
                 run_local(W, opts, |comm| {
                     let r = comm.rank() as u64;
                     let xs = (0..W as u64)
-                        .map(|j| t(10 * r + j, &[numel]).to_device(d))
+                        .map(|j| computed(t(10 * r + j, &[numel]), d))
                         .collect::<distgrad::Result<Vec<_>>>();
                     async move {
                         let xs = xs?;
@@ -503,6 +526,111 @@ fn reductions_folded_on_the_host_read_each_input_back_once() {
                     (None, None) => {}
                     _ => panic!("{which} rank {r}: a result on one device only"),
                 }
+            }
+        }
+    }
+}
+
+/// A GPU tensor uploaded from host values keeps them (shared): reading it, moving it to the CPU and
+/// sending it need no readback; a slice of a contiguous range and a reshape keep the copy, a GPU
+/// op's result has none; the device's buffer holds the same bits as the copy.
+#[test]
+fn uploads_keep_their_host_copy() {
+    let Some(_) = gpu() else { return };
+    let g = futures::executor::block_on(distgrad::backend::gpu::Gpu::new()).unwrap();
+    let d = Device::Gpu(g.clone());
+    let host = t(5, &[4, 3]);
+    let x = host.to_device(&d).unwrap();
+    assert!(x.has_host_copy() && !host.has_host_copy());
+    let before = g.bytes_read_back();
+    assert_eq!(x.to_vec(), host.to_vec());
+    assert_eq!(
+        futures::executor::block_on(x.read()).unwrap(),
+        host.to_vec()
+    );
+    let back = futures::executor::block_on(x.moved_to(&Device::Cpu)).unwrap();
+    assert_eq!(back.to_le_bytes().unwrap(), host.to_le_bytes().unwrap());
+    let rows = x.slice(0, 1, 2).unwrap();
+    let flat = x.reshape(&[12]).unwrap();
+    assert!(rows.has_host_copy() && flat.has_host_copy());
+    assert_eq!(rows.to_vec(), host.slice(0, 1, 2).unwrap().to_vec());
+    assert_eq!(flat.slice(0, 5, 4).unwrap().to_vec(), host.to_vec()[5..9]);
+    let seed = Tensor::scalar(-0.0).to_device(&d).unwrap();
+    assert!(seed.broadcast_scalar(&[7]).unwrap().has_host_copy());
+    assert_eq!(g.bytes_read_back(), before, "nothing read back so far");
+    // Every copy kept above holds what the device holds.
+    for (a, b) in [(&x, &host), (&rows, &host.slice(0, 1, 2).unwrap())] {
+        assert_eq!(
+            bits(a),
+            b.to_vec().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+    }
+    assert_eq!(
+        bits(&seed.broadcast_scalar(&[7]).unwrap()),
+        vec![(-0.0f32).to_bits(); 7]
+    );
+    // Results of GPU ops and slices across rows keep none (their values were never on the host).
+    assert!(!x.scale(2.0).unwrap().has_host_copy());
+    assert!(!x.slice(1, 0, 2).unwrap().has_host_copy());
+    assert!(!x.without_host_copy().has_host_copy());
+    assert_eq!(
+        x.slice(1, 0, 2).unwrap().to_vec(),
+        host.slice(1, 0, 2).unwrap().to_vec()
+    );
+}
+
+/// The browser's setting (folds on the host), inputs uploaded from host values: a SUM all_reduce
+/// forward and backward (the room benchmark's program) reads nothing back, small (direct) and large
+/// (ring); the loss (a GPU sum) is the one readback; the gradients are bitwise the CPU's, on the GPU.
+/// With folds on the GPU the in-place folds never see a host copy: bitwise the CPU's too.
+#[test]
+fn a_collective_of_uploaded_tensors_reads_nothing_back() {
+    let Some(_) = gpu() else { return };
+    let g = futures::executor::block_on(distgrad::backend::gpu::Gpu::new()).unwrap();
+    let dev = Device::Gpu(g.clone());
+    const W: usize = 3;
+    for fold_on_device in [false, true] {
+        for numel in [1, 20_001] {
+            let run = |d: &Device| {
+                let opts = CommOptions {
+                    device: d.clone(),
+                    fold_on_device,
+                    ..CommOptions::default()
+                };
+                run_local(W, opts, |comm| {
+                    let x = t(comm.rank() as u64 + 3, &[numel]).to_device(d);
+                    async move {
+                        let tape = Tape::new();
+                        let xv = tape.var(x?);
+                        let y = dist::all_reduce(&comm, &xv, ReduceOp::Sum, &comm.world()).await?;
+                        let loss = y.sum()?;
+                        let gr = tape.backward(&loss, &comm).await?.wrt(&xv)?;
+                        Ok::<_, distgrad::Error>((y.value(), gr, loss.value()))
+                    }
+                })
+                .into_iter()
+                .map(Result::unwrap)
+                .collect::<Vec<_>>()
+            };
+            let before = g.bytes_read_back();
+            let on_gpu = run(&dev);
+            let read = g.bytes_read_back() - before;
+            if !fold_on_device {
+                assert_eq!(read, 0, "numel {numel}: bytes read back");
+            }
+            let on_cpu = run(&Device::Cpu);
+            for (r, ((y, gr, loss), (yc, gc, lc))) in on_gpu.iter().zip(&on_cpu).enumerate() {
+                let what = format!("fold_on_device {fold_on_device} numel {numel} rank {r}");
+                assert!(y.has_host_copy() && gr.has_host_copy(), "{what}");
+                assert!(!loss.has_host_copy(), "{what}: the loss is a GPU sum");
+                assert_eq!(bits(y), bits(yc), "{what}: y");
+                assert_eq!(bits(gr), bits(gc), "{what}: gradient");
+                assert_eq!(
+                    bits(gr),
+                    vec![(W as f32).to_bits(); numel],
+                    "{what}: by hand"
+                );
+                close(loss, lc, 1e-5, &what);
             }
         }
     }

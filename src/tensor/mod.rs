@@ -17,10 +17,20 @@ use crate::error::{Error, Result};
 use crate::pool::f32_bytes;
 
 /// An f32 tensor: a shape and a shared, contiguous, row-major storage.
+///
+/// A GPU tensor made from host values ([`Tensor::to_device`]: an upload, and so every collective's
+/// result, which arrives as bytes) keeps those host bytes beside its buffer (shared, not copied),
+/// so that reading it or sending it again needs no readback: the readbacks of a collective's
+/// input and of a dual's cotangent are what made the browser's WebGPU path slow. Tensors are
+/// immutable, so the two copies cannot diverge. A tensor computed on the GPU has none. This costs
+/// host memory equal to the tensor's size while it lives.
 #[derive(Debug, Clone)]
 pub struct Tensor {
     shape: Vec<usize>,
     storage: Storage,
+    /// The host copy of a GPU tensor's values, when they were known on the host (see above).
+    #[cfg(feature = "wgpu")]
+    host: Option<Bytes>,
 }
 
 impl PartialEq for Tensor {
@@ -91,6 +101,8 @@ impl Tensor {
         Tensor {
             shape,
             storage: Storage::Cpu(f32_bytes(data)),
+            #[cfg(feature = "wgpu")]
+            host: None,
         }
     }
 
@@ -99,7 +111,50 @@ impl Tensor {
         Tensor {
             shape,
             storage: Storage::Gpu(buf),
+            host: None,
         }
+    }
+
+    /// A GPU tensor uploaded from `host` (little-endian f32 bytes, 4-byte aligned), keeping them
+    /// as its host copy.
+    #[cfg(feature = "wgpu")]
+    fn uploaded(shape: Vec<usize>, g: &crate::backend::gpu::Gpu, host: Bytes) -> Result<Self> {
+        Ok(Tensor {
+            shape,
+            storage: Storage::Gpu(g.upload_le_bytes(&host)?),
+            host: Some(host),
+        })
+    }
+
+    /// The host copy of a GPU tensor's values, if it has one (see [`Tensor`]); `None` on the CPU.
+    #[cfg(feature = "wgpu")]
+    fn host_copy(&self) -> Option<&Bytes> {
+        match self.storage {
+            Storage::Gpu(_) => self.host.as_ref(),
+            Storage::Cpu(_) => None,
+        }
+    }
+
+    /// Whether this is a GPU tensor that keeps a host copy of its values (see [`Tensor`]): reading
+    /// it or sending it needs no readback.
+    pub fn has_host_copy(&self) -> bool {
+        #[cfg(feature = "wgpu")]
+        return self.host_copy().is_some();
+        #[cfg(not(feature = "wgpu"))]
+        false
+    }
+
+    /// The same tensor without a host copy (see [`Tensor`]): its host memory is released when no
+    /// other clone holds it, and reads go to the device (tests check the device's numbers this
+    /// way; a buffer about to be written in place must not carry one).
+    pub fn without_host_copy(&self) -> Tensor {
+        #[allow(unused_mut)]
+        let mut t = self.clone();
+        #[cfg(feature = "wgpu")]
+        {
+            t.host = None;
+        }
+        t
     }
 
     fn view(&self) -> View<'_> {
@@ -142,56 +197,72 @@ impl Tensor {
         &self.storage
     }
 
-    /// This tensor on `device` (a copy across backends, a cheap clone otherwise).
+    /// The values as little-endian f32 bytes when they are in host memory without a readback:
+    /// a CPU tensor's storage, a GPU tensor's host copy (shared either way).
+    fn host_bytes(&self) -> Option<Bytes> {
+        match &self.storage {
+            Storage::Cpu(b) => Some(b.clone()),
+            #[cfg(feature = "wgpu")]
+            Storage::Gpu(_) => self.host.clone(),
+        }
+    }
+
+    /// This tensor on `device` (a copy across backends, a cheap clone otherwise). A GPU tensor
+    /// made here keeps the host values it was uploaded from (see [`Tensor`]); a GPU tensor with a
+    /// host copy moves to the CPU without a readback.
     pub fn to_device(&self, device: &Device) -> Result<Tensor> {
         if &self.device() == device {
             return Ok(self.clone());
         }
         match device {
-            Device::Cpu => Ok(Self::from_cpu(self.shape.clone(), self.try_to_vec()?)),
+            Device::Cpu => match self.host_bytes() {
+                Some(b) => Self::from_shared_le_bytes(b, &self.shape),
+                None => Ok(Self::from_cpu(self.shape.clone(), self.try_to_vec()?)),
+            },
             #[cfg(feature = "wgpu")]
-            Device::Gpu(g) => Ok(Self::from_gpu(
-                self.shape.clone(),
-                g.upload(&self.try_to_vec()?)?,
-            )),
+            Device::Gpu(g) => {
+                let host = match self.host_bytes() {
+                    Some(b) => b,
+                    None => f32_bytes(self.try_to_vec()?),
+                };
+                Self::uploaded(self.shape.clone(), g, host)
+            }
         }
     }
 
     /// This tensor on `device`, reading a GPU tensor back asynchronously: works in a browser, where
     /// [`Tensor::to_device`] cannot leave the GPU.
     pub async fn moved_to(&self, device: &Device) -> Result<Tensor> {
-        if &self.device() == device {
-            return Ok(self.clone());
+        if &self.device() == device || self.host_bytes().is_some() {
+            return self.to_device(device);
         }
-        match (self.view(), device) {
-            (View::Cpu(_), _) => self.to_device(device),
-            #[cfg(feature = "wgpu")]
-            (View::Gpu(_), _) => {
-                let host = Self::from_cpu(self.shape.clone(), self.read().await?);
-                host.to_device(device)
-            }
-        }
+        let host = Self::from_cpu(self.shape.clone(), self.read().await?);
+        host.to_device(device)
     }
 
     /// The values, row-major, in host memory; works on every backend and target (a GPU tensor is
-    /// read back asynchronously, as a browser requires).
+    /// read back asynchronously, as a browser requires, unless it has a host copy).
     pub async fn read(&self) -> Result<Vec<f32>> {
-        match self.view() {
-            View::Cpu(v) => Ok(v.to_vec()),
+        match (self.view(), self.host_bytes()) {
+            (View::Cpu(v), _) => Ok(v.to_vec()),
             #[cfg(feature = "wgpu")]
-            View::Gpu(b) => b.gpu().read(b).await,
+            (View::Gpu(_), Some(b)) => Ok(cpu::f32s_from_le_bytes(&b)),
+            #[cfg(feature = "wgpu")]
+            (View::Gpu(b), None) => b.gpu().read(b).await,
         }
     }
 
-    /// The values, row-major, in host memory. A GPU tensor is read back by blocking on the device,
-    /// which a browser cannot do: there use [`Tensor::read`].
+    /// The values, row-major, in host memory. A GPU tensor without a host copy is read back by
+    /// blocking on the device, which a browser cannot do: there use [`Tensor::read`].
     pub fn try_to_vec(&self) -> Result<Vec<f32>> {
-        match self.view() {
-            View::Cpu(v) => Ok(v.to_vec()),
+        match (self.view(), self.host_bytes()) {
+            (View::Cpu(v), _) => Ok(v.to_vec()),
+            #[cfg(feature = "wgpu")]
+            (View::Gpu(_), Some(b)) => Ok(cpu::f32s_from_le_bytes(&b)),
             #[cfg(all(feature = "wgpu", not(target_arch = "wasm32")))]
-            View::Gpu(b) => b.gpu().read_blocking(b),
+            (View::Gpu(b), None) => b.gpu().read_blocking(b),
             #[cfg(all(feature = "wgpu", target_arch = "wasm32"))]
-            View::Gpu(_) => Err(Error::Gpu {
+            (View::Gpu(_), None) => Err(Error::Gpu {
                 op: "read",
                 detail: "a browser cannot block on the GPU: use Tensor::read().await".into(),
             }),
@@ -237,12 +308,12 @@ impl Tensor {
     }
 
     /// The values as little-endian f32 bytes. On the CPU backend this shares the storage (no
-    /// copy); a GPU tensor is read back (the transport boundary).
+    /// copy), as does a GPU tensor's host copy; other GPU tensors are read back (the transport
+    /// boundary).
     pub fn to_le_bytes(&self) -> Result<Bytes> {
-        match &self.storage {
-            Storage::Cpu(b) => Ok(b.clone()),
-            #[cfg(feature = "wgpu")]
-            Storage::Gpu(_) => Ok(f32_bytes(self.try_to_vec()?)),
+        match self.host_bytes() {
+            Some(b) => Ok(b),
+            None => Ok(f32_bytes(self.try_to_vec()?)),
         }
     }
 
@@ -268,6 +339,8 @@ impl Tensor {
         Ok(Tensor {
             shape: shape.to_vec(),
             storage: Storage::Cpu(bytes),
+            #[cfg(feature = "wgpu")]
+            host: None,
         })
     }
 
@@ -436,7 +509,11 @@ impl Tensor {
     }
 
     /// The value of a one-element tensor repeated to `shape`, on the same device (the backward of
-    /// a sum: one copy kernel on a GPU, no upload).
+    /// a sum). On a GPU: one copy kernel, or, when the value is known on the host (a backward
+    /// seed: [`Tensor::has_host_copy`]), a fill there and an upload, as [`Tensor::full_like`], so
+    /// the result keeps its host copy (a collective sends it without a readback; measured in the
+    /// browser, WebGPU on SwiftShader, 4 tabs: the 1 MiB all_reduce forward + backward 107 ms
+    /// with the kernel, 76 ms with the upload).
     pub fn broadcast_scalar(&self, shape: &[usize]) -> Result<Tensor> {
         if self.numel() != 1 {
             return Err(Error::shape(
@@ -453,6 +530,12 @@ impl Tensor {
             View::Cpu(a) => Ok(Self::from_cpu(shape.to_vec(), vec![a[0]; n])),
             #[cfg(feature = "wgpu")]
             View::Gpu(a) => {
+                if let Some(v) = self
+                    .host_copy()
+                    .and_then(|h| cpu::f32s_of_le_bytes(h).first().copied())
+                {
+                    return Self::full(shape, v).to_device(&self.device());
+                }
                 let g = a.gpu();
                 let out = g.alloc(n)?;
                 let zeros = vec![0; shape.len()];
@@ -488,6 +571,8 @@ impl Tensor {
         Ok(Tensor {
             shape: shape.to_vec(),
             storage: self.storage.clone(),
+            #[cfg(feature = "wgpu")]
+            host: self.host.clone(),
         })
     }
 
@@ -531,7 +616,15 @@ impl Tensor {
                     },
                     &shape,
                 )?;
-                Ok(Self::from_gpu(shape, out))
+                let mut t = Self::from_gpu(shape, out);
+                // A slice of a contiguous range (every dim before `dim` is 1) shares the host copy.
+                if self.shape[..dim].iter().all(|&d| d == 1) {
+                    let inner = src[dim] * 4;
+                    t.host = self
+                        .host_copy()
+                        .map(|h| h.slice(start * inner..(start + len) * inner));
+                }
+                Ok(t)
             }
         }
     }

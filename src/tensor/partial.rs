@@ -31,7 +31,12 @@ impl Partial {
         match x.storage() {
             Storage::Cpu(_) => Ok(Partial::Host(x.cpu()?[start..start + len].to_vec())),
             #[cfg(feature = "wgpu")]
-            Storage::Gpu(_) => Ok(Partial::Gpu(x.reshape(&[x.numel()])?.slice(0, start, len)?)),
+            // Folded into in place later: no host copy may come along.
+            Storage::Gpu(_) => Ok(Partial::Gpu(
+                x.reshape(&[x.numel()])?
+                    .slice(0, start, len)?
+                    .without_host_copy(),
+            )),
         }
     }
 

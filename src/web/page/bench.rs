@@ -16,8 +16,9 @@ pub(super) async fn bench_all_reduce(numel: usize) -> Result<String> {
     let loss = y.sum()?;
     let grads = tape.backward(&loss, comm).await?;
     let g = grads.wrt(&xv)?;
-    let first = g.slice(0, 0, 1)?.read().await?;
+    finished(&loss.value()).await?;
     let ms = now_ms() - t0;
+    let first = g.slice(0, 0, 1)?.read().await?;
     comm.take_calls();
     // Checksums outside the timed part: every output element is world * (i % 7), every gradient
     // element is world (d/dx of sum(all_reduce(x)) on every rank, summed over ranks).
@@ -31,6 +32,15 @@ pub(super) async fn bench_all_reduce(numel: usize) -> Result<String> {
         "grad_sum": sum(g.read().await?),
     })
     .to_string())
+}
+
+/// Wait until every step of a forward + backward has finished, the device's included: the loss is
+/// a sum computed where the tensors live (on a GPU: by a kernel, so it has no host copy), read
+/// back after everything else was submitted, and a device runs its queue in order. (The gradient
+/// itself is on the host already when it came out of a collective: reading it would not wait for
+/// the GPU.)
+async fn finished(loss: &Tensor) -> Result<()> {
+    loss.without_host_copy().read().await.map(drop)
 }
 
 /// Group id of the room benchmark's raw messages (no communicator group reaches it).
@@ -163,8 +173,9 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
                 let tape = Tape::new();
                 let xv = tape.var(x.clone());
                 let y = dist::all_reduce(comm, &xv, ReduceOp::Sum, &group).await?;
-                let g = tape.backward(&y.sum()?, comm).await?.wrt(&xv)?;
-                g.slice(0, 0, 1)?.read().await?;
+                let loss = y.sum()?;
+                tape.backward(&loss, comm).await?.wrt(&xv)?;
+                finished(&loss.value()).await?;
                 times.push(now_ms() - t0);
             }
             comm.take_calls();
