@@ -425,3 +425,97 @@ fn ranks_configured_for_different_large_all_reduce_algorithms_fail_with_a_mismat
     });
     assert_mismatch(&results, "args=[2]", "args=[3]");
 }
+
+/// A transport that counts what it sends, per channel.
+struct Counting {
+    inner: distgrad::transport::local::LocalTransport,
+    sent: std::cell::RefCell<std::collections::HashMap<&'static str, usize>>,
+}
+
+impl distgrad::transport::Transport for Counting {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world(&self) -> usize {
+        self.inner.world()
+    }
+    async fn send(
+        &self,
+        dst: usize,
+        tag: distgrad::transport::Tag,
+        payload: bytes::Bytes,
+    ) -> distgrad::Result<()> {
+        let ch = match tag.channel {
+            distgrad::transport::Channel::Sig => "sig",
+            _ => "data",
+        };
+        *self.sent.borrow_mut().entry(ch).or_insert(0) += 1;
+        self.inner.send(dst, tag, payload).await
+    }
+    async fn recv(
+        &self,
+        src: usize,
+        tag: distgrad::transport::Tag,
+    ) -> distgrad::Result<bytes::Bytes> {
+        self.inner.recv(src, tag).await
+    }
+    async fn abort(&self, reason: &str) {
+        self.inner.abort(reason).await
+    }
+}
+
+/// A small all_reduce is one message from every rank to every other: the signature rides with the
+/// data to the ring successor (world - 1 messages per rank and call, the first of them on the
+/// signature channel); a large one (the ring) sends its signature on its own, before the data.
+/// Results as computed by hand.
+#[test]
+fn a_small_all_reduce_sends_one_message_per_peer() {
+    for world in [2, 3, 4, 7] {
+        for (numel, sigs, data) in [(1, 1, world - 2), (40_000, 1, 2 * (world - 1))] {
+            let ts = distgrad::transport::local::LocalTransport::world(world);
+            let res: Vec<_> = std::thread::scope(|s| {
+                let hs: Vec<_> = ts
+                    .into_iter()
+                    .map(|t| {
+                        s.spawn(move || {
+                            let comm = distgrad::P2p::new(
+                                Counting {
+                                    inner: t,
+                                    sent: Default::default(),
+                                },
+                                CommOptions::for_network(),
+                            );
+                            let r = comm.rank();
+                            let x = Tensor::full(&[numel], r as f32 + 1.0);
+                            let y = futures::executor::block_on(comm.all_reduce(
+                                &x,
+                                ReduceOp::Sum,
+                                &comm.world(),
+                            ))
+                            .unwrap();
+                            let sent = comm.transport().sent.borrow().clone();
+                            (y.to_vec(), sent)
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let want = (world * (world + 1) / 2) as f32;
+            for (r, (y, sent)) in res.iter().enumerate() {
+                assert!(
+                    y.iter().all(|&v| v == want),
+                    "world {world} rank {r}: {y:?}"
+                );
+                let got = (
+                    sent.get("sig").copied().unwrap_or(0),
+                    sent.get("data").copied().unwrap_or(0),
+                );
+                assert_eq!(
+                    got,
+                    (sigs, data),
+                    "world {world} numel {numel} rank {r}: (signature, data) messages sent"
+                );
+            }
+        }
+    }
+}

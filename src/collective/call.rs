@@ -7,6 +7,11 @@
 //! (sent first, so checked before the data); messages from any other rank carry the sender's
 //! signature as a prefix. Because every rank checks its predecessor, any disagreement anywhere in
 //! the group is seen by at least one rank, which aborts the rest.
+//!
+//! The signature message goes out with the call's first message to the successor when that is
+//! small (a direct exchange's data: one message fewer per rank and call), else on its own before
+//! this rank sends anything else or waits on anyone. Format: `[u32 length | INLINE][signature]`
+//! then, with [`INLINE_FLAG`], the first data message to the successor.
 
 use std::cell::Cell;
 use std::future::Future;
@@ -28,6 +33,10 @@ pub const SPLIT_BYTES: usize = 16 * 1024;
 
 /// Bit of a signature prefix's length word: the payload is the next message.
 const SPLIT_FLAG: u32 = 1 << 31;
+
+/// Bit of a signature message's length word: the first data message to the successor follows the
+/// signature in the same message.
+const INLINE_FLAG: u32 = 1 << 31;
 
 /// Wait for `fut` at most `timeout`.
 pub(crate) async fn with_timeout<F: Future>(timeout: Duration, fut: F) -> Option<F::Output> {
@@ -57,6 +66,10 @@ pub(crate) struct Call<'a, T: Transport> {
     sig: CallSig,
     sig_bytes: Bytes,
     pred_ok: Cell<bool>,
+    /// Whether the signature went to the successor.
+    announced: Cell<bool>,
+    /// The predecessor's first data message, when it came inside its signature message.
+    inline: std::cell::RefCell<Option<Bytes>>,
 }
 
 impl<'a, T: Transport> Call<'a, T> {
@@ -82,18 +95,40 @@ impl<'a, T: Transport> Call<'a, T> {
             sig,
             sig_bytes,
             pred_ok: Cell::new(n == 1),
+            announced: Cell::new(n == 1),
+            inline: std::cell::RefCell::new(None),
         }
     }
 
-    /// Announce this call's signature to the ring successor (the first message of every call).
-    pub(super) async fn announce(&self) -> Result<()> {
-        if self.n > 1 {
-            let to = self.group.global(self.succ());
-            self.transport
-                .send(to, self.tag(Channel::Sig), self.sig_bytes.clone())
-                .await?;
+    /// Announce this call's signature to the ring successor (the first message of every call),
+    /// with `first`, the call's first data message to the successor, in the same message. Once
+    /// per call: later calls do nothing.
+    async fn announce_with(&self, first: Option<Bytes>) -> Result<()> {
+        if self.announced.replace(true) {
+            return Ok(());
         }
-        Ok(())
+        let len = self.sig_bytes.len() as u32;
+        let extra = first.as_ref().map_or(0, Bytes::len);
+        let mut b = BytesMut::with_capacity(4 + self.sig_bytes.len() + extra);
+        b.put_u32_le(if first.is_some() {
+            len | INLINE_FLAG
+        } else {
+            len
+        });
+        b.put_slice(&self.sig_bytes);
+        if let Some(p) = first {
+            b.put_slice(&p);
+        }
+        let to = self.group.global(self.succ());
+        self.transport
+            .send(to, self.tag(Channel::Sig), b.freeze())
+            .await
+    }
+
+    /// Announce the signature on its own unless it went already: before this rank sends anything
+    /// but a small first message to its successor, or waits on any peer.
+    pub(super) async fn announce(&self) -> Result<()> {
+        self.announce_with(None).await
     }
 
     fn tag(&self, channel: Channel) -> Tag {
@@ -178,6 +213,32 @@ impl<'a, T: Transport> Call<'a, T> {
         }
     }
 
+    /// Check the predecessor's signature message and keep the data message inside it, if any.
+    fn accept_pred_sig(&self, mut msg: Bytes) -> Result<()> {
+        let pred = self.pred();
+        if msg.len() < 4 {
+            return Err(self.protocol(pred, "signature message shorter than its length word"));
+        }
+        let head = msg.get_u32_le();
+        let n = (head & !INLINE_FLAG) as usize;
+        if msg.len() < n || (head & INLINE_FLAG == 0 && msg.len() != n) {
+            return Err(self.protocol(
+                pred,
+                format!(
+                    "signature message of {} bytes says its signature has {n}",
+                    msg.len()
+                ),
+            ));
+        }
+        let sig = msg.split_to(n);
+        self.verify(pred, &sig)?;
+        self.pred_ok.set(true);
+        if head & INLINE_FLAG != 0 {
+            *self.inline.borrow_mut() = Some(msg);
+        }
+        Ok(())
+    }
+
     fn verify(&self, peer: usize, sig_bytes: &[u8]) -> Result<()> {
         let theirs = CallSig::decode(sig_bytes)
             .ok_or_else(|| self.protocol(peer, "undecodable call signature"))?;
@@ -190,6 +251,7 @@ impl<'a, T: Transport> Call<'a, T> {
 
     /// Wait for and verify the ring predecessor's signature (once per call).
     pub(super) async fn check_pred(&self) -> Result<()> {
+        self.announce().await?;
         if self.pred_ok.get() {
             return Ok(());
         }
@@ -198,9 +260,7 @@ impl<'a, T: Transport> Call<'a, T> {
             .transport
             .recv(self.group.global(pred), self.tag(Channel::Sig));
         let s = self.wait(pred, t).await?;
-        self.verify(pred, &s)?;
-        self.pred_ok.set(true);
-        Ok(())
+        self.accept_pred_sig(s)
     }
 
     /// Send `payload` to group rank `dst`. Messages to the successor go raw (it checks the signature
@@ -210,6 +270,10 @@ impl<'a, T: Transport> Call<'a, T> {
     pub async fn send(&self, dst: usize, payload: Bytes) -> Result<()> {
         let t = self.transport;
         let (to, tag) = (self.group.global(dst), self.tag(Channel::Data));
+        if dst == self.succ() && !self.announced.get() && payload.len() < SPLIT_BYTES {
+            return self.announce_with(Some(payload)).await;
+        }
+        self.announce().await?;
         if dst == self.succ() {
             return t.send(to, tag, payload).await;
         }
@@ -232,11 +296,16 @@ impl<'a, T: Transport> Call<'a, T> {
     /// The next data message from group rank `src`, its sender's call verified to agree with ours.
     pub async fn recv(&self, src: usize) -> Result<Bytes> {
         let t = self.transport;
-        let data = t.recv(self.group.global(src), self.tag(Channel::Data));
+        self.announce().await?;
         if src == self.pred() {
             self.check_pred().await?;
+            if let Some(first) = self.inline.borrow_mut().take() {
+                return Ok(first);
+            }
+            let data = t.recv(self.group.global(src), self.tag(Channel::Data));
             return self.wait(src, data).await;
         }
+        let data = t.recv(self.group.global(src), self.tag(Channel::Data));
         let msg = if self.pred_ok.get() {
             self.wait(src, data).await?
         } else {
@@ -249,8 +318,7 @@ impl<'a, T: Transport> Call<'a, T> {
                 match select(sig, data).await {
                     Either::Left((s, data)) => {
                         let s = s.map_err(|e| self.add_context(e))?;
-                        self.verify(pred, &s)?;
-                        self.pred_ok.set(true);
+                        self.accept_pred_sig(s)?;
                         data.await
                     }
                     Either::Right((d, _)) => d,

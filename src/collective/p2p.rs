@@ -179,7 +179,8 @@ impl<T: Transport> P2p<T> {
         std::mem::take(&mut self.calls.borrow_mut())
     }
 
-    /// Start a collective on `group`: number it, announce the signature to the ring successor.
+    /// Start a collective on `group`: number it (its signature goes to the ring successor with the
+    /// call's first message).
     pub(crate) async fn begin<'a>(&'a self, group: &'a Group, sig: CallSig) -> Result<Call<'a, T>> {
         let me = group.require_member(sig.kind.name())?;
         let seq = {
@@ -191,9 +192,15 @@ impl<T: Transport> P2p<T> {
         if self.opts.record_calls {
             self.calls.borrow_mut().push((group.id(), sig.clone()));
         }
-        let call = Call::new(&self.transport, self.opts.timeout, group, me, seq, sig);
-        call.announce().await?;
-        Ok(call)
+        // The signature goes to the successor with the call's first message (see `Call`).
+        Ok(Call::new(
+            &self.transport,
+            self.opts.timeout,
+            group,
+            me,
+            seq,
+            sig,
+        ))
     }
 
     /// End a call: on success make sure the predecessor's signature was checked.

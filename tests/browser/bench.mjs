@@ -1,0 +1,94 @@
+// The page's room benchmark, repeated: the figures behind the README's browser table and the notes
+// on the browser data path.
+//
+//   node tests/browser/bench.mjs --bin <distgrad binary> --dist <built web app>
+//        [--net channel|relay|webrtc|auto] [--device cpu|gpu|auto] [--world 4] [--runs 5] [--json FILE]
+//
+// Starts `distgrad relay --static <dist>` on an ephemeral loopback port, opens `--world` tabs of
+// headless Chromium (WebGPU on SwiftShader) in one room, and has rank 0 run the room benchmark
+// `--runs` times (each: raw round trips, raw throughput and a raw exchange over the room's links,
+// then the SUM all_reduce forward + backward of 4 B and 1 MiB, every figure the median of the
+// page's repetitions after its warm-up). Prints every run's row and, per figure, the median over
+// the runs; every collective figure is also printed as a ratio to the raw figure of the same run
+// (round trips, raw exchanges, the CPU path), since this machine's speed drifts from run to run.
+// Asserts nothing but that every run completed. --net webrtc must run in a loopback-only network
+// namespace (see e2e.mjs).
+
+import { randomBytes } from 'node:crypto';
+import { writeFileSync } from 'node:fs';
+import { chromium } from 'playwright-core';
+import { parseArgs, sleep, startRelay, stateOf, waitFor } from './common.mjs';
+
+const args = parseArgs(process.argv.slice(2));
+const BIN = args.bin;
+const DIST = args.dist ?? 'dist';
+const NET = args.net ?? 'channel';
+const DEVICE = args.device ?? 'auto';
+const WORLD = Number(args.world ?? 4);
+const RUNS = Number(args.runs ?? 5);
+const CHROMIUM = process.env.CHROMIUM ?? '/usr/bin/chromium';
+if (!BIN || !['relay', 'webrtc', 'channel', 'auto'].includes(NET) || !['gpu', 'cpu', 'auto'].includes(DEVICE)
+    || !(WORLD >= 2 && WORLD <= 8) || !(RUNS >= 1 && RUNS <= 50)) {
+  console.error('usage: bench.mjs --bin <distgrad> --dist <dir> [--net channel|relay|webrtc|auto] [--device cpu|gpu|auto] [--world 2..8] [--runs 1..50] [--json FILE]');
+  process.exit(2);
+}
+const chromeArgs = [
+  '--no-sandbox', '--no-first-run', '--disable-background-networking', '--disable-component-update',
+  '--disable-sync', '--enable-unsafe-webgpu', '--use-webgpu-adapter=swiftshader',
+  '--allow-loopback-in-peer-connection',
+];
+const median = (v) => [...v].sort((a, b) => a - b)[Math.floor(v.length / 2)];
+const f = (x, d) => (typeof x === 'number' && Number.isFinite(x) ? x.toFixed(d) : '—');
+
+async function main() {
+  const relay = await startRelay(BIN, DIST);
+  const browser = await chromium.launch({ executablePath: CHROMIUM, headless: true, args: chromeArgs });
+  const rows = [];
+  try {
+    const ctx = await browser.newContext();
+    const params = (NET === 'auto' ? '' : `&net=${NET}`) + (DEVICE === 'auto' ? '' : `&device=${DEVICE}`);
+    const url = `http://${relay.host}/?room=bench-${process.pid}&world=${WORLD}&token=${randomBytes(16).toString('hex')}${params}`;
+    const pages = [];
+    for (let i = 0; i < WORLD; i++) pages.push(await ctx.newPage());
+    await Promise.all(pages.map((p) => p.goto(url)));
+    const states = await waitFor(pages, (s) => s.phase === 'ready', 90000, 'tabs ready');
+    const byRank = [];
+    states.forEach((s, i) => { byRank[s.rank] = pages[i]; });
+    console.log(`[bench ${NET}, device ${DEVICE}] ${WORLD} tabs ready; compute: ${states[0].device}; links of rank 0: ${JSON.stringify(states.find((s) => s.rank === 0).links)}`);
+    for (let run = 0; run < RUNS; run++) {
+      const before = await Promise.all(byRank.map(stateOf));
+      await byRank[0].evaluate(() => window.distgrad.benchRoom());
+      const t0 = Date.now();
+      for (;;) {
+        const st = await Promise.all(byRank.map(stateOf));
+        const bad = st.find((s) => s.phase === 'failed');
+        if (bad) throw new Error(`run ${run}: a tab failed: ${bad.error}`);
+        if (st.every((s, i) => s.bench_runs === before[i].bench_runs + 1)) break;
+        if (Date.now() - t0 > 120000) throw new Error(`run ${run}: not done within 120 s`);
+        await sleep(100);
+      }
+      const t = JSON.parse(await byRank[0].evaluate(() => window.distgrad.benchResult()));
+      const row = { run, round_trip_ms: t.mean_round_trip_ms, exchange_ms: t.exchange_ms, raw_mibs: t.raw_mibs_0_to_1 };
+      for (const r of t.all_reduce_fwd_bwd) {
+        const k = `${r.bytes === 4 ? 'small' : 'large'}_${r.device}`;
+        Object.assign(row, {
+          [`${k}_ms`]: r.ms, [`${k}_round_trips`]: r.round_trips, [`${k}_of_exchange`]: r.of_exchange,
+          [`${k}_of_raw`]: r.of_raw, [`${k}_of_cpu`]: r.of_cpu,
+        });
+      }
+      rows.push(row);
+      console.log(`run ${run}: round trip ${f(row.round_trip_ms, 2)} ms, raw exchange ${f(row.exchange_ms, 2)} ms, raw ${f(row.raw_mibs, 0)} MiB/s | `
+        + t.all_reduce_fwd_bwd.map((r) => `${r.bytes === 4 ? '4 B' : '1 MiB'} ${r.device} ${f(r.ms, 2)} ms (${f(r.round_trips, 1)} rt, ${f(r.of_exchange, 2)} x 2 exch, ${f(r.of_cpu, 2)} x cpu)`).join('; '));
+    }
+  } finally {
+    await browser.close();
+    relay.proc.kill();
+  }
+  const keys = Object.keys(rows[0]).filter((k) => k !== 'run');
+  const med = Object.fromEntries(keys.map((k) => [k, median(rows.map((r) => r[k]).filter((x) => typeof x === 'number'))]));
+  console.log(`median of ${RUNS} runs (${NET}, device ${DEVICE}, ${WORLD} tabs):`);
+  for (const k of keys) console.log(`  ${k}: ${f(med[k], 3)}`);
+  if (args.json) writeFileSync(args.json, JSON.stringify({ net: NET, device: DEVICE, world: WORLD, runs: rows, median: med }, null, 1));
+}
+
+main().catch((e) => { console.error(`bench failed: ${e.stack ?? e}`); process.exit(1); });
