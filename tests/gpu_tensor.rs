@@ -533,7 +533,8 @@ fn reductions_folded_on_the_host_read_each_input_back_once() {
 
 /// A GPU tensor uploaded from host values keeps them (shared): reading it, moving it to the CPU and
 /// sending it need no readback; a slice of a contiguous range and a reshape keep the copy, a GPU
-/// op's result has none; the device's buffer holds the same bits as the copy.
+/// op's result has none; the device's buffer holds the same bits as the copy, and is made (the
+/// upload) when a kernel first reads it.
 #[test]
 fn uploads_keep_their_host_copy() {
     let Some(_) = gpu() else { return };
@@ -577,11 +578,31 @@ fn uploads_keep_their_host_copy() {
         x.slice(1, 0, 2).unwrap().to_vec(),
         host.slice(1, 0, 2).unwrap().to_vec()
     );
+    // The upload is made when a kernel first reads the buffer, once.
+    let up = g.bytes_uploaded();
+    let v = t(6, &[1000]);
+    let lazy = v.to_device(&d).unwrap();
+    let _ = lazy.to_vec();
+    assert_eq!(
+        g.bytes_uploaded(),
+        up,
+        "nothing uploaded before a kernel reads it"
+    );
+    let doubled = lazy.scale(2.0).unwrap();
+    let tripled = lazy.scale(3.0).unwrap();
+    assert_eq!(
+        g.bytes_uploaded(),
+        up + 4000,
+        "uploaded once, when first read"
+    );
+    assert_eq!(bits(&doubled), bits(&v.scale(2.0).unwrap()));
+    assert_eq!(bits(&tripled), bits(&v.scale(3.0).unwrap()));
 }
 
 /// The browser's setting (folds on the host), inputs uploaded from host values: a SUM all_reduce
 /// forward and backward (the room benchmark's program) reads nothing back, small (direct) and large
-/// (ring); the loss (a GPU sum) is the one readback; the gradients are bitwise the CPU's, on the GPU.
+/// (ring), and uploads only what a kernel reads (y, for the loss); the gradients are bitwise the
+/// CPU's, on the GPU (and the same in the device's buffer, made when the check reads it).
 /// With folds on the GPU the in-place folds never see a host copy: bitwise the CPU's too.
 #[test]
 fn a_collective_of_uploaded_tensors_reads_nothing_back() {
@@ -612,11 +633,18 @@ fn a_collective_of_uploaded_tensors_reads_nothing_back() {
                 .map(Result::unwrap)
                 .collect::<Vec<_>>()
             };
-            let before = g.bytes_read_back();
+            let (before, up) = (g.bytes_read_back(), g.bytes_uploaded());
             let on_gpu = run(&dev);
             let read = g.bytes_read_back() - before;
             if !fold_on_device {
                 assert_eq!(read, 0, "numel {numel}: bytes read back");
+                // Uploads are made when a kernel first reads them: only y (the loss's sum reads
+                // it), never the input, the seed's broadcast or the gradient.
+                assert_eq!(
+                    g.bytes_uploaded() - up,
+                    (W * numel * 4) as u64,
+                    "numel {numel}: bytes uploaded"
+                );
             }
             let on_cpu = run(&Device::Cpu);
             for (r, ((y, gr, loss), (yc, gc, lc))) in on_gpu.iter().zip(&on_cpu).enumerate() {

@@ -23,7 +23,9 @@ use crate::pool::f32_bytes;
 /// so that reading it or sending it again needs no readback: the readbacks of a collective's
 /// input and of a dual's cotangent are what made the browser's WebGPU path slow. Tensors are
 /// immutable, so the two copies cannot diverge. A tensor computed on the GPU has none. This costs
-/// host memory equal to the tensor's size while it lives.
+/// host memory equal to the tensor's size while it lives. The upload itself is made when a kernel,
+/// copy or readback first uses the buffer ([`crate::backend::gpu::Gpu::upload_lazy`]): a gradient
+/// that only goes on to a collective never goes to the device.
 #[derive(Debug, Clone)]
 pub struct Tensor {
     shape: Vec<usize>,
@@ -115,13 +117,13 @@ impl Tensor {
         }
     }
 
-    /// A GPU tensor uploaded from `host` (little-endian f32 bytes, 4-byte aligned), keeping them
-    /// as its host copy.
+    /// A GPU tensor uploaded from `host` (little-endian f32 bytes, 4-byte aligned) when first
+    /// used there, keeping them as its host copy.
     #[cfg(feature = "wgpu")]
     fn uploaded(shape: Vec<usize>, g: &crate::backend::gpu::Gpu, host: Bytes) -> Result<Self> {
         Ok(Tensor {
             shape,
-            storage: Storage::Gpu(g.upload_le_bytes(&host)?),
+            storage: Storage::Gpu(g.upload_lazy(host.clone())?),
             host: Some(host),
         })
     }

@@ -61,6 +61,7 @@ struct Ctx {
     pipelines: Mutex<HashMap<(Kernel, u32), Arc<wgpu::ComputePipeline>>>,
     error: Arc<Mutex<Option<String>>>,
     read_back: std::sync::atomic::AtomicU64,
+    uploaded: std::sync::atomic::AtomicU64,
 }
 
 /// How the vec4 reduce-into kernels and the sum spread their work over invocations (reduce-into:
@@ -117,9 +118,29 @@ pub struct At<'a> {
 /// A buffer of f32 on a [`Gpu`].
 #[derive(Clone)]
 pub struct GpuBuf {
-    buf: Arc<wgpu::Buffer>,
+    buf: Arc<BufCell>,
     len: usize,
     gpu: Gpu,
+}
+
+/// A device buffer, or host bytes that become one the first time anything uses it
+/// ([`Gpu::upload_lazy`]): a tensor uploaded from the host that no kernel ever reads (a gradient
+/// that only goes on to a collective over host links, a backward seed) never costs an upload. It
+/// dereferences to the buffer, making it on first use.
+struct BufCell {
+    cell: std::sync::OnceLock<wgpu::Buffer>,
+    /// The values of a buffer made on first use (empty for one made at once).
+    pending: bytes::Bytes,
+    gpu: Gpu,
+}
+
+impl std::ops::Deref for BufCell {
+    type Target = wgpu::Buffer;
+
+    fn deref(&self) -> &wgpu::Buffer {
+        self.cell
+            .get_or_init(|| self.gpu.create_init("upload", &self.pending))
+    }
 }
 
 impl std::fmt::Debug for GpuBuf {
@@ -263,6 +284,7 @@ impl Gpu {
             pipelines: Mutex::new(HashMap::new()),
             error,
             read_back: std::sync::atomic::AtomicU64::new(0),
+            uploaded: std::sync::atomic::AtomicU64::new(0),
         })))
     }
 
@@ -418,11 +440,57 @@ impl Gpu {
     /// A [`GpuBuf`] of `n` f32 in `buf`, once the device reported no error making it.
     fn buf_of(&self, op: &'static str, buf: wgpu::Buffer, n: usize) -> Result<GpuBuf> {
         self.check(op)?;
+        let cell = std::sync::OnceLock::new();
+        let _ = cell.set(buf);
         Ok(GpuBuf {
-            buf: Arc::new(buf),
+            buf: Arc::new(BufCell {
+                cell,
+                pending: bytes::Bytes::new(),
+                gpu: self.clone(),
+            }),
             len: n,
             gpu: self.clone(),
         })
+    }
+
+    /// A buffer holding `bytes` (little-endian f32, as [`Gpu::upload_le_bytes`] takes them), made
+    /// the first time a kernel, copy or readback uses it: until then it costs no device memory and
+    /// no transfer. `bytes` are shared, not copied. (A device error making it shows at the next
+    /// check, as any kernel's.)
+    pub fn upload_lazy(&self, bytes: bytes::Bytes) -> Result<GpuBuf> {
+        if !bytes.len().is_multiple_of(4) {
+            return Err(gpu_err(
+                "upload",
+                format!("{} bytes are not whole f32s", bytes.len()),
+            ));
+        }
+        let n = bytes.len() / 4;
+        self.check_size("upload", n)?;
+        Ok(GpuBuf {
+            buf: Arc::new(BufCell {
+                cell: std::sync::OnceLock::new(),
+                pending: bytes,
+                gpu: self.clone(),
+            }),
+            len: n,
+            gpu: self.clone(),
+        })
+    }
+
+    /// A new storage buffer holding `bytes` (at least one element's worth of space), counted in
+    /// [`Gpu::bytes_uploaded`].
+    fn create_init(&self, label: &str, bytes: &[u8]) -> wgpu::Buffer {
+        self.0
+            .uploaded
+            .fetch_add(bytes.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        let contents: &[u8] = if bytes.is_empty() { &[0u8; 4] } else { bytes };
+        self.0
+            .device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some(label),
+                contents,
+                usage: STORAGE_USAGE,
+            })
     }
 
     /// Wait until all submitted work has finished (native; in a browser reads are the only sync).
@@ -451,15 +519,7 @@ impl Gpu {
         }
         let n = bytes.len() / 4;
         self.check_size("upload", n)?;
-        let contents: &[u8] = if bytes.is_empty() { &[0u8; 4] } else { bytes };
-        let buf = self
-            .0
-            .device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some("upload"),
-                contents,
-                usage: STORAGE_USAGE,
-            });
+        let buf = self.create_init("upload", bytes);
         self.buf_of("upload", buf, n)
     }
 
@@ -467,6 +527,12 @@ impl Gpu {
     /// check that tensors leave the GPU only at the transport boundary.
     pub fn bytes_read_back(&self) -> u64 {
         self.0.read_back.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Bytes uploaded from the host to this device so far (a lazy upload counts when it is made):
+    /// how tests check that a tensor no kernel reads never goes to the device.
+    pub fn bytes_uploaded(&self) -> u64 {
+        self.0.uploaded.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Copy `b` into a new mappable staging buffer (the first half of every readback).
