@@ -65,6 +65,8 @@ node tests/browser/e2e.mjs --bin "$bin" --dist dist --net channel --device gpu -
 # The page's defaults (net=auto, device=auto): these tabs, all in one browser, pick BroadcastChannels
 # and the CPU; the native worker's pairs try WebRTC after the channel's 2 s and keep the relay.
 node tests/browser/e2e.mjs --bin "$bin" --dist dist --net auto --out "$out"
+say "the room benchmark, repeated in fresh tabs (tests/browser/bench.mjs; figures, not asserted)"
+node tests/browser/bench.mjs --bin "$bin" --dist dist --net channel --device gpu --runs 2
 say "end-to-end: every lesson of the teaching demo in 3 tabs and in single-tab mode (tests/browser/lessons.mjs)"
 node tests/browser/lessons.mjs --bin "$bin" --dist dist --out "$out"
 say "end-to-end: programs and the gradient check in 3 tabs and in single-tab mode (tests/browser/programs.mjs)"
