@@ -113,7 +113,11 @@ pub async fn bench_all<C: Communicator>(
         for &bytes_per_rank in sizes {
             let numel = (bytes_per_rank / 4).max(1);
             let iters = iters_for(numel * 4);
-            let x = Tensor::full(&[numel], comm.rank() as f32 + 1.0).to_device(device)?;
+            // As a GPU op's result would be (no host copy): the read-back column counts what a
+            // collective of a computed tensor reads.
+            let x = Tensor::full(&[numel], comm.rank() as f32 + 1.0)
+                .to_device(device)?
+                .without_host_copy();
             run_op(comm, op, &x, &g).await?;
             comm.barrier(&g).await?;
             // Every rank is past its warm-up here and none has started the timed calls.

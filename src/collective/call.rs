@@ -11,7 +11,7 @@
 //! The signature message goes out with the call's first message to the successor when that is
 //! small (a direct exchange's data: one message fewer per rank and call), else on its own before
 //! this rank sends anything else or waits on anyone. Format: `[u32 length | INLINE][signature]`
-//! then, with [`INLINE_FLAG`], the first data message to the successor.
+//! then, with its inline flag (the length word's top bit), the first data message to the successor.
 
 use std::cell::Cell;
 use std::future::Future;

@@ -18,8 +18,9 @@ use crate::pool::f32_bytes;
 
 /// An f32 tensor: a shape and a shared, contiguous, row-major storage.
 ///
-/// A GPU tensor made from host values ([`Tensor::to_device`]: an upload, and so every collective's
-/// result, which arrives as bytes) keeps those host bytes beside its buffer (shared, not copied),
+/// A GPU tensor made from host values ([`Tensor::to_device`]: an upload, and so a collective's
+/// result assembled on the host, as the direct and ring all_reduce and every gather's parts are)
+/// keeps those host bytes beside its buffer (shared, not copied),
 /// so that reading it or sending it again needs no readback: the readbacks of a collective's
 /// input and of a dual's cotangent are what made the browser's WebGPU path slow. Tensors are
 /// immutable, so the two copies cannot diverge. A tensor computed on the GPU has none. This costs
@@ -194,7 +195,9 @@ impl Tensor {
         self.storage.device()
     }
 
-    /// The storage (shared).
+    /// The storage (shared). Never write into a GPU tensor's buffer through it: tensors are values,
+    /// and one may keep a host copy of its numbers ([`Tensor::has_host_copy`]) that such a write
+    /// would leave stale.
     pub fn storage(&self) -> &Storage {
         &self.storage
     }
@@ -600,9 +603,17 @@ impl Tensor {
             #[cfg(feature = "wgpu")]
             View::Gpu(a) => {
                 let g = a.gpu();
+                let src = cpu::strides(&self.shape);
+                // A slice of a contiguous range (every dim before `dim` is 1) of a tensor with a
+                // host copy is that range of the copy, uploaded when first used: no kernel.
+                if self.shape[..dim].iter().all(|&d| d == 1)
+                    && let Some(h) = self.host_copy()
+                {
+                    let inner = src[dim] * 4;
+                    return Self::uploaded(shape, g, h.slice(start * inner..(start + len) * inner));
+                }
                 let n: usize = shape.iter().product();
                 let out = g.alloc(n)?;
-                let src = cpu::strides(&self.shape);
                 let dst = cpu::strides(&shape);
                 let from = At {
                     offset: start * src[dim],
@@ -618,15 +629,7 @@ impl Tensor {
                     },
                     &shape,
                 )?;
-                let mut t = Self::from_gpu(shape, out);
-                // A slice of a contiguous range (every dim before `dim` is 1) shares the host copy.
-                if self.shape[..dim].iter().all(|&d| d == 1) {
-                    let inner = src[dim] * 4;
-                    t.host = self
-                        .host_copy()
-                        .map(|h| h.slice(start * inner..(start + len) * inner));
-                }
-                Ok(t)
+                Ok(Self::from_gpu(shape, out))
             }
         }
     }

@@ -191,10 +191,14 @@ pub fn fold_host(own: &[f32], parts: &[Option<Bytes>], op: BinaryOp) -> Vec<f32>
 }
 
 /// Elements `start..start+len` of `x` (flattened) as bytes to send: a zero-copy slice of a host
-/// tensor, a readback of only those elements of a GPU tensor.
+/// tensor or of a GPU tensor's host copy, else a readback of only those elements.
 pub async fn bytes_of(x: &Tensor, start: usize, len: usize) -> Result<Bytes> {
     match x.storage() {
         Storage::Cpu(_) => Ok(x.to_le_bytes()?.slice(start * 4..(start + len) * 4)),
+        #[cfg(feature = "wgpu")]
+        Storage::Gpu(_) if x.has_host_copy() => {
+            Ok(x.to_le_bytes()?.slice(start * 4..(start + len) * 4))
+        }
         #[cfg(feature = "wgpu")]
         Storage::Gpu(_) if start == 0 && len == x.numel() => Ok(f32_bytes(x.read().await?)),
         #[cfg(feature = "wgpu")]

@@ -37,7 +37,7 @@ const chromeArgs = [
   '--disable-sync', '--enable-unsafe-webgpu', '--use-webgpu-adapter=swiftshader',
   '--allow-loopback-in-peer-connection',
 ];
-const median = (v) => [...v].sort((a, b) => a - b)[Math.floor(v.length / 2)];
+const median = (v) => { const s = [...v].sort((a, b) => a - b); const m = s.length >> 1; return s.length % 2 ? s[m] : (s[m - 1] + s[m]) / 2; };
 const f = (x, d) => (typeof x === 'number' && Number.isFinite(x) ? x.toFixed(d) : '—');
 
 async function main() {

@@ -129,8 +129,9 @@ pub struct GpuBuf {
 /// dereferences to the buffer, making it on first use.
 struct BufCell {
     cell: std::sync::OnceLock<wgpu::Buffer>,
-    /// The values of a buffer made on first use (empty for one made at once).
-    pending: bytes::Bytes,
+    /// The values of a buffer made on first use, until then (`None` for one made at once): the
+    /// host memory goes with the upload.
+    pending: Mutex<Option<bytes::Bytes>>,
     gpu: Gpu,
 }
 
@@ -138,8 +139,15 @@ impl std::ops::Deref for BufCell {
     type Target = wgpu::Buffer;
 
     fn deref(&self) -> &wgpu::Buffer {
-        self.cell
-            .get_or_init(|| self.gpu.create_init("upload", &self.pending))
+        self.cell.get_or_init(|| {
+            let bytes = self
+                .pending
+                .lock()
+                .map(|mut p| p.take())
+                .unwrap_or_else(|poisoned| poisoned.into_inner().take())
+                .unwrap_or_default();
+            self.gpu.create_init("upload", &bytes)
+        })
     }
 }
 
@@ -445,7 +453,7 @@ impl Gpu {
         Ok(GpuBuf {
             buf: Arc::new(BufCell {
                 cell,
-                pending: bytes::Bytes::new(),
+                pending: Mutex::new(None),
                 gpu: self.clone(),
             }),
             len: n,
@@ -469,7 +477,7 @@ impl Gpu {
         Ok(GpuBuf {
             buf: Arc::new(BufCell {
                 cell: std::sync::OnceLock::new(),
-                pending: bytes,
+                pending: Mutex::new(Some(bytes)),
                 gpu: self.clone(),
             }),
             len: n,
