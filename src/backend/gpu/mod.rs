@@ -466,14 +466,7 @@ impl Gpu {
     /// no transfer. `bytes` are shared, not copied. (A device error making it shows at the next
     /// check, as any kernel's.)
     pub fn upload_lazy(&self, bytes: bytes::Bytes) -> Result<GpuBuf> {
-        if !bytes.len().is_multiple_of(4) {
-            return Err(gpu_err(
-                "upload",
-                format!("{} bytes are not whole f32s", bytes.len()),
-            ));
-        }
-        let n = bytes.len() / 4;
-        self.check_size("upload", n)?;
+        let n = self.upload_len(bytes.len())?;
         Ok(GpuBuf {
             buf: Arc::new(BufCell {
                 cell: std::sync::OnceLock::new(),
@@ -483,6 +476,19 @@ impl Gpu {
             len: n,
             gpu: self.clone(),
         })
+    }
+
+    /// The f32 count of `bytes` bytes to upload, checked: whole f32s, within the device's limits.
+    fn upload_len(&self, bytes: usize) -> Result<usize> {
+        if !bytes.is_multiple_of(4) {
+            return Err(gpu_err(
+                "upload",
+                format!("{bytes} bytes are not whole f32s"),
+            ));
+        }
+        let n = bytes / 4;
+        self.check_size("upload", n)?;
+        Ok(n)
     }
 
     /// A new storage buffer holding `bytes` (at least one element's worth of space), counted in
@@ -519,14 +525,7 @@ impl Gpu {
     /// Copy little-endian f32 bytes (e.g. a received message, whatever its alignment) to a new
     /// device buffer, with no host-side conversion.
     pub fn upload_le_bytes(&self, bytes: &[u8]) -> Result<GpuBuf> {
-        if !bytes.len().is_multiple_of(4) {
-            return Err(gpu_err(
-                "upload",
-                format!("{} bytes are not whole f32s", bytes.len()),
-            ));
-        }
-        let n = bytes.len() / 4;
-        self.check_size("upload", n)?;
+        let n = self.upload_len(bytes.len())?;
         let buf = self.create_init("upload", bytes);
         self.buf_of("upload", buf, n)
     }
