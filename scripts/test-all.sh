@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Every test: the native suite (`cargo test`, GPU tests on lavapipe), the browser unit suite
 # (wasm-bindgen-test in headless Chromium with WebGPU) and the end-to-end suites: the web app built
-# with trunk, 4 tabs as ranks over the relay, over BroadcastChannels, with the page's automatic
-# choice and over WebRTC, a mixed native + browser group, a tab closed mid-run, every lesson of
-# the teaching demo in 3 tabs and in single-tab mode, and the shipped programs run and their
-# gradients checked in 3 tabs and in single-tab mode against the native CLI.
+# with trunk, 4 tabs as ranks over the relay, over BroadcastChannels (no port hub), with the
+# page's automatic choice (MessageChannels from the port hub) and over WebRTC, a mixed native +
+# browser group, a tab closed mid-run, every lesson of the teaching demo in 3 tabs and in
+# single-tab mode, and the shipped programs run and their gradients checked in 3 tabs and in
+# single-tab mode against the native CLI.
 # Hidden tabs (a headful Chromium under Xvfb, the ranks' tabs behind a blank one) against visible
 # ones: 1 MiB all_reduce, a 200-step lesson and lesson playback, again after 6 minutes hidden.
 # Installs what it needs, skipping what is already there: lavapipe, chromium + chromium-driver,
@@ -59,14 +60,16 @@ out="$CARGO_TARGET_DIR/browser-test-output"
 # WebGPU (SwiftShader) tabs, asked for with device=gpu: the page's own choice takes the CPU over a
 # software adapter (the last run checks that).
 node tests/browser/e2e.mjs --bin "$bin" --dist dist --net relay --device gpu --out "$out"
-# Tabs of one browser over BroadcastChannels (no network between them; the native worker of the
-# mixed-group check keeps the relay).
-node tests/browser/e2e.mjs --bin "$bin" --dist dist --net channel --device gpu --out "$out"
-# The page's defaults (net=auto, device=auto): these tabs, all in one browser, pick BroadcastChannels
-# and the CPU; the native worker's pairs try WebRTC after the channel's 2 s and keep the relay.
+# Tabs of one browser over BroadcastChannels, without the port hub (ports=0: what a browser without
+# SharedWorker does; no network between them; the native worker of the mixed-group check keeps the
+# relay).
+node tests/browser/e2e.mjs --bin "$bin" --dist dist --net channel --device gpu --ports 0 --out "$out"
+# The page's defaults (net=auto, device=auto): these tabs, all in one browser, find each other on
+# BroadcastChannels and move to the port hub's MessageChannels, and pick the CPU; the native
+# worker's pairs try WebRTC after the channel's 2 s and keep the relay.
 node tests/browser/e2e.mjs --bin "$bin" --dist dist --net auto --out "$out"
 say "the room benchmark, repeated in fresh tabs (tests/browser/bench.mjs; figures, not asserted)"
-node tests/browser/bench.mjs --bin "$bin" --dist dist --net channel --device gpu --runs 2
+node tests/browser/bench.mjs --bin "$bin" --dist dist --net channel --device gpu --ports both --runs 2
 say "end-to-end: every lesson of the teaching demo in 3 tabs and in single-tab mode (tests/browser/lessons.mjs)"
 node tests/browser/lessons.mjs --bin "$bin" --dist dist --out "$out"
 say "end-to-end: programs and the gradient check in 3 tabs and in single-tab mode (tests/browser/programs.mjs)"

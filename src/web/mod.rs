@@ -4,8 +4,8 @@
 //!   lessons, running any collective forward and backward on every tab) and its `window.distgrad`
 //!   API, one file per concern.
 //!
-//! The tab's transport (the relay's WebSocket plus WebRTC data channels and BroadcastChannels
-//! between tabs) lives beside the native ones: [`crate::transport::browser`].
+//! The tab's transport (the relay's WebSocket plus WebRTC data channels, and MessageChannels or
+//! BroadcastChannels between tabs of one browser) lives beside the native ones: [`crate::transport::browser`].
 
 pub mod page;
 

@@ -1,7 +1,7 @@
 // End-to-end test of the web app: browser tabs as ranks, checked against the native in-process run.
 //
 //   node tests/browser/e2e.mjs --bin <distgrad binary> --dist <built web app> --net relay|webrtc|channel|auto
-//        [--device gpu|cpu|auto]
+//        [--device gpu|cpu|auto] [--ports 1|0]
 //
 // Starts `distgrad relay --static <dist>` on an ephemeral loopback port, opens 4 tabs of headless
 // Chromium (WebGPU on SwiftShader), and checks:
@@ -12,9 +12,9 @@
 //      vjp case and for a program (`worker --program` beside the page's `runProgramHere`), and the
 //      program's gradient check across them (`--gradcheck` / `checkProgramHere`) is the native one
 //      (with --net webrtc, channel or auto the tabs' pairs with the worker fall back to the relay and
-//      say so; channel: BroadcastChannels between the tabs of this browser; auto, the page's default:
-//      BroadcastChannels between these tabs, all in one browser, after which the worker's pairs try
-//      WebRTC);
+//      say so; channel and auto, the page's default: the tabs, all in one browser, find each other
+//      on BroadcastChannels and send on the MessageChannels the port hub hands them (--ports 0: on
+//      the BroadcastChannels); auto: then the worker's pairs try WebRTC);
 //   4. closing one tab mid-run makes every other tab show an error within 5 s;
 //   5. a clean leave keeps the data already sent: a tab sends 16 MiB and leaves at once, and the
 //      receiving tab gets every value (3 rounds, over the --net route).
@@ -39,7 +39,7 @@ const OUT = args.out ?? 'target/browser-test-output';
 const CHROMIUM = process.env.CHROMIUM ?? '/usr/bin/chromium';
 const WORLD = 4;
 if (!BIN || !['relay', 'webrtc', 'channel', 'auto'].includes(NET)) {
-  console.error('usage: e2e.mjs --bin <distgrad> --dist <dir> --net relay|webrtc|channel|auto');
+  console.error('usage: e2e.mjs --bin <distgrad> --dist <dir> --net relay|webrtc|channel|auto [--device gpu|cpu|auto] [--ports 1|0]');
   process.exit(2);
 }
 mkdirSync(OUT, { recursive: true });
@@ -57,8 +57,12 @@ if (!['gpu', 'cpu', 'auto'].includes(DEVICE)) {
   console.error('--device must be gpu, cpu or auto');
   process.exit(2);
 }
-const NET_PARAM = (NET === 'auto' ? '' : `&net=${NET}`) + (DEVICE === 'auto' ? '' : `&device=${DEVICE}`);
-const TAB_LINK = NET === 'auto' ? 'channel' : NET;
+// --ports 0: tabs of this browser keep their BroadcastChannel (the page's `ports=0`) instead of the
+// MessageChannel the port hub hands them.
+const PORTS = (args.ports ?? '1') !== '0';
+const NET_PARAM = (NET === 'auto' ? '' : `&net=${NET}`) + (DEVICE === 'auto' ? '' : `&device=${DEVICE}`)
+  + (PORTS ? '' : '&ports=0');
+const TAB_LINK = NET === 'auto' || NET === 'channel' ? (PORTS ? 'port' : 'channel') : NET;
 const withTimeout = (p, ms, what) =>
   Promise.race([p, sleep(ms).then(() => { throw new Error(`${what}: no answer within ${ms} ms`); })]);
 

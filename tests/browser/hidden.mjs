@@ -148,7 +148,9 @@ async function room(cdp, base, label, { hidden }) {
   const byRank = [];
   st.forEach((s, i) => { byRank[s.rank] = tabs[i]; });
   const links = st.map((s) => s.links.filter((_, r) => r !== s.rank));
-  if (!links.every((l) => l.every((x) => x === NET))) fail(`${label}: links ${JSON.stringify(links)}`);
+  // Tabs of this browser that find each other on a BroadcastChannel move to a MessageChannel.
+  const want = NET === 'channel' || NET === 'auto' ? 'port' : NET;
+  if (!links.every((l) => l.every((x) => x === want))) fail(`${label}: links ${JSON.stringify(links)}`);
   return { tabs, byRank, device: st[0].device, clock: st[0].clock };
 }
 

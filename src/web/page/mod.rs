@@ -1,8 +1,9 @@
 //! The page (`www/index.html`): one browser tab = one rank, or N simulated ranks in one tab.
 //!
 //! The URL says which room and world (`?room=r&world=4`, plus `token` to join an existing room,
-//! `net=webrtc|channel|relay` for the data path between tabs (default `auto`: BroadcastChannels
-//! to tabs of this browser, WebRTC to others), `device=cpu|gpu|auto`, `relay=ws://...` for another
+//! `net=webrtc|channel|relay` for the data path between tabs (default `auto`: MessageChannels
+//! from the port hub to tabs of this browser, `ports=0` BroadcastChannels, WebRTC to others),
+//! `device=cpu|gpu|auto`, `relay=ws://...` for another
 //! relay), or `?sim=N` for N ranks simulated inside this page (no server: for a projector). The
 //! page picks the compute backend (WebGPU when the browser has an adapter, else the CPU) and says
 //! which, joins the room through the relay, connects a direct path to every peer (or says which
@@ -75,7 +76,7 @@ use crate::backend::{Choice, Device};
 use crate::collective::{Communicator, P2p, ReduceOp};
 use crate::error::{Error, Result};
 use crate::lesson::{self, Lesson, LessonKind, Phase, Trace};
-use crate::transport::browser::{BrowserTransport, LinkKind, Links, NetEvent, WebJoin};
+use crate::transport::browser::{BrowserTransport, LinkKind, Links, NetEvent, PORT_HUB, WebJoin};
 use crate::transport::{Channel, Tag, Transport};
 use crate::vjp::{self, Case, Prepared, RankResult, TensorJson};
 use crate::{Tape, Tensor, dist};
@@ -98,7 +99,7 @@ struct PageState {
     sim: bool,
     rank: Option<usize>,
     members: Vec<u32>,
-    /// per rank: "self", "webrtc", "channel", "relay" or "" (not decided yet)
+    /// per rank: "self", "webrtc", "channel", "port", "relay" or "" (not decided yet)
     links: Vec<String>,
     /// why pairs fell back to the relay
     fallbacks: Vec<String>,
@@ -227,6 +228,9 @@ struct Params {
     rank: Option<u32>,
     /// The direct path between tabs (`net=auto|webrtc|channel|relay`; `relay`: none).
     net: Links,
+    /// Whether tabs of this browser move their data to a MessageChannel from the port hub
+    /// (`ports=0`: they keep the BroadcastChannel, for comparing the two).
+    ports: bool,
     device: Choice,
     relay: Option<String>,
     /// An example program to load (`program=NAME`, from `www/programs/`).
@@ -331,6 +335,7 @@ async fn run() -> Result<()> {
     join.token = p.token.clone();
     join.rank = p.rank;
     join.links = p.net;
+    join.port_hub = p.ports.then(|| PORT_HUB.to_string());
     let t = BrowserTransport::join(join, Rc::new(on_net_event)).await?;
     let rank = t.rank();
     render_ranks();

@@ -41,6 +41,11 @@ pub(super) fn params() -> Result<Params> {
             ))
         })?,
     };
+    let ports = match q.get("ports").as_deref() {
+        None | Some("1") => true,
+        Some("0") => false,
+        Some(o) => return Err(Error::Input(format!("ports={o:?}: expected 1 or 0"))),
+    };
     let rank = match q.get("rank") {
         None => None,
         Some(s) => Some(
@@ -55,6 +60,7 @@ pub(super) fn params() -> Result<Params> {
         token: q.get("token").filter(|t| !t.is_empty()),
         rank,
         net,
+        ports,
         device,
         relay: q.get("relay"),
         program: q.get("program").filter(|n| !n.is_empty()),
@@ -96,6 +102,9 @@ pub(super) fn share_link(p: &Params, room: &str, token: &str) -> String {
     );
     if p.net != Links::default() {
         s.push_str(&format!("&net={}", p.net.name()));
+    }
+    if !p.ports {
+        s.push_str("&ports=0");
     }
     if let Some(r) = &p.relay {
         s.push_str(&format!("&relay={}", enc(r)));

@@ -81,6 +81,7 @@ pub(super) fn render_ranks() {
         } else {
             let path = match link.as_str() {
                 "channel" => "BroadcastChannel",
+                "port" => "MessageChannel",
                 "webrtc" => "WebRTC",
                 "relay" => "the relay",
                 other => other,
