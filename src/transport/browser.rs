@@ -20,9 +20,11 @@
 //! BroadcastChannel message goes through the browser's broadcast of the channel name (Chromium on
 //! the 2-core VM, 4 tabs, bare JavaScript: a round trip 0.10-0.15 ms against 0.25-0.6 ms, every
 //! tab 4 bytes to every other 0.5-0.9 ms against 0.9-2.1 ms; the room benchmark: a 4-byte
-//! all_reduce forward + backward in 0.5-0.8x the time, 1 MiB in 0.6x). A tab listens on every port the hub hands it, so a
-//! pair whose other side gave up waiting still delivers; a tab whose port does not come in time
-//! keeps the BroadcastChannel.
+//! all_reduce forward + backward in 0.5-0.86x the time, medians 0.53x and 0.80x over two series,
+//! 1 MiB in 0.6x). A tab listens on every port the hub hands it, so a pair whose other side gave up
+//! waiting still delivers; a tab whose port does not come in time keeps the BroadcastChannel. The
+//! pair's name at the hub carries both tabs' session ids (sent in their hellos): a request an
+//! earlier session of the same room left at the hub never matches.
 //!
 //! Frames are the relay's wire format ([`crate::wire`]) on every path; over WebRTC a frame is at
 //! most 256 KiB (Chromium's data-channel message limit), and its source rank is the channel's peer,
@@ -105,13 +107,14 @@ impl LinkKind {
 /// Which direct path a tab tries to each peer before the relay (`net=` in the page's URL).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Links {
-    /// A BroadcastChannel where the peer is a tab of this browser, else a WebRTC data channel,
-    /// else the relay.
+    /// Where the peer is a tab of this browser, a BroadcastChannel (and then, with a port hub, a
+    /// MessageChannel), else a WebRTC data channel, else the relay.
     #[default]
     Auto,
     /// A WebRTC data channel (tabs in any browsers), else the relay.
     WebRtc,
-    /// A BroadcastChannel (tabs of this browser only), else the relay.
+    /// Tabs of this browser only: a BroadcastChannel (and then, with a port hub, a
+    /// MessageChannel), else the relay.
     Channel,
     /// No direct path: all data through the relay.
     Relay,
@@ -243,7 +246,8 @@ struct Shared {
     relay_payload: Cell<usize>,
     /// The relay's STUN/TURN servers (`iceServers` JSON), if it named any.
     ice_servers: RefCell<Option<String>>,
-    /// Peers whose data comes over a link of their own (a data channel, a BroadcastChannel).
+    /// Peers whose data comes over a link of their own (a data channel, a BroadcastChannel, a
+    /// MessagePort).
     linked: Linked,
     /// Peers that said goodbye on their link ([`BYE`]): everything they sent has arrived.
     ended: Vec<Cell<bool>>,
@@ -410,9 +414,11 @@ impl Link {
 /// This browser's port hub (a SharedWorker): hands two tabs that ask for the same pair one end
 /// each of a new MessageChannel.
 struct Hub {
+    worker: SharedWorker,
     port: MessagePort,
     state: Rc<HubState>,
     _on_message: Handler,
+    _on_error: Handler,
 }
 
 /// A pair asked of the port hub: the peer, and where its port goes while the request waits.
@@ -425,6 +431,8 @@ struct HubState {
     /// Every port the hub handed over, with its handler: each is listened to, whether or not its
     /// request still waited.
     ports: RefCell<Vec<(MessagePort, Handler)>>,
+    /// Set when the hub's script failed (not found, not JavaScript): no port will come.
+    failed: Cell<bool>,
 }
 
 impl Hub {
@@ -469,10 +477,21 @@ impl Hub {
             }
         });
         port.set_onmessage(Some(on_message.as_ref().unchecked_ref()));
+        // A script that cannot load fails every request at once instead of after PORT_WAIT.
+        let st = state.clone();
+        let on_error: Handler = Closure::new(move |_| {
+            st.failed.set(true);
+            for (_, waiter) in st.asked.borrow_mut().values_mut() {
+                waiter.take();
+            }
+        });
+        worker.set_onerror(Some(on_error.as_ref().unchecked_ref()));
         Ok(Hub {
+            worker,
             port,
             state,
             _on_message: on_message,
+            _on_error: on_error,
         })
     }
 
@@ -485,6 +504,10 @@ impl Hub {
         peer: usize,
         limit: Duration,
     ) -> std::result::Result<MessagePort, String> {
+        let failed = || "the port hub's script did not start".to_string();
+        if self.state.failed.get() {
+            return Err(failed());
+        }
         let (tx, rx) = oneshot::channel();
         self.state
             .asked
@@ -498,13 +521,14 @@ impl Hub {
             .map_err(|v| format!("port hub: {}", js_err("", v)))?;
         match within(limit, rx).await {
             Some(Ok(p)) => Ok(p),
-            Some(Err(_)) => Err("the port hub's handler was dropped".into()),
+            Some(Err(_)) => Err(failed()),
             None => Err(format!("no MessagePort from the port hub within {limit:?}")),
         }
     }
 
     /// Stop listening and close every port.
     fn close(&self) {
+        self.worker.set_onerror(None);
         self.port.set_onmessage(None);
         self.port.close();
         for (p, _) in self.state.ports.borrow().iter() {
@@ -530,6 +554,8 @@ pub struct BrowserTransport {
     handlers: RefCell<Vec<Handler>>,
     /// The port hub, where the page names one and the browser has SharedWorker.
     hub: Option<Hub>,
+    /// This tab's session: random, new at every join, sent in its BroadcastChannel hellos.
+    session: String,
 }
 
 fn js_err(what: &str, e: JsValue) -> Error {
@@ -548,12 +574,12 @@ fn bytes_of(data: &JsValue) -> Option<Bytes> {
         .map(|b| Bytes::from(Uint8Array::new(b).to_vec()))
 }
 
-/// Post `hello:0` on `bc` every 50 ms while the peer has not been `heard`; returns only when a
-/// post fails (why).
-async fn hello_until_heard(bc: &BroadcastChannel, heard: &Cell<bool>) -> String {
+/// Post `hello` (a `hello:0:`) on `bc` every 50 ms while the peer has not been `heard`; returns
+/// only when a post fails (why).
+async fn hello_until_heard(bc: &BroadcastChannel, heard: &Cell<bool>, hello: &str) -> String {
     loop {
         if !heard.get()
-            && let Err(v) = bc.post_message(&JsValue::from_str("hello:0"))
+            && let Err(v) = bc.post_message(&JsValue::from_str(hello))
         {
             return format!("BroadcastChannel post: {}", js_err("", v));
         }
@@ -699,6 +725,10 @@ impl BrowserTransport {
             peers: RefCell::new(vec![None; world]),
             handlers: RefCell::new(handlers),
             hub,
+            session: {
+                let word = || (js_sys::Math::random() * 4_294_967_296.0) as u32;
+                format!("{:08x}{:08x}", word(), word())
+            },
         };
         let base = format!("distgrad/{}/{}", opts.room, t.token);
         let attempts = (0..world).filter(|&p| p != rank).map(|p| {
@@ -745,9 +775,10 @@ impl BrowserTransport {
 
     /// Open the BroadcastChannel of the pair (this rank, `peer`) and find out whether `peer` is on
     /// it (a tab of this browser). A channel delivers only to pages that have it open at the time,
-    /// so each side posts `hello:0` every 50 ms until it hears the other; whoever hears a `hello:0`
-    /// answers `hello:1` at once (delivered: the sender has the channel open), and whoever hears
-    /// a `hello:1` and has not answered yet answers it too. A side that has heard a `hello:1` and
+    /// so each side posts `hello:0:ID` every 50 ms until it hears the other; whoever hears a
+    /// `hello:0:` answers `hello:1:ID` at once (delivered: the sender has the channel open), and
+    /// whoever hears a `hello:1:` and has not answered yet answers it too (ID: the tab's
+    /// [`BrowserTransport::session`], so the pair's name at the port hub is this session's). A side that has heard a `hello:1` and
     /// sent one knows the link works both ways and that the peer will know it too. The answers run
     /// in the message handler, so in a background tab (timers slowed to one a second or less) the
     /// exchange still completes as soon as both tabs have the channel open. Frames arriving on the
@@ -771,22 +802,31 @@ impl BrowserTransport {
         let (confirmed, answered) = (Cell::new(false), Cell::new(false));
         let s = self.shared.clone();
         let (h, answer) = (heard.clone(), bc.clone());
+        let theirs: Rc<RefCell<String>> = Rc::default();
+        let their_id = theirs.clone();
+        let reply = JsValue::from_str(&format!("hello:1:{}", self.session));
         let onmessage: Handler = Closure::new(move |ev: JsValue| {
             let ev: MessageEvent = ev.unchecked_into();
             let data = ev.data();
             if let Some(b) = bytes_of(&data) {
                 return s.on_frame(b, Some(peer));
             }
-            let hello = data.as_string();
-            match hello.as_deref() {
-                Some("hello:0") => {}
-                Some("hello:1") => confirmed.set(true),
-                Some(BYE) => return s.link_ended(peer),
-                _ => return,
+            let Some(text) = data.as_string() else { return };
+            if text == BYE {
+                return s.link_ended(peer);
             }
+            let (first, id) = match (text.strip_prefix("hello:0:"), text.strip_prefix("hello:1:")) {
+                (Some(id), _) => (true, id),
+                (None, Some(id)) => (false, id),
+                (None, None) => return,
+            };
+            if !first {
+                confirmed.set(true);
+            }
+            *their_id.borrow_mut() = id.to_string();
             h.set(true);
-            if hello.as_deref() == Some("hello:0") || !answered.get() {
-                let _ = answer.post_message(&JsValue::from_str("hello:1"));
+            if first || !answered.get() {
+                let _ = answer.post_message(&reply);
                 answered.set(true);
             }
             if confirmed.get()
@@ -799,7 +839,8 @@ impl BrowserTransport {
         bc.set_onmessage(Some(onmessage.as_ref().unchecked_ref()));
         self.handlers.borrow_mut().push(onmessage);
         let call = async {
-            let repeat = std::pin::pin!(hello_until_heard(&bc, &heard));
+            let hello = format!("hello:0:{}", self.session);
+            let repeat = std::pin::pin!(hello_until_heard(&bc, &heard, &hello));
             match futures::future::select(done_rx, repeat).await {
                 futures::future::Either::Left((Ok(()), _)) => Ok(()),
                 futures::future::Either::Left((Err(_), _)) => {
@@ -811,20 +852,41 @@ impl BrowserTransport {
         match within(limit, call).await {
             Some(Ok(())) => match &self.hub {
                 None => Ok(Link::Channel(bc)),
-                Some(hub) => match hub.pair(&name, self.rank, peer, PORT_WAIT).await {
-                    Ok(port) => Ok(Link::Port(port)),
-                    Err(why) => {
-                        web_sys::console::warn_1(
-                            &format!("rank {peer} stays on the BroadcastChannel: {why}").into(),
-                        );
-                        Ok(Link::Channel(bc))
-                    }
-                },
+                Some(hub) => {
+                    // Named after both tabs' sessions: a request left at the hub by an earlier
+                    // session of this room (same link, same names) never matches this one.
+                    let theirs = theirs.borrow().clone();
+                    let ids = if self.rank < peer {
+                        format!("{}-{theirs}", self.session)
+                    } else {
+                        format!("{theirs}-{}", self.session)
+                    };
+                    self.port_of(hub, &format!("{name}/{ids}"), peer, bc).await
+                }
             },
             Some(Err(why)) => Err(why),
             None => Err(format!(
                 "not in this browser (no answer on a BroadcastChannel within {limit:?})"
             )),
+        }
+    }
+
+    /// The MessagePort of hub pair `pair` to `peer` as the link, else (no port in time) `bc`.
+    async fn port_of(
+        &self,
+        hub: &Hub,
+        pair: &str,
+        peer: usize,
+        bc: BroadcastChannel,
+    ) -> std::result::Result<Link, String> {
+        match hub.pair(pair, self.rank, peer, PORT_WAIT).await {
+            Ok(port) => Ok(Link::Port(port)),
+            Err(why) => {
+                web_sys::console::warn_1(
+                    &format!("rank {peer} stays on the BroadcastChannel: {why}").into(),
+                );
+                Ok(Link::Channel(bc))
+            }
         }
     }
 

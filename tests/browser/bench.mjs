@@ -64,6 +64,13 @@ async function openRoom(ctx, relay, ports) {
   const byRank = [];
   states.forEach((s, i) => { byRank[s.rank] = pages[i]; });
   console.log(`[bench ${NET}, ${roomLabel(ports)}, device ${DEVICE}] ${WORLD} tabs ready; compute: ${states[0].device}; links of rank 0: ${JSON.stringify(states.find((s) => s.rank === 0).links)}`);
+  // Between tabs of this browser the link must be the one this room is for, or its figures would
+  // be labelled with the wrong link.
+  if (NET === 'channel' || NET === 'auto') {
+    const want = ports === '0' ? 'channel' : 'port';
+    const bad = states.find((s) => s.links.some((l, r) => r !== s.rank && l !== want));
+    if (bad) throw new Error(`${roomLabel(ports)} room: rank ${bad.rank}'s links are ${JSON.stringify(bad.links)}, expected ${want}`);
+  }
   return byRank;
 }
 
@@ -107,7 +114,9 @@ async function main() {
     const rooms = {};
     for (const p of ROOMS) rooms[p] = await openRoom(ctx, relay, p);
     for (let run = 0; run < RUNS; run++) {
-      for (const p of ROOMS) rows[p].push(await benchOnce(rooms[p], run, roomLabel(p)));
+      // Which room goes first alternates, so neither always runs on a machine the other warmed.
+      const order = run % 2 ? [...ROOMS].reverse() : ROOMS;
+      for (const p of order) rows[p].push(await benchOnce(rooms[p], run, roomLabel(p)));
     }
   } finally {
     await browser.close();
@@ -124,7 +133,8 @@ async function main() {
     // Each run's MessageChannel figures over the BroadcastChannel figures of the same run, and the
     // small all_reduce in BroadcastChannel round trips of that run.
     const [a, b] = [rows['1'], rows['0']];
-    const ratio = (k) => a.map((r, i) => r[k] / b[i][k]).filter(Number.isFinite);
+    const num = (x) => typeof x === 'number' && Number.isFinite(x);
+    const ratio = (k) => a.map((r, i) => (num(r[k]) && num(b[i][k]) ? r[k] / b[i][k] : NaN)).filter(Number.isFinite);
     const keys = Object.keys(a[0]).filter((k) => k.endsWith('_ms') || k === 'raw_mibs');
     console.log(`MessageChannel / BroadcastChannel, per run (median, range over ${RUNS} runs):`);
     out.ratio = {};
@@ -134,7 +144,7 @@ async function main() {
       out.ratio[k] = { median: median(v), min: Math.min(...v), max: Math.max(...v) };
       console.log(`  ${k}: ${f(median(v), 2)} (${f(Math.min(...v), 2)}-${f(Math.max(...v), 2)})`);
     }
-    const inBc = a.map((r, i) => r.small_cpu_ms / b[i].round_trip_ms).filter(Number.isFinite);
+    const inBc = a.map((r, i) => (num(r.small_cpu_ms) && num(b[i].round_trip_ms) ? r.small_cpu_ms / b[i].round_trip_ms : NaN)).filter(Number.isFinite);
     if (inBc.length) {
       out.small_cpu_in_bc_round_trips = median(inBc);
       console.log(`  4 B cpu all_reduce fwd+bwd over MessageChannels in BroadcastChannel round trips of the same run: ${f(median(inBc), 1)} (${f(Math.min(...inBc), 1)}-${f(Math.max(...inBc), 1)})`);
