@@ -459,16 +459,7 @@ impl Hub {
                 // Not a pair of this tab's: nothing will ever read it.
                 return p.close();
             };
-            let s = shared.clone();
-            let on_data: Handler = Closure::new(move |ev: JsValue| {
-                let ev: MessageEvent = ev.unchecked_into();
-                let data = ev.data();
-                if let Some(b) = bytes_of(&data) {
-                    s.on_frame(b, Some(peer));
-                } else if data.as_string().as_deref() == Some(BYE) {
-                    s.link_ended(peer);
-                }
-            });
+            let on_data = link_handler(shared.clone(), peer);
             p.set_onmessage(Some(on_data.as_ref().unchecked_ref()));
             st.ports.borrow_mut().push((p.clone(), on_data));
             if let Some(tx) = waiter {
@@ -572,6 +563,20 @@ fn js_err(what: &str, e: JsValue) -> Error {
 fn bytes_of(data: &JsValue) -> Option<Bytes> {
     data.dyn_ref::<ArrayBuffer>()
         .map(|b| Bytes::from(Uint8Array::new(b).to_vec()))
+}
+
+/// The message handler of a link to `peer` that carries only its frames and its goodbye (a data
+/// channel, a MessagePort).
+fn link_handler(shared: Rc<Shared>, peer: usize) -> Handler {
+    Closure::new(move |ev: JsValue| {
+        let ev: MessageEvent = ev.unchecked_into();
+        let data = ev.data();
+        if let Some(b) = bytes_of(&data) {
+            shared.on_frame(b, Some(peer));
+        } else if data.as_string().as_deref() == Some(BYE) {
+            shared.link_ended(peer);
+        }
+    })
 }
 
 /// Post `hello` (a `hello:0:`) on `bc` every 50 ms while the peer has not been `heard`; returns
@@ -921,16 +926,7 @@ impl BrowserTransport {
         init.set_ordered(true);
         let dc = pc.create_data_channel_with_data_channel_dict("distgrad", &init);
         dc.set_binary_type(RtcDataChannelType::Arraybuffer);
-        let s = self.shared.clone();
-        let onmessage: Handler = Closure::new(move |ev: JsValue| {
-            let ev: MessageEvent = ev.unchecked_into();
-            let data = ev.data();
-            if let Some(b) = bytes_of(&data) {
-                s.on_frame(b, Some(peer));
-            } else if data.as_string().as_deref() == Some(BYE) {
-                s.link_ended(peer);
-            }
-        });
+        let onmessage = link_handler(self.shared.clone(), peer);
         dc.set_onmessage(Some(onmessage.as_ref().unchecked_ref()));
         let s = self.shared.clone();
         let opened = Rc::new(Cell::new(false));
