@@ -74,7 +74,7 @@ say "end-to-end: every lesson of the teaching demo in 3 tabs and in single-tab m
 node tests/browser/lessons.mjs --bin "$bin" --dist dist --out "$out"
 say "end-to-end: programs and the gradient check in 3 tabs and in single-tab mode (tests/browser/programs.mjs)"
 node tests/browser/programs.mjs --bin "$bin" --dist dist --out "$out"
-say "end-to-end: hidden tabs against visible ones, over BroadcastChannels and the relay (tests/browser/hidden.mjs)"
+say "end-to-end: hidden tabs against visible ones, over MessageChannels (net=channel) and the relay (tests/browser/hidden.mjs)"
 # A real window system is needed for tabs that are really hidden: Xvfb unless there is a display.
 # The script talks to Chromium over its DevTools socket (Node's WebSocket: a flag before Node 22).
 ws_flag=()
