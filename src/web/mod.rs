@@ -5,7 +5,8 @@
 //!   API, one file per concern.
 //!
 //! The tab's transport (the relay's WebSocket plus WebRTC data channels, and MessageChannels or
-//! BroadcastChannels between tabs of one browser) lives beside the native ones: [`crate::transport::browser`].
+//! BroadcastChannels between tabs of one browser) lives beside the native ones:
+//! [`crate::transport::browser`].
 
 pub mod page;
 
