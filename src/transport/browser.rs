@@ -784,8 +784,8 @@ impl BrowserTransport {
     /// `hello:0:` answers `hello:1:ID` at once (delivered: the sender has the channel open), and
     /// whoever hears a `hello:1:` and has not answered yet answers it too (ID: the tab's session,
     /// so the pair's name at the port hub is this session's). A side that has heard a `hello:1:`
-    /// and sent one knows the link works both ways and that the peer will know it too. The answers run
-    /// in the message handler, so in a background tab (timers slowed to one a second or less) the
+    /// and sent one knows the link works both ways and that the peer will know it too. The answers
+    /// run in the message handler, so in a background tab (timers slowed to one a second or less) the
     /// exchange still completes as soon as both tabs have the channel open. Frames arriving on the
     /// channel are delivered from the start, whatever is decided. With a port hub, a pair that
     /// found each other then asks it for a MessageChannel and sends on its port

@@ -1,13 +1,13 @@
 //! The page (`www/index.html`): one browser tab = one rank, or N simulated ranks in one tab.
 //!
 //! The URL says which room and world (`?room=r&world=4`, plus `token` to join an existing room,
-//! `net=webrtc|channel|relay` for the data path between tabs (default `auto`: MessageChannels
-//! from the port hub to tabs of this browser, `ports=0` BroadcastChannels, WebRTC to others),
+//! `net=webrtc|channel|relay` for the data path between tabs (default `auto`: MessageChannels from
+//! the port hub to tabs of this browser, `ports=0` BroadcastChannels, WebRTC to others),
 //! `device=cpu|gpu|auto`, `relay=ws://...` for another relay), or `?sim=N` for N ranks simulated
-//! inside this page (no server: for a projector). The page picks the compute backend (WebGPU
-//! when the browser has an adapter, else the CPU) and says which, joins the room through the relay, connects a direct path to every peer (or says which
-//! pairs fell back to the relay, and why), and shows a share link and a diagram of the ranks with
-//! itself highlighted.
+//! inside this page (no server: for a projector). The page picks the compute backend (WebGPU when
+//! the browser has an adapter, else the CPU) and says which, joins the room through the relay,
+//! connects a direct path to every peer (or says which pairs fell back to the relay, and why), and
+//! shows a share link and a diagram of the ranks with itself highlighted.
 //!
 //! Lessons ([`crate::lesson`], files in `www/lessons/`) and free runs of any collective start from
 //! any tab: the tab asks rank 0, which puts every tab's requests in one order and announces each to
