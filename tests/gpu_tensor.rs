@@ -101,19 +101,21 @@ fn tensor_ops_on_the_gpu_match_the_cpu() {
     for (g, c) in others_gpu.iter().zip(&others_cpu) {
         assert_eq!(bits(g), bits(c), "product of others");
     }
-    // within tolerance: sums and matmul
+    // within tolerance: sums (the kernels: inputs already on the device) and matmul
+    let ga = computed(a.clone(), &d).unwrap();
     close(
-        &on(&a).sum_all().unwrap(),
+        &ga.sum_all().unwrap(),
         &a.sum_all().unwrap(),
         1e-5,
         "sum_all",
     );
     close(
-        &on(&a).sum_to(&[4]).unwrap(),
+        &ga.sum_to(&[4]).unwrap(),
         &a.sum_to(&[4]).unwrap(),
         1e-5,
         "sum_to",
     );
+    assert!(!ga.sum_all().unwrap().has_host_copy(), "a kernel's result");
     let m = t(4, &[4, 5]);
     close(
         &on(&a).matmul(&on(&m)).unwrap(),
@@ -580,7 +582,7 @@ fn uploads_keep_their_host_copy() {
     );
     // The upload is made when a kernel first reads the buffer, once.
     let up = g.bytes_uploaded();
-    let v = t(6, &[1000]);
+    let v = t(6, &[2000]);
     let lazy = v.to_device(&d).unwrap();
     let _ = lazy.to_vec();
     assert_eq!(
@@ -592,17 +594,78 @@ fn uploads_keep_their_host_copy() {
     let tripled = lazy.scale(3.0).unwrap();
     assert_eq!(
         g.bytes_uploaded(),
-        up + 4000,
+        up + 8000,
         "uploaded once, when first read"
     );
     assert_eq!(bits(&doubled), bits(&v.scale(2.0).unwrap()));
     assert_eq!(bits(&tripled), bits(&v.scale(3.0).unwrap()));
 }
 
+/// A GPU tensor whose values are only on the host (an upload nothing has used yet) is reduced
+/// there: `sum_all`, `sum_to` and a small unary op give the CPU backend's bits, keep a host copy
+/// and upload nothing; once a kernel has made the buffer, the same ops run on the device.
+#[test]
+fn ops_on_values_only_on_the_host_run_there() {
+    let Some(_) = gpu() else { return };
+    let g = futures::executor::block_on(distgrad::backend::gpu::Gpu::new()).unwrap();
+    let d = Device::Gpu(g.clone());
+    let host = t(7, &[300, 5]);
+    let x = host.to_device(&d).unwrap();
+    let up = g.bytes_uploaded();
+    let (s, s_to, s_rows) = (
+        x.sum_all().unwrap(),
+        x.sum_to(&[5]).unwrap(),
+        x.sum_to(&[300, 1]).unwrap(),
+    );
+    let small = t(8, &[3]).to_device(&d).unwrap();
+    let halved = s.scale(0.5).unwrap();
+    let tanh = small.unary(distgrad::backend::UnaryOp::Tanh).unwrap();
+    assert_eq!(g.bytes_uploaded(), up, "nothing uploaded");
+    for (got, want, what) in [
+        (&s, host.sum_all().unwrap(), "sum_all"),
+        (&s_to, host.sum_to(&[5]).unwrap(), "sum_to columns"),
+        (&s_rows, host.sum_to(&[300, 1]).unwrap(), "sum_to rows"),
+        (
+            &halved,
+            host.sum_all().unwrap().scale(0.5).unwrap(),
+            "scale",
+        ),
+        (
+            &tanh,
+            t(8, &[3]).unary(distgrad::backend::UnaryOp::Tanh).unwrap(),
+            "tanh",
+        ),
+    ] {
+        assert!(got.has_host_copy(), "{what}: keeps its host copy");
+        assert!(matches!(got.device(), Device::Gpu(_)), "{what}: on the GPU");
+        assert_eq!(got.shape(), want.shape(), "{what}");
+        // The device's buffer (made here, from the host copy) holds the CPU's bits.
+        assert_eq!(bits(got), bits(&want), "{what}");
+    }
+    // By hand: the sum of 0, 1, ..., 9 is 45 (the CPU backend is not the only witness).
+    let ten = Tensor::from_vec((0..10).map(|i| i as f32).collect(), &[10]).unwrap();
+    assert_eq!(
+        ten.to_device(&d).unwrap().sum_all().unwrap().to_vec(),
+        vec![45.0]
+    );
+    // A large unary op still runs on the device (an upload, a kernel, no host copy).
+    let big = t(9, &[distgrad::tensor::HOST_UNARY_MAX + 1]);
+    let up = g.bytes_uploaded();
+    let neg = big.to_device(&d).unwrap().scale(-1.0).unwrap();
+    assert!(!neg.has_host_copy());
+    assert_eq!(g.bytes_uploaded() - up, big.numel() as u64 * 4);
+    // Once the buffer is on the device, a sum is a kernel there.
+    let _ = x.scale(1.0).unwrap();
+    let on_device = x.sum_all().unwrap();
+    assert!(!on_device.has_host_copy(), "a kernel's result");
+    close(&on_device, &host.sum_all().unwrap(), 1e-5, "sum_all kernel");
+}
+
 /// The browser's setting (folds on the host), inputs uploaded from host values: a SUM all_reduce
-/// forward and backward (the room benchmark's program) reads nothing back, small (direct) and large
-/// (ring), and uploads only what a kernel reads (y, for the loss); the gradients are bitwise the
-/// CPU's, on the GPU (and the same in the device's buffer, made when the check reads it).
+/// forward and backward (the room benchmark's program) reads nothing back and uploads nothing,
+/// small (direct) and large (ring): y's values are on the host, so the loss is summed there; the
+/// gradients and the loss are bitwise the CPU's, on the GPU (and the same in the device's buffer,
+/// made when the check reads it).
 /// With folds on the GPU the in-place folds never see a host copy: bitwise the CPU's too.
 #[test]
 fn a_collective_of_uploaded_tensors_reads_nothing_back() {
@@ -638,19 +701,22 @@ fn a_collective_of_uploaded_tensors_reads_nothing_back() {
             let read = g.bytes_read_back() - before;
             if !fold_on_device {
                 assert_eq!(read, 0, "numel {numel}: bytes read back");
-                // Uploads are made when a kernel first reads them: only y (the loss's sum reads
-                // it), never the input, the seed's broadcast or the gradient.
-                assert_eq!(
-                    g.bytes_uploaded() - up,
-                    (W * numel * 4) as u64,
-                    "numel {numel}: bytes uploaded"
-                );
+                // Uploads are made when a kernel first reads them, and none does: y is summed on
+                // the host (its values are there), the input, the seed's broadcast and the
+                // gradient only go to collectives.
+                assert_eq!(g.bytes_uploaded() - up, 0, "numel {numel}: bytes uploaded");
             }
             let on_cpu = run(&Device::Cpu);
             for (r, ((y, gr, loss), (yc, gc, lc))) in on_gpu.iter().zip(&on_cpu).enumerate() {
                 let what = format!("fold_on_device {fold_on_device} numel {numel} rank {r}");
                 assert!(y.has_host_copy() && gr.has_host_copy(), "{what}");
-                assert!(!loss.has_host_copy(), "{what}: the loss is a GPU sum");
+                if !fold_on_device {
+                    assert!(
+                        loss.has_host_copy(),
+                        "{what}: the loss is summed on the host"
+                    );
+                    assert_eq!(bits(loss), bits(lc), "{what}: loss");
+                }
                 assert_eq!(bits(y), bits(yc), "{what}: y");
                 assert_eq!(bits(gr), bits(gc), "{what}: gradient");
                 assert_eq!(

@@ -172,6 +172,12 @@ impl GpuBuf {
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
     }
+
+    /// Whether the buffer exists on the device: false for a lazy upload ([`Gpu::upload_lazy`])
+    /// that nothing has used yet, whose values are still only in host memory.
+    pub fn is_on_device(&self) -> bool {
+        self.buf.cell.get().is_some()
+    }
 }
 
 fn gpu_err(op: &'static str, detail: impl Into<String>) -> Error {

@@ -34,11 +34,10 @@ pub(super) async fn bench_all_reduce(numel: usize) -> Result<String> {
     .to_string())
 }
 
-/// Wait until every step of a forward + backward has finished, the device's included: the loss is
-/// a sum computed where the tensors live (on a GPU: by a kernel, so it has no host copy), read
-/// back after everything else was submitted, and a device runs its queue in order. (The gradient
-/// itself is on the host already when it came out of a collective: reading it would not wait for
-/// the GPU.)
+/// Wait until every step of a forward + backward has finished, the device's included: the loss's
+/// device buffer is read back (made first, from its host copy, when the sum ran on the host), after
+/// everything else was submitted, and a device runs its queue in order. (Reading its host copy, or
+/// the gradient's, which came out of a collective, would not wait for the GPU.)
 async fn finished(loss: &Tensor) -> Result<()> {
     loss.without_host_copy().read().await.map(drop)
 }
