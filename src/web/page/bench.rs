@@ -151,22 +151,27 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
     }
     let exchange_ms = (world > 1).then(|| median(timed(exchange_ms, BENCH_WARMUP)));
     // The collectives, each repetition started together: on the tab's device, and on a GPU tab
-    // also on the CPU backend over the same links, so the GPU path's cost is a ratio too.
+    // also on the CPU backend over the same links, so the GPU path's cost is a ratio too. The
+    // devices take turns repetition by repetition, so whatever else the machine does meanwhile
+    // (the browser optimizing the page's code in the background, other tabs) weighs on both rows.
     let mut devices = vec![app.device.clone()];
     if !matches!(app.device, Device::Cpu) {
         devices.push(Device::Cpu);
     }
     let mut collectives = Vec::new();
     for numel in BENCH_SIZES {
-        for dev in &devices {
-            let x = Tensor::from_vec(vec![1.0; numel], &[numel])?.to_device(dev)?;
-            let warmup = if numel == BENCH_SIZES[0] {
-                BENCH_WARMUP
-            } else {
-                BENCH_WARMUP_LARGE
-            };
-            let mut times = Vec::with_capacity(warmup + BENCH_REPS);
-            for _ in 0..warmup + BENCH_REPS {
+        let warmup = if numel == BENCH_SIZES[0] {
+            BENCH_WARMUP
+        } else {
+            BENCH_WARMUP_LARGE
+        };
+        let xs = devices
+            .iter()
+            .map(|dev| Tensor::from_vec(vec![1.0; numel], &[numel])?.to_device(dev))
+            .collect::<Result<Vec<_>>>()?;
+        let mut times = vec![Vec::with_capacity(warmup + BENCH_REPS); devices.len()];
+        for _ in 0..warmup + BENCH_REPS {
+            for (x, times) in xs.iter().zip(&mut times) {
                 comm.barrier(&group).await?;
                 let t0 = now_ms();
                 let tape = Tape::new();
@@ -177,7 +182,9 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
                 finished(&loss.value()).await?;
                 times.push(now_ms() - t0);
             }
-            comm.take_calls();
+        }
+        comm.take_calls();
+        for (dev, times) in devices.iter().zip(times) {
             collectives.push((numel, device_label(dev), median(timed(times, warmup))));
         }
     }
