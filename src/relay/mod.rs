@@ -35,12 +35,13 @@ use axum::Router;
 use axum::extract::connect_info::ConnectInfo;
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
 use axum::extract::{Extension, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tower_http::set_header::SetResponseHeader;
 
 use crate::wire::{
     Control, DEFAULT_FRAME_PAYLOAD, HEADER_LEN, Header, LEFT_CLEANLY, MAX_FRAME_PAYLOAD,
@@ -529,9 +530,26 @@ fn router_with(shared: Arc<Shared>) -> Router {
         .route("/ws", get(ws_handler))
         .with_state(shared);
     match static_dir {
-        Some(dir) => r.fallback_service(tower_http::services::ServeDir::new(dir)),
+        Some(dir) => r.fallback_service(isolated(tower_http::services::ServeDir::new(dir))),
         None => r,
     }
+}
+
+/// `files` with the two headers that make the page cross-origin isolated
+/// (`window.crossOriginIsolated`, in a secure context: `localhost`, 127.0.0.1 or HTTPS). The page
+/// loads nothing from other origins, and an isolated page's `performance.now()` steps by 5 µs
+/// instead of 100 µs (Chromium), which the room benchmark's sub-millisecond round trips need.
+fn isolated<S>(files: S) -> SetResponseHeader<SetResponseHeader<S, HeaderValue>, HeaderValue> {
+    let files = SetResponseHeader::overriding(
+        files,
+        HeaderName::from_static("cross-origin-opener-policy"),
+        HeaderValue::from_static("same-origin"),
+    );
+    SetResponseHeader::overriding(
+        files,
+        HeaderName::from_static("cross-origin-embedder-policy"),
+        HeaderValue::from_static("require-corp"),
+    )
 }
 
 /// Serve until `shutdown` resolves.

@@ -87,7 +87,7 @@ async function benchOnce(byRank, run, label) {
     await sleep(100);
   }
   const t = JSON.parse(await byRank[0].evaluate(() => window.distgrad.benchResult()));
-  const row = { run, round_trip_ms: t.mean_round_trip_ms, exchange_ms: t.exchange_ms, raw_mibs: t.raw_mibs_0_to_1 };
+  const row = { run, round_trip_ms: t.mean_round_trip_ms, exchange_ms: t.exchange_ms, raw_mibs: t.raw_mibs_0_to_1, timer_step_ms: t.timer_step_ms };
   for (const r of t.all_reduce_fwd_bwd) {
     const k = `${r.bytes === 4 ? 'small' : 'large'}_${r.device}`;
     Object.assign(row, {
@@ -95,7 +95,7 @@ async function benchOnce(byRank, run, label) {
       [`${k}_of_raw`]: r.of_raw, [`${k}_of_cpu`]: r.of_cpu,
     });
   }
-  console.log(`run ${run}${ROOMS.length > 1 ? ` ${label}` : ''}: round trip ${f(row.round_trip_ms, 2)} ms, raw exchange ${f(row.exchange_ms, 2)} ms, raw ${f(row.raw_mibs, 0)} MiB/s | `
+  console.log(`run ${run}${ROOMS.length > 1 ? ` ${label}` : ''}: clock step ${f(1000 * row.timer_step_ms, 0)} µs, round trip ${f(row.round_trip_ms, 2)} ms, raw exchange ${f(row.exchange_ms, 2)} ms, raw ${f(row.raw_mibs, 0)} MiB/s | `
     + t.all_reduce_fwd_bwd.map((r) => `${r.bytes === 4 ? '4 B' : '1 MiB'} ${r.device} ${f(r.ms, 2)} ms (${f(r.round_trips, 1)} rt, ${f(r.of_exchange, 2)} x 2 exch, ${f(r.of_cpu, 2)} x cpu)`).join('; '));
   return row;
 }

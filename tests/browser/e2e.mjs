@@ -268,6 +268,8 @@ async function main() {
       if (tables.some((x) => JSON.stringify(x) !== JSON.stringify(t))) fail('room benchmark: the tabs show different tables');
       const pos = (x) => typeof x === 'number' && x > 0 && Number.isFinite(x);
       if (!t || t.round_trip_ms.length !== WORLD - 1 || !t.round_trip_ms.every((r) => pos(r.ms))) fail(`room benchmark: round trips ${JSON.stringify(t?.round_trip_ms)}`);
+      // The relay serves the page cross-origin isolated, so its clock steps by 5 µs, not 100 µs.
+      else if (t.cross_origin_isolated !== true || !(t.timer_step_ms > 0 && t.timer_step_ms <= 0.02)) fail(`room benchmark: cross-origin isolated ${t.cross_origin_isolated}, timer step ${t.timer_step_ms} ms`);
       else if (!pos(t.raw_mibs_0_to_1) || !pos(t.exchange_ms)) fail(`room benchmark: raw throughput ${t.raw_mibs_0_to_1}, exchange ${t.exchange_ms}`);
       else if (t.all_reduce_fwd_bwd.length !== (t.device === 'gpu' ? 4 : 2) || !t.all_reduce_fwd_bwd.every((r) => pos(r.ms) && pos(r.busbw_mibs))) fail(`room benchmark: rows ${JSON.stringify(t.all_reduce_fwd_bwd)}`);
       else {

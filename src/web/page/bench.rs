@@ -65,6 +65,36 @@ fn timed(mut v: Vec<f64>, warmup: usize) -> Vec<f64> {
     v
 }
 
+/// The smallest step of `performance.now()` seen over a few steps, in ms: 0.1 in a page that is
+/// not cross-origin isolated (Chromium coarsens its clock there), 0.005 in one that is (the relay
+/// serves the page with the headers for it). Every figure of the room benchmark is a multiple of
+/// it; a round trip of a few steps is only that precise.
+fn timer_step_ms() -> f64 {
+    let mut step = f64::INFINITY;
+    let mut last = now_ms();
+    let mut seen = 0;
+    // Bounded: a clock that never moves (none does) ends after this many reads.
+    for _ in 0..1_000_000 {
+        let t = now_ms();
+        if t > last {
+            step = step.min(t - last);
+            last = t;
+            seen += 1;
+            if seen == 20 {
+                break;
+            }
+        }
+    }
+    step
+}
+
+/// `window.crossOriginIsolated` (false where the browser has no such property).
+fn cross_origin_isolated() -> bool {
+    web_sys::window()
+        .and_then(|w| js_sys::Reflect::get(&w, &JsValue::from_str("crossOriginIsolated")).ok())
+        .is_some_and(|v| v.as_bool() == Some(true))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
@@ -226,6 +256,8 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
             "exchange_ms": exchange_ms,
             "raw_mibs_0_to_1": raw_mibs,
             "device": device_label(&app.device),
+            "timer_step_ms": timer_step_ms(),
+            "cross_origin_isolated": cross_origin_isolated(),
             "all_reduce_fwd_bwd": rows,
             "reps": BENCH_REPS,
             "warmup": BENCH_WARMUP,
@@ -278,9 +310,18 @@ pub(super) fn show_bench(v: &serde_json::Value) {
         .collect();
     html.push_str(&esc(&per.join(", ")));
     html.push_str(&format!(
-        "), every tab 4 B to every other {} ms, rank 0 → 1 {} MiB/s.</p>",
+        "), every tab 4 B to every other {} ms, rank 0 → 1 {} MiB/s. The page's clock steps by {} µs \
+         ({}).</p>",
         num(&v["exchange_ms"], 2),
-        num(&v["raw_mibs_0_to_1"], 0)
+        num(&v["raw_mibs_0_to_1"], 0),
+        v["timer_step_ms"]
+            .as_f64()
+            .map_or_else(|| "—".to_string(), |f| format!("{:.0}", f * 1000.0)),
+        if v["cross_origin_isolated"].as_bool() == Some(true) {
+            "cross-origin isolated"
+        } else {
+            "not cross-origin isolated: the browser coarsens it"
+        }
     ));
     html.push_str(
         "<table class=\"values\"><thead><tr><th scope=\"col\">all_reduce(SUM), forward + backward</th>\
