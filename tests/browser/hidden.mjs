@@ -72,9 +72,19 @@ async function openTab(cdp, url, { newWindow, background }) {
   const { targetId } = await cdp.send('Target.createTarget', { url, newWindow, background });
   const { sessionId } = await cdp.send('Target.attachToTarget', { targetId, flatten: true });
   const evaluate = async (expression) => {
-    const r = await cdp.send('Runtime.evaluate', { expression, awaitPromise: true, returnByValue: true }, sessionId);
-    if (r.exceptionDetails) throw new Error(`${expression}: ${r.exceptionDetails.exception?.description ?? r.exceptionDetails.text}`);
-    return r.result.value;
+    // The page is cross-origin isolated (the relay's COOP/COEP headers), so the tab's first
+    // navigation moves it to a new renderer: for a moment it has no page to evaluate in. Only that
+    // error is retried, for at most 10 s.
+    for (const t0 = Date.now(); ;) {
+      try {
+        const r = await cdp.send('Runtime.evaluate', { expression, awaitPromise: true, returnByValue: true }, sessionId);
+        if (r.exceptionDetails) throw new Error(`${expression}: ${r.exceptionDetails.exception?.description ?? r.exceptionDetails.text}`);
+        return r.result.value;
+      } catch (e) {
+        if (!/Cannot find default execution context|Execution context was destroyed/.test(e.message) || Date.now() - t0 > 10000) throw e;
+        await sleep(50);
+      }
+    }
   };
   return { targetId, sessionId, evaluate };
 }
