@@ -153,6 +153,21 @@ impl Tensor {
         }
     }
 
+    /// `f` of this tensor's values, computed on the host when they are only there
+    /// ([`Tensor::host_only`]), as a GPU tensor of `shape` on the same device keeping the result
+    /// as its host copy; `None` when the values are on the device (run the kernel then).
+    #[cfg(feature = "wgpu")]
+    fn on_host(
+        &self,
+        g: &crate::backend::gpu::Gpu,
+        shape: &[usize],
+        f: impl FnOnce(&[f32]) -> Vec<f32>,
+    ) -> Option<Result<Tensor>> {
+        let h = self.host_only()?;
+        let out = f(&cpu::f32s_of_le_bytes(h));
+        Some(Self::uploaded(shape.to_vec(), g, f32_bytes(out)))
+    }
+
     /// Whether this is a GPU tensor that keeps a host copy of its values (see [`Tensor`]): reading
     /// it or sending it needs no readback.
     pub fn has_host_copy(&self) -> bool {
@@ -432,10 +447,9 @@ impl Tensor {
             #[cfg(feature = "wgpu")]
             View::Gpu(a) => {
                 if self.numel() <= HOST_UNARY_MAX
-                    && let Some(h) = self.host_only()
+                    && let Some(t) = self.on_host(a.gpu(), &self.shape, |v| cpu::unary(op, v))
                 {
-                    let out = cpu::unary(op, &cpu::f32s_of_le_bytes(h));
-                    return Self::uploaded(self.shape.clone(), a.gpu(), f32_bytes(out));
+                    return t;
                 }
                 Ok(Self::from_gpu(self.shape.clone(), a.gpu().unary(op, a)?))
             }
@@ -459,9 +473,8 @@ impl Tensor {
             View::Cpu(a) => Ok(Tensor::scalar(cpu::sum_all(a))),
             #[cfg(feature = "wgpu")]
             View::Gpu(a) => {
-                if let Some(h) = self.host_only() {
-                    let s = cpu::sum_all(&cpu::f32s_of_le_bytes(h));
-                    return Self::uploaded(Vec::new(), a.gpu(), f32_bytes(vec![s]));
+                if let Some(t) = self.on_host(a.gpu(), &[], |v| vec![cpu::sum_all(v)]) {
+                    return t;
                 }
                 Ok(Self::from_gpu(Vec::new(), a.gpu().sum_all(a)?))
             }
@@ -490,9 +503,10 @@ impl Tensor {
             #[cfg(feature = "wgpu")]
             View::Gpu(a) => {
                 // Values only on the host: summed there, as `sum_all`.
-                if let Some(h) = self.host_only() {
-                    let out = cpu::sum_to(&cpu::f32s_of_le_bytes(h), &self.shape, target);
-                    return Self::uploaded(target.to_vec(), a.gpu(), f32_bytes(out));
+                if let Some(t) =
+                    self.on_host(a.gpu(), target, |v| cpu::sum_to(v, &self.shape, target))
+                {
+                    return t;
                 }
                 Ok(Self::from_gpu(
                     target.to_vec(),
