@@ -1021,8 +1021,9 @@ fn load_test(direct: bool) {
 // ---------------------------------------------------------------------------------------------
 
 /// With `static_dir`, the relay serves the web app's files, each with the two headers that make the
-/// page cross-origin isolated (its clock then steps by 5 µs, which the room benchmark needs); a
-/// missing file is a 404, and the WebSocket route still answers as before.
+/// page cross-origin isolated (its clock then steps by 5 µs, which the room benchmark needs), and
+/// without them when `cross_origin_isolated` is off; a missing file is a 404, and the WebSocket
+/// route still answers as before.
 #[test]
 fn the_web_apps_files_come_cross_origin_isolated() {
     use std::io::{Read, Write};
@@ -1030,45 +1031,54 @@ fn the_web_apps_files_come_cross_origin_isolated() {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("index.html"), "<!doctype html><p>distgrad</p>").unwrap();
     std::fs::write(dir.join("port-hub.js"), "onconnect = () => {};").unwrap();
-    let relay = TestRelay::start(RelayConfig {
-        static_dir: Some(dir.clone()),
-        ..RelayConfig::default()
-    });
-    let get = |path: &str| {
-        let mut s = std::net::TcpStream::connect(relay.addr).unwrap();
-        s.set_read_timeout(Some(WAIT)).unwrap();
-        write!(
-            s,
-            "GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
-            relay.addr
-        )
-        .unwrap();
-        let mut resp = String::new();
-        s.read_to_string(&mut resp).unwrap();
-        let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
-        (head.to_ascii_lowercase(), body.to_string())
-    };
-    for (path, want) in [
-        ("/", "<!doctype html><p>distgrad</p>"),
-        ("/port-hub.js", "onconnect = () => {};"),
-    ] {
-        let (head, body) = get(path);
-        assert!(head.starts_with("http/1.1 200"), "{path}: {head}");
-        assert_eq!(body, want, "{path}");
-        assert!(
-            head.contains("\r\ncross-origin-opener-policy: same-origin"),
-            "{path}: {head}"
-        );
-        assert!(
-            head.contains("\r\ncross-origin-embedder-policy: require-corp"),
-            "{path}: {head}"
-        );
+    for isolate in [true, false] {
+        let relay = TestRelay::start(RelayConfig {
+            static_dir: Some(dir.clone()),
+            cross_origin_isolated: isolate,
+            ..RelayConfig::default()
+        });
+        let get = |path: &str| {
+            let mut s = std::net::TcpStream::connect(relay.addr).unwrap();
+            s.set_read_timeout(Some(WAIT)).unwrap();
+            write!(
+                s,
+                "GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+                relay.addr
+            )
+            .unwrap();
+            let mut resp = String::new();
+            s.read_to_string(&mut resp).unwrap();
+            let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
+            (head.to_ascii_lowercase(), body.to_string())
+        };
+        for (path, want) in [
+            ("/", "<!doctype html><p>distgrad</p>"),
+            ("/port-hub.js", "onconnect = () => {};"),
+        ] {
+            let (head, body) = get(path);
+            assert!(head.starts_with("http/1.1 200"), "{path}: {head}");
+            assert_eq!(body, want, "{path}");
+            assert_eq!(
+                head.contains("\r\ncross-origin-opener-policy: same-origin"),
+                isolate,
+                "isolate {isolate}, {path}: {head}"
+            );
+            assert_eq!(
+                head.contains("\r\ncross-origin-embedder-policy: require-corp"),
+                isolate,
+                "isolate {isolate}, {path}: {head}"
+            );
+            if !isolate {
+                assert!(!head.contains("\r\ncross-origin-"), "{path}: {head}");
+            }
+        }
+        let (head, _) = get("/no-such-file");
+        assert!(head.starts_with("http/1.1 404"), "{head}");
+        // The WebSocket route is not a file: a plain GET is refused as a WebSocket handshake
+        // would be.
+        let (head, _) = get("/ws");
+        assert!(!head.starts_with("http/1.1 200"), "{head}");
+        relay.shutdown(Duration::from_secs(10));
     }
-    let (head, _) = get("/no-such-file");
-    assert!(head.starts_with("http/1.1 404"), "{head}");
-    // The WebSocket route is not a file: a plain GET is refused as a WebSocket handshake would be.
-    let (head, _) = get("/ws");
-    assert!(!head.starts_with("http/1.1 200"), "{head}");
-    relay.shutdown(Duration::from_secs(10));
     let _ = std::fs::remove_dir_all(&dir);
 }
