@@ -7,7 +7,8 @@
 # single-tab mode, and the shipped programs run and their gradients checked in 3 tabs and in
 # single-tab mode against the native CLI.
 # Hidden tabs (a headful Chromium under Xvfb, the ranks' tabs behind a blank one) against visible
-# ones: 1 MiB all_reduce, a 200-step lesson and lesson playback, again after 6 minutes hidden.
+# ones measured in turns: 1 MiB all_reduce, a 200-step lesson and lesson playback, again after both
+# rooms idled 6 minutes; and that idle tabs cost no CPU.
 # Installs what it needs, skipping what is already there: lavapipe, chromium + chromium-driver,
 # iproute2 and xvfb (apt, as root), the wasm32 target, wasm-bindgen-cli at exactly the version in
 # Cargo.lock, trunk, and the npm packages of tests/browser (scripts/web-tools.sh).
