@@ -38,6 +38,9 @@ const CHROMIUM = process.env.CHROMIUM ?? '/usr/bin/chromium';
 const WORLD = 4;
 const NUMEL = 1 << 18;
 const LESSON_STEPS = 200;
+// benchAllReduce's values: every output element is WORLD * (i % 7), every gradient element WORLD.
+let WANT_Y_SUM = 0;
+for (let i = 0; i < NUMEL; i++) WANT_Y_SUM += WORLD * (i % 7);
 const CALLS = 7;
 const IDLE_SETTLE_S = 5;
 const IDLE_S = 20;
@@ -80,9 +83,9 @@ async function openTab(cdp, url, { newWindow, background }) {
   const { targetId } = await cdp.send('Target.createTarget', { url, newWindow, background });
   const { sessionId } = await cdp.send('Target.attachToTarget', { targetId, flatten: true });
   const evaluate = async (expression) => {
-    // The page is cross-origin isolated (the relay's COOP/COEP headers), so the tab's first
-    // navigation moves it to a new renderer: for a moment it has no page to evaluate in. Only that
-    // error is retried, for at most 10 s.
+    // A cross-origin isolated page (the relay's COOP/COEP headers, on by default) moves to a new
+    // renderer on the tab's first navigation: for a moment it has no page to evaluate in. Only
+    // that error is retried, for at most 10 s.
     for (const t0 = Date.now(); ;) {
       try {
         const r = await cdp.send('Runtime.evaluate', { expression, awaitPromise: true, returnByValue: true }, sessionId);
@@ -114,12 +117,9 @@ async function waitAll(tabs, pred, ms, what) {
 // ---------- the measurements ----------
 /** One 1 MiB all_reduce forward + backward in every tab: the slowest tab's ms, values checked. */
 async function allReduceOnce(byRank, label) {
-  // Every output element is WORLD * (i % 7), every gradient element WORLD (see benchAllReduce).
-  let want = 0;
-  for (let i = 0; i < NUMEL; i++) want += WORLD * (i % 7);
   const res = await Promise.all(byRank.map((t) => t.evaluate(`window.distgrad.benchAllReduce(${NUMEL})`).then(JSON.parse)));
   for (const [r, x] of res.entries()) {
-    if (x.y_sum !== want || x.grad_sum !== WORLD * NUMEL) fail(`${label}: rank ${r}: all_reduce sums ${x.y_sum}, ${x.grad_sum}; expected ${want}, ${WORLD * NUMEL}`);
+    if (x.y_sum !== WANT_Y_SUM || x.grad_sum !== WORLD * NUMEL) fail(`${label}: rank ${r}: all_reduce sums ${x.y_sum}, ${x.grad_sum}; expected ${WANT_Y_SUM}, ${WORLD * NUMEL}`);
   }
   return Math.max(...res.map((x) => x.ms));
 }
