@@ -39,7 +39,8 @@
 //!   [`ReduceOp`], [`collective::Spec`] (THE description of one call: kind, op, root, peer,
 //!   permutation, splits; serde-able), call signatures derived from it, and [`P2p`]: every collective from point-to-point messages
 //!   (ring, tree, direct and pairwise algorithms, each talking through one `collective::call`
-//!   that checks every message's signature; [`AllReduceAlgo`] picks the large all_reduce's).
+//!   that checks every message's signature; [`AllReduceAlgo`] picks the large all_reduce's,
+//!   [`SmallAllReduce`] the small one's).
 //!   Imports run one way inside it: p2p → the algorithms → call (messages), no circle; their
 //!   local steps are the tensor API's [`tensor::partial`], never a backend's internals.
 //! - [`transport`]: the [`transport::Transport`] trait (async, tag-matched bytes), the shared
@@ -121,7 +122,9 @@ pub mod web;
 pub mod wire;
 
 pub use autograd::{Grads, Objective, Tape, Var};
-pub use collective::{AllReduceAlgo, CommOptions, Communicator, Group, P2p, ReduceOp};
+pub use collective::{
+    AllReduceAlgo, CommOptions, Communicator, Group, P2p, ReduceOp, SmallAllReduce,
+};
 pub use error::{Error, Result};
 #[cfg(not(target_arch = "wasm32"))]
 pub use gradcheck::gradcheck;

@@ -445,6 +445,18 @@ pub fn case_options() -> CommOptions {
     }
 }
 
+/// [`case_options`] for the ranks of a relay room, browser tabs and the native workers that join
+/// them alike (every rank of a group must choose the same algorithms): small all_reduces go
+/// through group rank 0 and back
+/// ([`SmallAllReduce::Star`](crate::collective::SmallAllReduce::Star)), where every message costs the
+/// sender and the receiver a fixed price (a tab's `postMessage`, a relay hop).
+pub fn room_options() -> CommOptions {
+    CommOptions {
+        small_all_reduce: crate::collective::SmallAllReduce::Star,
+        ..case_options()
+    }
+}
+
 /// Put the ranks' results (index = global rank) together into the case's answer.
 pub fn assemble(prepared: &Prepared, results: Vec<Result<RankResult>>) -> Result<CaseOutput> {
     let p = &prepared.case;

@@ -5,7 +5,9 @@
 
 use std::time::Duration;
 
-use distgrad::{AllReduceAlgo, CommOptions, Communicator, ReduceOp, Tensor, run_local};
+use distgrad::{
+    AllReduceAlgo, CommOptions, Communicator, ReduceOp, SmallAllReduce, Tensor, run_local,
+};
 use proptest::prelude::*;
 
 fn opts(segment_bytes: usize) -> CommOptions {
@@ -67,6 +69,41 @@ proptest! {
         let want = oracle_reduce(op, &xs);
         for (r, got) in res.into_iter().enumerate() {
             prop_assert_eq!(got.unwrap(), want.clone(), "rank {} {:?}", r, algo);
+        }
+    }
+
+    /// Small payloads (the default threshold) with either small algorithm, on the world or on a
+    /// subgroup whose group rank 0 (the star's root) is not global rank 0.
+    #[test]
+    fn small_all_reduce_matches_oracle(world in 1usize..9, numel in 0usize..40, op in op_strategy(), star in any::<bool>(), sub in any::<bool>(), seed in 0u64..1000) {
+        let o = CommOptions {
+            timeout: Duration::from_secs(20),
+            small_all_reduce: if star { SmallAllReduce::Star } else { SmallAllReduce::Exchange },
+            ..CommOptions::default()
+        };
+        // The subgroup: the world's ranks in reverse order, without rank 0 where there are 3 or more.
+        let members: Vec<usize> = (0..world).rev().filter(|&r| !(sub && world >= 3 && r == 0)).collect();
+        let m = members.clone();
+        let res = run_local(world, o, |comm| {
+            let m = m.clone();
+            async move {
+                let g = if sub { comm.new_group(&m)? } else { comm.world() };
+                let me = if sub { m.iter().position(|&r| r == comm.rank()) } else { Some(comm.rank()) };
+                let Some(me) = me else { return Ok(None) };
+                let x = Tensor::vector(&input(seed, me, numel));
+                Ok(Some(comm.all_reduce(&x, op, &g).await?.to_vec()))
+            }
+        });
+        let n = if sub { members.len() } else { world };
+        let xs: Vec<Vec<f32>> = (0..n).map(|r| input(seed, r, numel)).collect();
+        let want = oracle_reduce(op, &xs);
+        for (r, got) in res.into_iter().enumerate() {
+            let got = got.unwrap();
+            if sub && !members.contains(&r) {
+                prop_assert_eq!(got, None, "rank {} is not in the group", r);
+            } else {
+                prop_assert_eq!(got, Some(want.clone()), "rank {} star {} sub {}", r, star, sub);
+            }
         }
     }
 

@@ -326,6 +326,10 @@ fn bad_command_lines_say_what_is_wrong() {
             "[possible values: auto, ring, pairwise, shared]",
         ),
         (
+            &["bench", "--small-algo", "tree"],
+            "[possible values: exchange, star]",
+        ),
+        (
             &["train", "--backend", "mpi"],
             "[possible values: local, nccl]",
         ),
@@ -507,11 +511,15 @@ fn bench_rows(stdout: &str) -> Vec<(String, String, f64)> {
 
 #[test]
 fn bench_runs_its_ranks_as_processes_through_a_relay() {
-    // 3 ranks (odd), every op, sizes 4 B .. 4 KiB, each rank its own process.
+    // 3 ranks (odd), every op, sizes 4 B .. 4 KiB, each rank its own process; the small
+    // all_reduces through rank 0 and back, as a room's ranks run them (the flag reaches every
+    // rank's process, or the ranks' calls would disagree and the bench fail).
     let out = distgrad(
         &[
             "bench",
             "--processes",
+            "--small-algo",
+            "star",
             "--transport",
             "relay",
             "--world",
@@ -532,6 +540,10 @@ fn bench_runs_its_ranks_as_processes_through_a_relay() {
     assert!(
         stdout.contains("transport=relay (processes,"),
         "the header says how the ranks ran: {stdout}"
+    );
+    assert!(
+        stdout.contains("# all_reduce: the star through rank 0 below 64 KiB per rank"),
+        "the header names the small all_reduce's algorithm: {stdout}"
     );
     let rows = bench_rows(&stdout);
     // all_gather's size is what each rank ends with (3 ranks' parts).

@@ -128,18 +128,22 @@ fn reduce_sum_avg(d: &Device) {
 }
 
 fn all_reduce_sum_avg_direct(d: &Device) {
-    for n in 1..=8 {
-        for op in LINEAR_OPS {
-            adjoint(
-                &Setup::world(d, n),
-                &Coll::AllReduce { op },
-                &[2, 3],
-                300 + n as u64,
-            );
+    // The exchange and the star through group rank 0.
+    for star in [false, true] {
+        let on = |s: Setup| if star { s.star() } else { s };
+        for n in 1..=8 {
+            for op in LINEAR_OPS {
+                adjoint(
+                    &on(Setup::world(d, n)),
+                    &Coll::AllReduce { op },
+                    &[2, 3],
+                    300 + n as u64,
+                );
+            }
         }
-    }
-    for op in LINEAR_OPS {
-        adjoint(&sub(d), &Coll::AllReduce { op }, &[3], 3);
+        for op in LINEAR_OPS {
+            adjoint(&on(sub(d)), &Coll::AllReduce { op }, &[3], 3);
+        }
     }
 }
 

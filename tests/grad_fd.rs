@@ -165,18 +165,22 @@ fn sub(d: &Device) -> Setup {
 }
 
 fn all_reduce_every_op_world_1_to_8(d: &Device) {
-    for n in sizes(d, 1..=8) {
-        for op in ReduceOp::ALL {
-            case(
-                &Setup::world(d, n),
-                &Coll::AllReduce { op },
-                &[3],
-                10 * n as u64,
-            );
+    // Small payloads: the exchange, and the star through group rank 0.
+    for star in [false, true] {
+        let on = |s: Setup| if star { s.star() } else { s };
+        for n in sizes(d, 1..=8) {
+            for op in ReduceOp::ALL {
+                case(
+                    &on(Setup::world(d, n)),
+                    &Coll::AllReduce { op },
+                    &[3],
+                    10 * n as u64 + u64::from(star),
+                );
+            }
         }
-    }
-    for op in ReduceOp::ALL {
-        case(&sub(d), &Coll::AllReduce { op }, &[3], 1);
+        for op in ReduceOp::ALL {
+            case(&on(sub(d)), &Coll::AllReduce { op }, &[3], 1);
+        }
     }
 }
 

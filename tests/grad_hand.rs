@@ -103,10 +103,14 @@ fn all_reduce_max_ties_split_equally(d: &Device) {
     // Element 0: ranks 1 and 2 tie at 7 → each gets 7 / 2 = 3.5, rank 0 gets 0.
     // Element 1: rank 0 alone holds 5 → it gets 70, the others 0.
     // Element 2: all three tie at 1 → each gets 700 / 3.
-    // Run on the direct path and on the ring (3 elements ≥ 3 ranks).
+    // Run on the direct path (exchange and star) and on the ring (3 elements ≥ 3 ranks).
     let y = v(&[7.0, 5.0, 1.0]);
     let t = 700.0 / 3.0;
-    for s in [Setup::world(d, 3), Setup::world(d, 3).ring()] {
+    for s in [
+        Setup::world(d, 3),
+        Setup::world(d, 3).star(),
+        Setup::world(d, 3).ring(),
+    ] {
         hand(
             &s,
             &Coll::AllReduce { op: ReduceOp::Max },
@@ -135,39 +139,48 @@ fn all_reduce_min_ties_split_equally(d: &Device) {
     // Cotangents g_r = [r + 1, 1]  →  g_sum = [1 + 2 + 3 + 4, 4] = [10, 4].
     // Element 0: ranks 0, 1, 3 tie at 2 → each gets 10 / 3; rank 2 gets 0.
     // Element 1: ranks 0 and 2 tie at -1 → each gets 4 / 2 = 2; ranks 1, 3 get 0.
+    // The exchange and the star (rank 0 folds, the others get its result).
     let y = v(&[2.0, -1.0]);
     let t = 10.0 / 3.0;
-    hand(
-        &Setup::world(d, 4),
-        &Coll::AllReduce { op: ReduceOp::Min },
-        vec![
-            vec![v(&[2.0, -1.0])],
-            vec![v(&[2.0, 0.0])],
-            vec![v(&[5.0, -1.0])],
-            vec![v(&[2.0, 3.0])],
-        ],
-        (0..4).map(|r| vec![v(&[r as f32 + 1.0, 1.0])]).collect(),
-        vec![vec![y.clone()]; 4],
-        vec![
-            vec![v(&[t, 2.0])],
-            vec![v(&[t, 0.0])],
-            vec![v(&[0.0, 2.0])],
-            vec![v(&[t, 0.0])],
-        ],
-    );
+    for s in [Setup::world(d, 4), Setup::world(d, 4).star()] {
+        hand(
+            &s,
+            &Coll::AllReduce { op: ReduceOp::Min },
+            vec![
+                vec![v(&[2.0, -1.0])],
+                vec![v(&[2.0, 0.0])],
+                vec![v(&[5.0, -1.0])],
+                vec![v(&[2.0, 3.0])],
+            ],
+            (0..4).map(|r| vec![v(&[r as f32 + 1.0, 1.0])]).collect(),
+            vec![vec![y.clone()]; 4],
+            vec![
+                vec![v(&[t, 2.0])],
+                vec![v(&[t, 0.0])],
+                vec![v(&[0.0, 2.0])],
+                vec![v(&[t, 0.0])],
+            ],
+        );
+    }
 }
 
 fn all_reduce_max_all_ranks_tie_on_a_subgroup(d: &Device) {
     // World 5, group [4, 1, 3]: every member holds x = [1.5]  →  y = [1.5], all 3 tie.
     // Cotangents (by group rank) 3, 6, 9  →  g_sum = 18, each member gets 18 / 3 = 6.
-    hand(
-        &Setup::sub(d, SUB_WORLD, &SUB_GROUP),
-        &Coll::AllReduce { op: ReduceOp::Max },
-        vec![vec![v(&[1.5])]; 3],
-        vec![vec![v(&[3.0])], vec![v(&[6.0])], vec![v(&[9.0])]],
-        vec![vec![v(&[1.5])]; 3],
-        vec![vec![v(&[6.0])]; 3],
-    );
+    // Also with the star, whose root is group rank 0 (global rank 4).
+    for s in [
+        Setup::sub(d, SUB_WORLD, &SUB_GROUP),
+        Setup::sub(d, SUB_WORLD, &SUB_GROUP).star(),
+    ] {
+        hand(
+            &s,
+            &Coll::AllReduce { op: ReduceOp::Max },
+            vec![vec![v(&[1.5])]; 3],
+            vec![vec![v(&[3.0])], vec![v(&[6.0])], vec![v(&[9.0])]],
+            vec![vec![v(&[1.5])]; 3],
+            vec![vec![v(&[6.0])]; 3],
+        );
+    }
 }
 
 fn all_reduce_prod_with_zeros(d: &Device) {
@@ -177,9 +190,13 @@ fn all_reduce_prod_with_zeros(d: &Device) {
     //            3·(0·5) = 0 and 3·(2·0) = 0.
     // Element 1: x = [0, 0, 5] (two zeros): y = 0 and every product of others has a zero → all 0.
     // Element 2: x = [2, 3, 4] (no zero): y = 24; grads 3·12 = 36, 3·8 = 24, 3·6 = 18.
-    // Run on the direct path and on the ring (3 elements ≥ 3 ranks).
+    // Run on the direct path (exchange and star) and on the ring (3 elements ≥ 3 ranks).
     let y = v(&[0.0, 0.0, 24.0]);
-    for s in [Setup::world(d, 3), Setup::world(d, 3).ring()] {
+    for s in [
+        Setup::world(d, 3),
+        Setup::world(d, 3).star(),
+        Setup::world(d, 3).ring(),
+    ] {
         hand(
             &s,
             &Coll::AllReduce { op: ReduceOp::Prod },

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use distgrad::{CommOptions, Communicator, Error, ReduceOp, Tensor, run_local};
+use distgrad::{CommOptions, Communicator, Error, ReduceOp, SmallAllReduce, Tensor, run_local};
 
 fn opts(timeout_ms: u64) -> CommOptions {
     CommOptions {
@@ -377,7 +377,15 @@ fn all_reduce_is_bitwise_identical_on_every_rank() {
 fn all_reduce_with_options(
     opts_of: impl Fn(usize) -> CommOptions + Sync,
 ) -> Vec<distgrad::Result<Tensor>> {
-    let transports = distgrad::transport::local::LocalTransport::world(3);
+    all_reduce_with_options_in(3, opts_of)
+}
+
+/// [`all_reduce_with_options`] on `world` ranks.
+fn all_reduce_with_options_in(
+    world: usize,
+    opts_of: impl Fn(usize) -> CommOptions + Sync,
+) -> Vec<distgrad::Result<Tensor>> {
+    let transports = distgrad::transport::local::LocalTransport::world(world);
     std::thread::scope(|s| {
         let hs: Vec<_> = transports
             .into_iter()
@@ -518,4 +526,181 @@ fn a_small_all_reduce_sends_one_message_per_peer() {
             }
         }
     }
+}
+
+fn star_opts(timeout_ms: u64) -> CommOptions {
+    CommOptions {
+        small_all_reduce: SmallAllReduce::Star,
+        ..opts(timeout_ms)
+    }
+}
+
+/// The star all_reduce checks calls at its ends (the root sees every rank's, every rank the
+/// root's), not around the ring; a rank in any other call must still fail every rank with a
+/// mismatch, wherever it sits (the root, the root's successor or predecessor, a rank between),
+/// and never leave one waiting (a wait would end in a Timeout, which `assert_mismatch` rejects).
+#[test]
+fn star_all_reduce_mismatches_fail_everywhere_wherever_the_odd_rank_sits() {
+    for world in [3, 4, 5] {
+        for odd in 0..world {
+            // Another collective: a broadcast whose tree never sends to the star's root.
+            let res = run_local(world, star_opts(30_000), |comm| async move {
+                let x = Tensor::vector(&[1.0, 2.0]);
+                let g = comm.world();
+                if comm.rank() == odd {
+                    comm.broadcast(&x, odd, &g).await
+                } else {
+                    comm.all_reduce(&x, ReduceOp::Sum, &g).await
+                }
+            });
+            assert_mismatch(&res, "broadcast(root=", "all_reduce(op=sum");
+            // Another shape, small on both sides (star against star).
+            let res = run_local(world, star_opts(30_000), |comm| async move {
+                let n = if comm.rank() == odd { 3 } else { 4 };
+                comm.all_reduce(&Tensor::zeros(&[n]), ReduceOp::Sum, &comm.world())
+                    .await
+            });
+            assert_mismatch(&res, "shape=[3]", "shape=[4]");
+            // Another shape, large on one side: the ring (messages only to its successor) against
+            // the star, both ways round.
+            for (mine, others) in [(100_000, 10), (10, 100_000)] {
+                let res = run_local(world, star_opts(30_000), |comm| async move {
+                    let n = if comm.rank() == odd { mine } else { others };
+                    comm.all_reduce(&Tensor::zeros(&[n]), ReduceOp::Sum, &comm.world())
+                        .await
+                });
+                assert_mismatch(&res, "shape=[10]", "shape=[100000]");
+            }
+            // Another op; another kind that talks to everyone (all_gather's exchange).
+            let res = run_local(world, star_opts(30_000), |comm| async move {
+                let op = if comm.rank() == odd {
+                    ReduceOp::Max
+                } else {
+                    ReduceOp::Sum
+                };
+                comm.all_reduce(&Tensor::zeros(&[2]), op, &comm.world())
+                    .await
+            });
+            assert_mismatch(&res, "op=sum", "op=max");
+            let res = run_local(world, star_opts(30_000), |comm| async move {
+                let x = Tensor::zeros(&[2]);
+                let g = comm.world();
+                if comm.rank() == odd {
+                    comm.all_gather(&x, &g).await.map(|_| ())
+                } else {
+                    comm.all_reduce(&x, ReduceOp::Sum, &g).await.map(|_| ())
+                }
+            });
+            assert_mismatch(&res, "all_gather", "all_reduce");
+            // One rank configured for the exchange, the others for the star (and the reverse).
+            for odd_star in [false, true] {
+                let res = all_reduce_with_options_in(world, |rank| {
+                    let star = (rank == odd) == odd_star;
+                    let mut o = opts(30_000);
+                    if star {
+                        o.small_all_reduce = SmallAllReduce::Star;
+                    }
+                    o
+                });
+                assert_mismatch(&res, "args=[4]", "args=[0]");
+            }
+        }
+    }
+}
+
+/// The star all_reduce sends `2(n-1)` messages: every rank but the root one to the root (the
+/// root's predecessor's on the signature channel, the others' with the signature as a prefix),
+/// the root one to every rank (the first, to its successor, on the signature channel). Two
+/// ranks exchange (the star would save nothing): one message each. Results as computed by hand,
+/// and bitwise those of the exchange for values whose sum depends on the order of additions.
+#[test]
+fn a_small_star_all_reduce_sends_two_messages_per_rank_and_matches_the_exchange() {
+    for world in [2, 3, 4, 7] {
+        let ts = distgrad::transport::local::LocalTransport::world(world);
+        let res: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = ts
+                .into_iter()
+                .map(|t| {
+                    s.spawn(move || {
+                        let comm = distgrad::P2p::new(
+                            Counting {
+                                inner: t,
+                                sent: Default::default(),
+                            },
+                            CommOptions {
+                                small_all_reduce: SmallAllReduce::Star,
+                                ..CommOptions::for_network()
+                            },
+                        );
+                        let r = comm.rank();
+                        let x = Tensor::full(&[3], r as f32 + 1.0);
+                        let y = futures::executor::block_on(comm.all_reduce(
+                            &x,
+                            ReduceOp::Sum,
+                            &comm.world(),
+                        ))
+                        .unwrap();
+                        let sent = comm.transport().sent.borrow().clone();
+                        (y.to_vec(), sent)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let want = (world * (world + 1) / 2) as f32;
+        for (r, (y, sent)) in res.iter().enumerate() {
+            assert!(
+                y.iter().all(|&v| v == want),
+                "world {world} rank {r}: {y:?}"
+            );
+            let got = (
+                sent.get("sig").copied().unwrap_or(0),
+                sent.get("data").copied().unwrap_or(0),
+            );
+            let expected = match (world, r) {
+                (2, _) => (1, 0),
+                (_, 0) => (1, world - 2),
+                (_, r) if r == world - 1 => (1, 0),
+                _ => (0, 1),
+            };
+            assert_eq!(
+                got, expected,
+                "world {world} rank {r}: (signature, data) messages sent"
+            );
+        }
+    }
+    for world in 1..=8 {
+        for op in ReduceOp::ALL {
+            let run = |o: CommOptions| {
+                run_local(world, o, |comm| async move {
+                    let x = Tensor::vector(&order_sensitive(comm.rank(), 5));
+                    Ok(comm.all_reduce(&x, op, &comm.world()).await?.to_vec())
+                })
+                .into_iter()
+                .map(|r| r.unwrap())
+                .collect::<Vec<_>>()
+            };
+            let exchange = run(opts(30_000));
+            let star = run(star_opts(30_000));
+            for (r, (a, b)) in exchange.iter().zip(&star).enumerate() {
+                assert!(
+                    a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "world {world} {op:?} rank {r}: star {b:?} != exchange {a:?}"
+                );
+            }
+        }
+    }
+}
+
+/// `SmallAllReduce` names round-trip, and a bad one is an input error naming the choices.
+#[test]
+fn small_all_reduce_names_parse() {
+    for a in SmallAllReduce::ALL {
+        assert_eq!(SmallAllReduce::parse(a.name()).unwrap(), a);
+    }
+    let e = SmallAllReduce::parse("tree").unwrap_err().to_string();
+    assert!(
+        e.contains("\"tree\"") && e.contains("exchange, star"),
+        "{e}"
+    );
 }

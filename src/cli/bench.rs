@@ -6,7 +6,7 @@ use clap::ValueEnum;
 use distgrad::backend::Device;
 use distgrad::bench::{self, BenchOp};
 use distgrad::run::RelayRoute;
-use distgrad::{AllReduceAlgo, CommOptions, Communicator};
+use distgrad::{AllReduceAlgo, CommOptions, Communicator, SmallAllReduce};
 
 use super::launch::{LocalRelay, TOKEN_ENV, wait_ranks};
 use super::{DataPathArg, DeviceArg, flag_value, named, runtime, warn_if_debug_build};
@@ -98,6 +98,11 @@ pub struct BenchArgs {
     /// `auto` in-process, the largest all_reduce is also measured with each algorithm.
     #[arg(long, default_value = "auto", value_parser = named(&AllReduceAlgo::ALL, AllReduceAlgo::name))]
     algo: AllReduceAlgo,
+    /// Algorithm of small all_reduces (below the ring threshold, 3 ranks or more): `exchange`
+    /// (every rank to every other, one round) or `star` (through rank 0 and back, two rounds,
+    /// `2(n-1)` messages; what a relay room's ranks use).
+    #[arg(long, default_value = "exchange", value_parser = named(&SmallAllReduce::ALL, SmallAllReduce::name))]
+    small_algo: SmallAllReduce,
     /// With `--transport nccl`: `shared` also measures the shared data path (wgpu tensors through
     /// Vulkan memory imported into CUDA; needs Vulkan on the GPU) beside staging.
     #[arg(long, value_enum, default_value_t = DataPathArg::Staging)]
@@ -246,6 +251,10 @@ fn collectives(a: &BenchArgs, child: Option<BenchChild>) -> distgrad::Result<()>
             ..base
         },
     };
+    let opts = CommOptions {
+        small_all_reduce: a.small_algo,
+        ..opts
+    };
     let relay_cfg = distgrad::relay::RelayConfig {
         splice: a.transport != Transport::RelayBuffered,
         ..Default::default()
@@ -278,8 +287,12 @@ fn collectives(a: &BenchArgs, child: Option<BenchChild>) -> distgrad::Result<()>
         (AllReduceAlgo::Auto, false) => "ring (auto)",
         (algo, _) => algo.name(),
     };
+    let small = match (opts.small_all_reduce, world) {
+        (SmallAllReduce::Star, 3..) => "the star through rank 0",
+        _ => "direct exchange",
+    };
     println!(
-        "# all_reduce: direct exchange below {} per rank, {resolved} from there",
+        "# all_reduce: {small} below {} per rank, {resolved} from there",
         bench::fmt_bytes(opts.ring_threshold)
     );
     #[cfg(feature = "wgpu")]
@@ -411,6 +424,7 @@ fn processes(
                 .args(["--min-bytes", &a.min_bytes.to_string()])
                 .args(["--max-bytes", &a.max_bytes.to_string()])
                 .args(["--ops", &ops.join(","), "--algo", a.algo.name()])
+                .args(["--small-algo", a.small_algo.name()])
                 .args(["--bench-rank", &relay.url, &r.to_string()])
                 .arg(memcpy.to_string())
                 .env(TOKEN_ENV, &token)

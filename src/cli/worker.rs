@@ -198,7 +198,7 @@ pub fn run(o: WorkerArgs) -> distgrad::Result<()> {
             t,
             CommOptions {
                 timeout,
-                ..vjp::case_options()
+                ..vjp::room_options()
             },
         );
         let r = match &job {

@@ -6,7 +6,8 @@
 //! Signature checks: the message from the ring predecessor is verified by its signature message
 //! (sent first, so checked before the data); messages from any other rank carry the sender's
 //! signature as a prefix. Because every rank checks its predecessor, any disagreement anywhere in
-//! the group is seen by at least one rank, which aborts the rest.
+//! the group is seen by at least one rank, which aborts the rest. An algorithm whose messages
+//! all go through one rank checks at the ends of that star instead (`Call::star`).
 //!
 //! The signature message goes out with the call's first message to the successor when that is
 //! small (a direct exchange's data: one message fewer per rank and call), else on its own before
@@ -70,6 +71,12 @@ pub(crate) struct Call<'a, T: Transport> {
     announced: Cell<bool>,
     /// The predecessor's first data message, when it came inside its signature message.
     inline: std::cell::RefCell<Option<Bytes>>,
+    /// The predecessor sends no signature in this call ([`Call::star`]): one that comes anyway
+    /// is checked (it can only disagree), none is waited for.
+    pred_silent: Cell<bool>,
+    /// A star's root: the signature goes with the first message to the successor, not on its
+    /// own before the root's first wait ([`Call::star`]).
+    hold: Cell<bool>,
 }
 
 impl<'a, T: Transport> Call<'a, T> {
@@ -97,6 +104,8 @@ impl<'a, T: Transport> Call<'a, T> {
             pred_ok: Cell::new(n == 1),
             announced: Cell::new(n == 1),
             inline: std::cell::RefCell::new(None),
+            pred_silent: Cell::new(false),
+            hold: Cell::new(false),
         }
     }
 
@@ -123,6 +132,33 @@ impl<'a, T: Transport> Call<'a, T> {
         self.transport
             .send(to, self.tag(Channel::Sig), b.freeze())
             .await
+    }
+
+    /// Check signatures at the ends of a star around group rank `root` instead of around the
+    /// ring, for an algorithm whose every message goes to or comes from the root: the root checks
+    /// every rank's call (on the data each sends it), and every rank the root's (on the data it
+    /// sends back), so if every rank agrees with the root all agree. A rank other than the root
+    /// then sends no signature message to a successor that is not the root and waits for none
+    /// from a predecessor that is not the root. Its messages to and from the root keep the form
+    /// the ring check gives them (the signature inline to a successor, a prefix to anyone else),
+    /// so a rank that runs another algorithm in the same call is still caught by a mismatch,
+    /// never a hang: and a predecessor that runs another collective announces its call as usual,
+    /// which this rank's waits race (the announcement can only disagree), so that rank fails at
+    /// once instead of leaving the root to time out waiting for it. The root announces its call
+    /// with its first message, the result to its successor, not before it waits: its successor
+    /// waits for that message anyway, and a successor in another call is caught by its own
+    /// successor's check. The root must send to its successor first. Call before any message.
+    pub(super) fn star(&self, root: usize) {
+        if self.me == root {
+            self.hold.set(true);
+        } else {
+            if self.succ() != root {
+                self.announced.set(true);
+            }
+            if self.pred() != root {
+                self.pred_silent.set(true);
+            }
+        }
     }
 
     /// Announce the signature on its own unless it went already: before this rank sends anything
@@ -249,10 +285,19 @@ impl<'a, T: Transport> Call<'a, T> {
         }
     }
 
+    /// Announce the signature before a wait, unless this rank is a star's root (which announces
+    /// with its first message: see [`Call::star`]).
+    async fn announce_before_wait(&self) -> Result<()> {
+        if self.hold.get() {
+            return Ok(());
+        }
+        self.announce().await
+    }
+
     /// Wait for and verify the ring predecessor's signature (once per call).
     pub(super) async fn check_pred(&self) -> Result<()> {
-        self.announce().await?;
-        if self.pred_ok.get() {
+        self.announce_before_wait().await?;
+        if self.pred_ok.get() || self.pred_silent.get() {
             return Ok(());
         }
         let pred = self.pred();
@@ -296,7 +341,7 @@ impl<'a, T: Transport> Call<'a, T> {
     /// The next data message from group rank `src`, its sender's call verified to agree with ours.
     pub async fn recv(&self, src: usize) -> Result<Bytes> {
         let t = self.transport;
-        self.announce().await?;
+        self.announce_before_wait().await?;
         if src == self.pred() {
             self.check_pred().await?;
             if let Some(first) = self.inline.borrow_mut().take() {
@@ -316,6 +361,9 @@ impl<'a, T: Transport> Call<'a, T> {
             pin_mut!(sig, data);
             let both = async {
                 match select(sig, data).await {
+                    // A silent predecessor is no party to this call (`Call::star`): its loss
+                    // reaches this rank through the root, which waits for it.
+                    Either::Left((Err(_), data)) if self.pred_silent.get() => data.await,
                     Either::Left((s, data)) => {
                         let s = s.map_err(|e| self.add_context(e))?;
                         self.accept_pred_sig(s)?;

@@ -2,7 +2,8 @@
 //! one description of a call ([`Spec`]) and call signatures. [`P2p`] implements every collective from point-to-point messages over any
 //! [`crate::transport::Transport`]: a ring for large all_reduce / all_gather / reduce_scatter
 //! ([`ring`]), a binomial tree for broadcast / reduce ([`tree`]), direct exchange for small messages
-//! and the rest ([`direct`]).
+//! and the rest, and the star through one rank for small all_reduces where messages cost more than
+//! rounds ([`direct`], [`SmallAllReduce`]).
 //!
 //! These functions are not differentiable; [`crate::dist`] records them on a tape.
 
@@ -21,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use crate::backend::{BinaryOp, Device};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-pub use p2p::{AllReduceAlgo, CommOptions, P2p};
+pub use p2p::{AllReduceAlgo, CommOptions, P2p, SmallAllReduce};
 pub use sig::{CallSig, Kind};
 pub use spec::Spec;
 

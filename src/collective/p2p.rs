@@ -76,6 +76,47 @@ impl AllReduceAlgo {
     }
 }
 
+/// How small all_reduces (below [`CommOptions::ring_threshold`] bytes per rank) move data, in
+/// groups of three ranks or more (two ranks exchange: two messages either way, one round).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SmallAllReduce {
+    /// Every rank sends its tensor to every other and folds all of them: one round, `n(n-1)`
+    /// messages. Best where a message costs little next to a round (threads of one process, a
+    /// network with its own link per pair).
+    #[default]
+    Exchange,
+    /// Every rank sends its tensor to group rank 0, which folds them and sends the result back:
+    /// two rounds, `2(n-1)` messages. Best where each message costs the sender and the receiver
+    /// a fixed price (tabs of one browser, whose `postMessage` crosses processes). The root checks
+    /// every rank's call and every rank the root's.
+    Star,
+}
+
+impl SmallAllReduce {
+    /// Both variants, the default first.
+    pub const ALL: [SmallAllReduce; 2] = [SmallAllReduce::Exchange, SmallAllReduce::Star];
+
+    /// Lower-case name (`exchange`, `star`).
+    pub fn name(self) -> &'static str {
+        match self {
+            SmallAllReduce::Exchange => "exchange",
+            SmallAllReduce::Star => "star",
+        }
+    }
+
+    /// Parse a [`SmallAllReduce::name`].
+    pub fn parse(s: &str) -> Result<Self> {
+        SmallAllReduce::ALL
+            .into_iter()
+            .find(|a| a.name() == s)
+            .ok_or_else(|| {
+                Error::Input(format!(
+                    "unknown small all_reduce algorithm {s:?} (exchange, star)"
+                ))
+            })
+    }
+}
+
 /// Tuning and safety knobs of a [`P2p`] communicator.
 #[derive(Debug, Clone)]
 pub struct CommOptions {
@@ -85,6 +126,9 @@ pub struct CommOptions {
     pub ring_threshold: usize,
     /// The algorithm of large all_reduces.
     pub all_reduce: AllReduceAlgo,
+    /// The algorithm of small all_reduces. Every rank of a group must use the same: ranks
+    /// configured differently fail with a mismatch naming both.
+    pub small_all_reduce: SmallAllReduce,
     /// Large ring all_reduces run as successive ring passes over segments of `n *` this many
     /// bytes, so the chunks in flight stay in cache (in-process transport).
     pub segment_bytes: usize,
@@ -113,6 +157,7 @@ impl Default for CommOptions {
             timeout: Duration::from_secs(60),
             ring_threshold: 64 * 1024,
             all_reduce: AllReduceAlgo::Auto,
+            small_all_reduce: SmallAllReduce::Exchange,
             segment_bytes: 256 * 1024,
             confirm: true,
             record_calls: false,
@@ -143,6 +188,8 @@ pub struct P2p<T: Transport> {
     p2p_seqs: RefCell<HashMap<(u32, usize, usize), u64>>,
     calls: RefCell<Vec<(u32, CallSig)>>,
     aborted: Cell<bool>,
+    /// [`CommOptions::small_all_reduce`], changeable between calls ([`P2p::set_small_all_reduce`]).
+    small: Cell<SmallAllReduce>,
 }
 
 impl<T: Transport> P2p<T> {
@@ -150,12 +197,13 @@ impl<T: Transport> P2p<T> {
     pub fn new(transport: T, opts: CommOptions) -> Self {
         P2p {
             transport,
-            opts,
             next_group: Cell::new(1),
             seqs: RefCell::default(),
             p2p_seqs: RefCell::default(),
             calls: RefCell::default(),
             aborted: Cell::new(false),
+            small: Cell::new(opts.small_all_reduce),
+            opts,
         }
     }
 
@@ -169,9 +217,20 @@ impl<T: Transport> P2p<T> {
         self.transport
     }
 
-    /// The options in force.
+    /// The options this communicator was made with ([`P2p::small_all_reduce`] may differ since).
     pub fn options(&self) -> &CommOptions {
         &self.opts
+    }
+
+    /// The algorithm small all_reduces use now.
+    pub fn small_all_reduce(&self) -> SmallAllReduce {
+        self.small.get()
+    }
+
+    /// Change the algorithm of the small all_reduces that follow, e.g. to measure one against
+    /// the other in the same run. Every rank of a group must change it before the same call.
+    pub fn set_small_all_reduce(&self, algo: SmallAllReduce) {
+        self.small.set(algo);
     }
 
     /// The calls made since the last `take_calls` as `(group id, signature)`, if recording is on.
@@ -377,7 +436,9 @@ impl<T: Transport> Communicator for P2p<T> {
                 AllReduceAlgo::Auto => AllReduceAlgo::Ring,
                 a => a,
             };
+            let star = !ring && n > 2 && self.small.get() == SmallAllReduce::Star;
             let extra = match (ring, algo) {
+                (false, _) if star => vec![4],
                 (false, _) => vec![0],
                 (true, AllReduceAlgo::Ring | AllReduceAlgo::Auto) => {
                     vec![1, self.opts.segment_bytes as u64]
@@ -388,6 +449,7 @@ impl<T: Transport> Communicator for P2p<T> {
             let sig = Spec::AllReduce { op }.sig().shape(x.shape()).extra(extra);
             let call = self.begin(group, sig).await?;
             let r = match (ring, algo) {
+                (false, _) if star => direct::all_reduce_star(&call, &host, op).await,
                 (false, _) => direct::all_reduce(&call, &host, op).await,
                 (true, AllReduceAlgo::Ring | AllReduceAlgo::Auto) => {
                     ring::all_reduce(&call, &host, op, self.opts.segment_bytes).await

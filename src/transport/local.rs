@@ -71,16 +71,19 @@ impl Transport for LocalTransport {
     }
 
     async fn abort(&self, reason: &str) {
+        // Every peer's mailbox is poisoned before any peer wakes: a woken rank may fail, return
+        // and drop its transport at once, and a rank not yet told must not see that leave
+        // (a lost peer) instead of the abort.
+        let mut wake = Vec::new();
         for (r, b) in self.boxes.iter().enumerate() {
             if r != self.rank {
-                b.deliver(
-                    self.rank,
-                    Tag::ABORT,
-                    Bytes::copy_from_slice(reason.as_bytes()),
-                );
+                wake.extend(b.abort_deferred(self.rank, reason));
             }
         }
         self.boxes[self.rank].abort_local(reason);
+        for w in wake {
+            w.wake();
+        }
     }
 
     fn shares_memory(&self) -> bool {

@@ -153,6 +153,21 @@ impl Mailbox {
         });
     }
 
+    /// A peer's abort (as [`Mailbox::deliver`] of an abort message), but the receives it fails
+    /// are not woken yet: their wakers are returned. A transport that reaches every mailbox at
+    /// once (the in-process one) poisons them all before it wakes any, so no rank can see a peer
+    /// leave, aborted, before it sees the abort itself.
+    pub fn abort_deferred(&self, src: usize, reason: &str) -> Vec<std::task::Waker> {
+        let mut inner = self.lock();
+        if inner.poison.is_none() {
+            inner.poison = Some(Poison::Aborted {
+                by: src,
+                reason: reason.to_string(),
+            });
+        }
+        inner.waiters.drain().map(|(_, w)| w).collect()
+    }
+
     /// Poison this mailbox locally (this rank aborts): every pending and later receive fails.
     pub fn abort_local(&self, reason: &str) {
         self.deliver(

@@ -88,15 +88,18 @@ async function benchOnce(byRank, run, label) {
   }
   const t = JSON.parse(await byRank[0].evaluate(() => window.distgrad.benchResult()));
   const row = { run, round_trip_ms: t.mean_round_trip_ms, exchange_ms: t.exchange_ms, raw_mibs: t.raw_mibs_0_to_1, timer_step_ms: t.timer_step_ms };
+  // The small size runs with the room's algorithm (small_<device>_*) and with the other one as a
+  // baseline (small_<algo>_<device>_*, with of_exchange_algo: the room's over the exchange's).
   for (const r of t.all_reduce_fwd_bwd) {
-    const k = `${r.bytes === 4 ? 'small' : 'large'}_${r.device}`;
+    const k = r.bytes === 4 ? (r.room_algo ? `small_${r.device}` : `small_${r.algo}_${r.device}`) : `large_${r.device}`;
     Object.assign(row, {
       [`${k}_ms`]: r.ms, [`${k}_round_trips`]: r.round_trips, [`${k}_of_exchange`]: r.of_exchange,
       [`${k}_of_raw`]: r.of_raw, [`${k}_of_cpu`]: r.of_cpu,
     });
+    if (r.bytes === 4 && r.room_algo) Object.assign(row, { [`${k}_algo_${r.algo}_of_exchange_algo`]: r.of_exchange_algo });
   }
   console.log(`run ${run}${ROOMS.length > 1 ? ` ${label}` : ''}: clock step ${f(1000 * row.timer_step_ms, 0)} µs, round trip ${f(row.round_trip_ms, 2)} ms, raw exchange ${f(row.exchange_ms, 2)} ms, raw ${f(row.raw_mibs, 0)} MiB/s | `
-    + t.all_reduce_fwd_bwd.map((r) => `${r.bytes === 4 ? '4 B' : '1 MiB'} ${r.device} ${f(r.ms, 2)} ms (${f(r.round_trips, 1)} rt, ${f(r.of_exchange, 2)} x 2 exch, ${f(r.of_cpu, 2)} x cpu)`).join('; '));
+    + t.all_reduce_fwd_bwd.map((r) => `${r.bytes === 4 ? '4 B' : '1 MiB'} ${r.device} ${r.algo}${r.room_algo ? '' : ' (baseline)'} ${f(r.ms, 2)} ms (${f(r.round_trips, 1)} rt, ${f(r.of_exchange, 2)} x 2 exch, ${f(r.of_cpu, 2)} x cpu${r.bytes === 4 ? `, ${f(r.of_exchange_algo, 2)} x the exchange algorithm` : ''})`).join('; '));
   return row;
 }
 

@@ -271,7 +271,10 @@ async function main() {
       // The relay serves the page cross-origin isolated, so its clock steps by 5 µs, not 100 µs.
       else if (t.cross_origin_isolated !== true || !(t.timer_step_ms > 0 && t.timer_step_ms <= 0.02)) fail(`room benchmark: cross-origin isolated ${t.cross_origin_isolated}, timer step ${t.timer_step_ms} ms`);
       else if (!pos(t.raw_mibs_0_to_1) || !pos(t.exchange_ms)) fail(`room benchmark: raw throughput ${t.raw_mibs_0_to_1}, exchange ${t.exchange_ms}`);
-      else if (t.all_reduce_fwd_bwd.length !== (t.device === 'gpu' ? 4 : 2) || !t.all_reduce_fwd_bwd.every((r) => pos(r.ms) && pos(r.busbw_mibs))) fail(`room benchmark: rows ${JSON.stringify(t.all_reduce_fwd_bwd)}`);
+      // Per device: 4 B with the room's small algorithm (the star) and with the exchange beside it,
+      // then 1 MiB (the ring).
+      else if (t.all_reduce_fwd_bwd.length !== (t.device === 'gpu' ? 6 : 3) || !t.all_reduce_fwd_bwd.every((r) => pos(r.ms) && pos(r.busbw_mibs))) fail(`room benchmark: rows ${JSON.stringify(t.all_reduce_fwd_bwd)}`);
+      else if (JSON.stringify(t.all_reduce_fwd_bwd.filter((r) => r.device === t.device).map((r) => [r.bytes, r.algo, r.room_algo])) !== JSON.stringify([[4, 'star', true], [4, 'exchange', false], [1048576, 'ring', true]])) fail(`room benchmark: the rows' sizes and algorithms ${JSON.stringify(t.all_reduce_fwd_bwd.map((r) => [r.bytes, r.device, r.algo, r.room_algo]))}`);
       else {
         // Each ratio is its figure over its own link's, measured in the same run.
         for (const r of t.all_reduce_fwd_bwd) {
@@ -281,23 +284,33 @@ async function main() {
         }
         // On a WebGPU tab every size also runs with CPU tensors: of_cpu is the ratio of the two.
         for (const r of t.all_reduce_fwd_bwd) {
-          const cpu = t.all_reduce_fwd_bwd.find((c) => c.bytes === r.bytes && c.device === 'cpu');
-          if (!cpu || Math.abs(r.of_cpu - r.ms / cpu.ms) > 1e-9 * r.of_cpu) fail(`room benchmark: ${r.bytes} B on ${r.device}: of_cpu ${r.of_cpu} != ${r.ms} / ${cpu?.ms}`);
+          const cpu = t.all_reduce_fwd_bwd.find((c) => c.bytes === r.bytes && c.algo === r.algo && c.device === 'cpu');
+          if (!cpu || Math.abs(r.of_cpu - r.ms / cpu.ms) > 1e-9 * r.of_cpu) fail(`room benchmark: ${r.bytes} B ${r.algo} on ${r.device}: of_cpu ${r.of_cpu} != ${r.ms} / ${cpu?.ms}`);
+          // A small row over the exchange measured beside it (same device); none for the large one.
+          const ex = t.all_reduce_fwd_bwd.find((c) => c.bytes === 4 && c.algo === 'exchange' && c.device === r.device);
+          if (r.bytes === 4 ? Math.abs(r.of_exchange_algo - r.ms / ex.ms) > 1e-9 * r.of_exchange_algo : r.of_exchange_algo !== null) fail(`room benchmark: ${r.bytes} B ${r.algo} on ${r.device}: of_exchange_algo ${r.of_exchange_algo} (exchange ${ex?.ms} ms)`);
         }
-        const [small, large] = t.all_reduce_fwd_bwd.filter((r) => r.device === t.device);
-        figures[`room_bench_${NET}`] = { round_trip_ms: t.mean_round_trip_ms, raw_mibs: t.raw_mibs_0_to_1, small_ms: small.ms, small_round_trips: small.round_trips, exchange_ms: t.exchange_ms, small_of_exchange: small.of_exchange, large_ms: large.ms, large_busbw_mibs: large.busbw_mibs, large_of_raw: large.of_raw, small_of_cpu: small.of_cpu, large_of_cpu: large.of_cpu };
-        log(`room benchmark over ${NET} (median of ${t.reps} after ${t.warmup} / ${t.warmup_large} warm-up runs): round trip ${t.mean_round_trip_ms.toFixed(2)} ms, raw 0→1 ${t.raw_mibs_0_to_1.toFixed(0)} MiB/s; raw exchange (4 B every tab to every other) ${t.exchange_ms.toFixed(2)} ms; all_reduce fwd+bwd 4 B ${small.ms.toFixed(2)} ms = ${small.round_trips.toFixed(1)} round trips = ${small.of_exchange.toFixed(1)} x 2 raw exchanges; 1 MiB ${large.ms.toFixed(1)} ms, bus ${large.busbw_mibs.toFixed(0)} MiB/s = ${large.of_raw.toFixed(2)} of the raw link; tensors on ${t.device}: ${small.of_cpu.toFixed(2)}x / ${large.of_cpu.toFixed(2)}x the CPU path's time`);
-        const shown = await byRank[1].textContent('#bench-result');
-        if (!shown.includes('round trips') || !shown.includes(large.ms.toFixed(2))) fail(`room benchmark: the table is not shown: ${shown.slice(0, 200)}`);
+        const [small, smallEx, large] = t.all_reduce_fwd_bwd.filter((r) => r.device === t.device);
+        figures[`room_bench_${NET}`] = { round_trip_ms: t.mean_round_trip_ms, raw_mibs: t.raw_mibs_0_to_1, small_algo: small.algo, small_ms: small.ms, small_round_trips: small.round_trips, exchange_ms: t.exchange_ms, small_of_exchange: small.of_exchange, small_exchange_algo_ms: smallEx.ms, small_of_exchange_algo: small.of_exchange_algo, large_ms: large.ms, large_busbw_mibs: large.busbw_mibs, large_of_raw: large.of_raw, small_of_cpu: small.of_cpu, large_of_cpu: large.of_cpu };
+        log(`room benchmark over ${NET} (median of ${t.reps} after ${t.warmup} / ${t.warmup_large} warm-up runs): round trip ${t.mean_round_trip_ms.toFixed(2)} ms, raw 0→1 ${t.raw_mibs_0_to_1.toFixed(0)} MiB/s; raw exchange (4 B every tab to every other) ${t.exchange_ms.toFixed(2)} ms; all_reduce fwd+bwd 4 B (${small.algo}) ${small.ms.toFixed(2)} ms = ${small.round_trips.toFixed(1)} round trips = ${small.of_exchange.toFixed(1)} x 2 raw exchanges = ${small.of_exchange_algo.toFixed(2)}x the exchange algorithm's ${smallEx.ms.toFixed(2)} ms beside it; 1 MiB ${large.ms.toFixed(1)} ms, bus ${large.busbw_mibs.toFixed(0)} MiB/s = ${large.of_raw.toFixed(2)} of the raw link; tensors on ${t.device}: ${small.of_cpu.toFixed(2)}x / ${large.of_cpu.toFixed(2)}x the CPU path's time`);
+        // The 1 MiB row's "ms" cell, read from the page. The page rounds with Rust's `{:.2}`
+        // (ties to even: 51.625 shows as 51.62), JavaScript's toFixed rounds ties up (51.63), so the
+        // cell is compared as a number to within half its last digit, not as text.
+        const shown = await byRank[1].evaluate(({ bytes, dev }) => {
+          const row = [...document.querySelectorAll('#bench-result tbody tr')].find((tr) => tr.querySelector('th')?.textContent === `${bytes} B` && tr.querySelector('td')?.textContent === dev);
+          return { head: document.querySelector('#bench-result')?.textContent ?? '', ms: row ? row.querySelectorAll('td')[2].textContent : null };
+        }, { bytes: large.bytes, dev: large.device === 'gpu' ? 'WebGPU' : 'CPU' });
+        if (!shown.head.includes('round trips') || shown.ms === null || !(Math.abs(Number(shown.ms) - large.ms) <= 0.005 + 1e-9)) fail(`room benchmark: the table does not show ${large.ms} ms for ${large.bytes} B (its cell: ${shown.ms}): ${shown.head.slice(0, 200)}`);
       }
     }
 
-    // ---- 3. mixed group: a native worker and three tabs ----
-    {
-      const c = cases.find((x) => x.label === 'reduce --root 1 --op max');
-      const caseFile = join(OUT, `mixed-case-${NET}.json`);
+    // ---- 3. mixed group: a native worker and three tabs (a rooted collective, and the small
+    // all_reduce, whose algorithm the worker and the tabs must agree on: the star) ----
+    for (const [k, label] of ['reduce --root 1 --op max', 'all_reduce --op sum'].entries()) {
+      const c = cases.find((x) => x.label === label);
+      const caseFile = join(OUT, `mixed-case-${NET}-${k}.json`);
       writeFileSync(caseFile, c.caseJson);
-      const mroom = `mixed-${NET}-${process.pid}`;
+      const mroom = `mixed-${k}-${NET}-${process.pid}`;
       const token = randomBytes(16).toString('hex');
       const worker = spawn(BIN, ['worker', '--relay', `ws://${relay.host}/ws`, '--room', mroom, '--world', String(WORLD), '--rank', '3',
         '--token', token, '--case', caseFile, '--json', '--timeout-secs', '60'], { stdio: ['ignore', 'pipe', 'inherit'] });
@@ -316,11 +329,11 @@ async function main() {
         if (!text.includes('Fell back to the relay')) fail(`mixed: the page does not say which pairs fell back: ${text}`);
       }
       const got = await withTimeout(Promise.all(mpages.map((p) => p.evaluate((j) => window.distgrad.runCase(j), c.caseJson).then(JSON.parse))), 60000, 'mixed group');
-      got.forEach((g, i) => checkRank('mixed group reduce max', ms[i].rank, g, c.expected));
+      got.forEach((g, i) => checkRank(`mixed group ${label}`, ms[i].rank, g, c.expected));
       const code = await withTimeout(wdone, 30000, 'native worker exit');
       if (code !== 0) fail(`mixed: native worker exited ${code}`);
-      else checkRank('mixed group reduce max (native worker)', 3, JSON.parse(wout.trim().split('\n').pop()), c.expected);
-      log('mixed group (native worker = rank 3, three tabs): every rank equals the native in-process run');
+      else checkRank(`mixed group ${label} (native worker)`, 3, JSON.parse(wout.trim().split('\n').pop()), c.expected);
+      log(`mixed group (native worker = rank 3, three tabs), ${label}: every rank equals the native in-process run`);
       await Promise.all(mpages.map((p) => p.close()));
     }
 
@@ -419,12 +432,43 @@ async function main() {
       }
       log(`clean leave over ${NET}: ${times.length}/${ROUNDS} rounds of 16 MiB sent then left at once, every value received (${times.map((t) => t.toFixed(0)).join(', ')} ms)`);
     }
+    // ---- 6. mismatched calls: one tab runs another call than the others. Every tab must fail with
+    // the mismatch (its own, or the abort of the rank that saw it), never wait for its timeout.
+    // The small all_reduce is the star through rank 0, whose calls are checked at its ends: the odd
+    // tab is rank 2 (neither the root nor next to it) with another op, then rank 0 (the root)
+    // with another collective ----
+    {
+      const sum = cases.find((x) => x.label === 'all_reduce --op sum').caseJson;
+      const variants = [
+        { odd: 2, label: 'all_reduce --op max', call: 'all_reduce(op=max' },
+        { odd: 0, label: 'broadcast --root 2', call: 'broadcast(root=2' },
+      ];
+      for (const v of variants) {
+        const odd = cases.find((x) => x.label === v.label).caseJson;
+        const xroom = `mismatch-${v.odd}-${NET}-${process.pid}`;
+        const xtoken = randomBytes(16).toString('hex');
+        const xpages = await openTabs(ctx, `${base}?room=${xroom}&world=${WORLD}&token=${xtoken}${NET_PARAM}`, WORLD, errors);
+        const xs = await waitReady(xpages, 60000);
+        const t0 = Date.now();
+        const res = await withTimeout(Promise.all(xpages.map((p, i) => p.evaluate((j) => window.distgrad.runCase(j), xs[i].rank === v.odd ? odd : sum)
+          .then((out) => ({ rank: xs[i].rank, out, ms: Date.now() - t0 }), (e) => ({ rank: xs[i].rank, error: String(e), ms: Date.now() - t0 })))), 30000, `mismatch (odd rank ${v.odd})`);
+        let named = 0;
+        for (const r of res) {
+          if (!r.error) fail(`mismatch, odd rank ${v.odd}: rank ${r.rank} succeeded: ${r.out}`);
+          else if (/timed out|timeout/i.test(r.error) || !/collective mismatch|aborted by rank \d+: .*mismatch/.test(r.error)) fail(`mismatch, odd rank ${v.odd}: rank ${r.rank} failed with something else than the mismatch: ${r.error}`);
+          else if (r.error.includes('collective mismatch') && r.error.includes(v.call) && r.error.includes('all_reduce(op=sum')) named++;
+        }
+        if (!named) fail(`mismatch, odd rank ${v.odd}: no tab's error names both calls (${v.call}…, all_reduce(op=sum…): ${res.map((r) => r.error).join(' | ')}`);
+        log(`mismatched calls (rank ${v.odd}: ${v.label}, the others all_reduce --op sum, the star): every tab failed with the mismatch within ${Math.max(...res.map((r) => r.ms))} ms, ${named} naming both calls`);
+        await Promise.all(xpages.map((p) => p.close()));
+      }
+    }
     if (stun) {
       const n = stun.requests();
       if (n === 0) fail('the relay\'s STUN server (--ice-server) got no Binding request from the tabs');
       else log(`ICE servers: the tabs' peer connections sent ${n} Binding requests to the relay's STUN server (--ice-server stun:127.0.0.1:${stun.port}), answered, and linked over WebRTC`);
     }
-    const unexpected = errors.filter((e) => !/left the room|failed|disconnected|lost|closed|Aborted|abort/i.test(e));
+    const unexpected = errors.filter((e) => !/left the room|failed|disconnected|lost|closed|Aborted|abort|mismatch/i.test(e));
     if (unexpected.length) fail(`console errors: ${unexpected.join(' | ')}`);
   } finally {
     await browser.close();

@@ -23,8 +23,8 @@ use std::time::Duration;
 pub use distgrad::backend::Device;
 use distgrad::collective::Spec;
 use distgrad::{
-    AllReduceAlgo, CommOptions, Communicator, Group, Objective, ReduceOp, Tape, Tensor, Var, dist,
-    run_local,
+    AllReduceAlgo, CommOptions, Communicator, Group, Objective, ReduceOp, SmallAllReduce, Tape,
+    Tensor, Var, dist, run_local,
 };
 
 #[cfg(feature = "wgpu")]
@@ -313,6 +313,12 @@ impl Setup {
     /// reduce_scatter): the ring, or for all_reduce the algorithm [`Setup::algo`] picks.
     pub fn ring(mut self) -> Self {
         self.opts.ring_threshold = 0;
+        self
+    }
+
+    /// Small all_reduces through group rank 0 and back ([`SmallAllReduce::Star`]).
+    pub fn star(mut self) -> Self {
+        self.opts.small_all_reduce = SmallAllReduce::Star;
         self
     }
 

@@ -104,9 +104,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// the same on every tab, so the tabs' raw messages match): raw round trips from rank 0 to every
 /// peer, rank 0's raw throughput to rank 1 and a raw exchange (every rank 4 bytes to every other)
 /// over the same links the collectives use, then a SUM all_reduce forward + backward of 4 B and
-/// 1 MiB (on a WebGPU tab also with CPU tensors: the GPU path as a multiple of the CPU path); each
-/// collective figure beside its link's (the small one in round trips and in raw exchanges, the
-/// large one's bus bandwidth as a fraction of the raw throughput). Every tab gets rank 0's table.
+/// 1 MiB (on a WebGPU tab also with CPU tensors: the GPU path as a multiple of the CPU path; the
+/// 4 B one with each small all_reduce algorithm, the room's and the other, so each is a multiple
+/// of the exchange measured beside it); each collective figure beside its link's (the small one
+/// in round trips and in raw exchanges, the large one's bus bandwidth as a fraction of the raw
+/// throughput). Every tab gets rank 0's table.
 pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value> {
     let comm = app.comm.as_ref().ok_or_else(|| {
         Error::Input("the room benchmark needs tabs (not single-tab mode)".into())
@@ -188,34 +190,70 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
     if !matches!(app.device, Device::Cpu) {
         devices.push(Device::Cpu);
     }
+    // The small size also runs with the other small all_reduce algorithm, in the same turns.
+    let room_small = comm.small_all_reduce();
+    let small_algos: Vec<SmallAllReduce> = std::iter::once(room_small)
+        .chain(SmallAllReduce::ALL.into_iter().filter(|&a| a != room_small))
+        .collect();
+    // The large size's algorithm, as `P2p::all_reduce` chooses it.
+    let large_algo = match comm.options().all_reduce {
+        AllReduceAlgo::Auto if t.shares_memory() => AllReduceAlgo::Shared.name(),
+        AllReduceAlgo::Auto => AllReduceAlgo::Ring.name(),
+        a => a.name(),
+    };
     let mut collectives = Vec::new();
     for numel in BENCH_SIZES {
-        let warmup = if numel == BENCH_SIZES[0] {
+        let small = numel == BENCH_SIZES[0];
+        let warmup = if small {
             BENCH_WARMUP
         } else {
             BENCH_WARMUP_LARGE
         };
-        let xs = devices
+        let algos = if small {
+            &small_algos[..]
+        } else {
+            &small_algos[..1]
+        };
+        let runs: Vec<(Tensor, &Device, SmallAllReduce)> = devices
             .iter()
-            .map(|dev| Tensor::from_vec(vec![1.0; numel], &[numel])?.to_device(dev))
-            .collect::<Result<Vec<_>>>()?;
-        let mut times = vec![Vec::with_capacity(warmup + BENCH_REPS); devices.len()];
-        for _ in 0..warmup + BENCH_REPS {
-            for (x, times) in xs.iter().zip(&mut times) {
-                comm.barrier(&group).await?;
-                let t0 = now_ms();
-                let tape = Tape::new();
-                let xv = tape.var(x.clone());
-                let y = dist::all_reduce(comm, &xv, ReduceOp::Sum, &group).await?;
-                let loss = y.sum()?;
-                tape.backward(&loss, comm).await?.wrt(&xv)?;
-                finished(&loss.value()).await?;
-                times.push(now_ms() - t0);
+            .flat_map(|dev| algos.iter().map(move |&a| (dev, a)))
+            .map(|(dev, a)| {
+                Ok((
+                    Tensor::from_vec(vec![1.0; numel], &[numel])?.to_device(dev)?,
+                    dev,
+                    a,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        let mut times = vec![Vec::with_capacity(warmup + BENCH_REPS); runs.len()];
+        let timed_runs = async {
+            for _ in 0..warmup + BENCH_REPS {
+                for ((x, _, algo), times) in runs.iter().zip(&mut times) {
+                    comm.set_small_all_reduce(*algo);
+                    comm.barrier(&group).await?;
+                    let t0 = now_ms();
+                    let tape = Tape::new();
+                    let xv = tape.var(x.clone());
+                    let y = dist::all_reduce(comm, &xv, ReduceOp::Sum, &group).await?;
+                    let loss = y.sum()?;
+                    tape.backward(&loss, comm).await?.wrt(&xv)?;
+                    finished(&loss.value()).await?;
+                    times.push(now_ms() - t0);
+                }
             }
+            Ok::<(), Error>(())
         }
+        .await;
+        comm.set_small_all_reduce(room_small);
+        timed_runs?;
         comm.take_calls();
-        for (dev, times) in devices.iter().zip(times) {
-            collectives.push((numel, device_label(dev), median(timed(times, warmup))));
+        for ((_, dev, algo), times) in runs.iter().zip(times) {
+            collectives.push((
+                numel,
+                device_label(dev),
+                if small { algo.name() } else { large_algo },
+                median(timed(times, warmup)),
+            ));
         }
     }
     // Rank 0's table goes to every tab.
@@ -225,12 +263,19 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
             rtt.iter().filter_map(|r| r["ms"].as_f64()).sum::<f64>() / rtt.len().max(1) as f64;
         let rows: Vec<serde_json::Value> = collectives
             .iter()
-            .map(|&(numel, device, ms)| {
+            .map(|&(numel, device, algo, ms)| {
                 let bytes = numel * 4;
                 let cpu_ms = collectives
                     .iter()
-                    .find(|c| c.0 == numel && c.1 == "cpu")
-                    .map(|c| c.2);
+                    .find(|c| c.0 == numel && c.1 == "cpu" && c.2 == algo)
+                    .map(|c| c.3);
+                // A small row over the exchange's beside it (same size and device).
+                let exchange_algo_ms = collectives
+                    .iter()
+                    .find(|c| {
+                        c.0 == numel && c.1 == device && c.2 == SmallAllReduce::Exchange.name()
+                    })
+                    .map(|c| c.3);
                 // Bus bandwidth of an all_reduce (nccl-tests): 2(n−1)/n of the bytes per rank,
                 // twice (forward and backward).
                 let bus = 2.0 * 2.0 * (world as f64 - 1.0) / world as f64 * bytes as f64;
@@ -238,8 +283,12 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
                 serde_json::json!({
                     "bytes": bytes,
                     "device": device,
+                    "algo": algo,
+                    // The algorithm the room uses for this size (the other small one is a baseline).
+                    "room_algo": algo == large_algo || algo == room_small.name(),
                     "ms": ms,
                     "of_cpu": cpu_ms.map(|c| ms / c),
+                    "of_exchange_algo": exchange_algo_ms.map(|e| ms / e),
                     "round_trips": ms / mean_rtt,
                     // forward and backward: two exchanges' worth of messages
                     "of_exchange": exchange_ms.map(|e| ms / (2.0 * e)),
@@ -325,15 +374,24 @@ pub(super) fn show_bench(v: &serde_json::Value) {
     ));
     html.push_str(
         "<table class=\"values\"><thead><tr><th scope=\"col\">all_reduce(SUM), forward + backward</th>\
-         <th scope=\"col\">tensors on</th><th scope=\"col\">ms (median)</th><th scope=\"col\">× the CPU's</th><th scope=\"col\">round trips</th><th scope=\"col\">× 2 raw exchanges</th>\
+         <th scope=\"col\">tensors on</th><th scope=\"col\">algorithm</th><th scope=\"col\">ms (median)</th><th scope=\"col\">× the exchange's</th><th scope=\"col\">× the CPU's</th><th scope=\"col\">round trips</th><th scope=\"col\">× 2 raw exchanges</th>\
          <th scope=\"col\">bus bandwidth MiB/s</th><th scope=\"col\">of the raw link</th></tr></thead><tbody>",
     );
     for r in v["all_reduce_fwd_bwd"].as_array().into_iter().flatten() {
+        // The algorithm; the room's marked where the other small one is measured beside it.
+        let algo = r["algo"].as_str().unwrap_or("—");
+        let algo = if r["room_algo"].as_bool() == Some(true) && r["of_exchange_algo"].is_number() {
+            format!("{algo} (the room's)")
+        } else {
+            algo.to_string()
+        };
         html.push_str(&format!(
-            "<tr><th scope=\"row\">{} B</th><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            "<tr><th scope=\"row\">{} B</th><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
             r["bytes"],
             if r["device"] == "gpu" { "WebGPU" } else { "CPU" },
+            esc(&algo),
             num(&r["ms"], 2),
+            num(&r["of_exchange_algo"], 2),
             num(&r["of_cpu"], 2),
             num(&r["round_trips"], 1),
             num(&r["of_exchange"], 1),

@@ -72,7 +72,7 @@ use wasm_bindgen_futures::{JsFuture, spawn_local};
 use web_sys::{Document, HtmlElement, HtmlInputElement, HtmlSelectElement};
 
 use crate::backend::{Choice, Device};
-use crate::collective::{Communicator, P2p, ReduceOp};
+use crate::collective::{AllReduceAlgo, Communicator, P2p, ReduceOp, SmallAllReduce};
 use crate::error::{Error, Result};
 use crate::lesson::{self, Lesson, LessonKind, Phase, Trace};
 use crate::transport::browser::{BrowserTransport, LinkKind, Links, NetEvent, PORT_HUB, WebJoin};
@@ -343,7 +343,7 @@ async fn run() -> Result<()> {
         // One readback per reduction instead of one per ring step: 1 MiB all_reduce forward +
         // backward on WebGPU (SwiftShader, 4 tabs) 104-106 ms against 122-128 ms folding on the GPU.
         fold_on_device: false,
-        ..vjp::case_options()
+        ..vjp::room_options()
     };
     let app = Rc::new(App {
         comm: Some(P2p::new(t, opts)),
