@@ -19,8 +19,22 @@ fn assert_mismatch<T: std::fmt::Debug>(
     call_a: &str,
     call_b: &str,
 ) {
+    let all: Vec<usize> = (0..results.len()).collect();
+    assert_mismatch_among(results, &all, call_a, call_b);
+}
+
+/// [`assert_mismatch`] over the ranks `among` only (index = global rank; the others made no call).
+fn assert_mismatch_among<T: std::fmt::Debug>(
+    results: &[distgrad::Result<T>],
+    among: &[usize],
+    call_a: &str,
+    call_b: &str,
+) {
     let mut mismatches = 0;
     for (r, res) in results.iter().enumerate() {
+        if !among.contains(&r) {
+            continue;
+        }
         match res {
             Ok(v) => panic!("rank {r} succeeded with {v:?} despite mismatched calls"),
             Err(Error::Mismatch {
@@ -472,6 +486,45 @@ impl distgrad::transport::Transport for Counting {
     }
 }
 
+/// One SUM all_reduce of `numel` copies of `rank + 1` on `world` in-process ranks with `opts`,
+/// counting what each rank sends: per rank, its result and its (signature, data) messages.
+fn counted_all_reduce(
+    world: usize,
+    numel: usize,
+    opts: &CommOptions,
+) -> Vec<(Vec<f32>, (usize, usize))> {
+    let ts = distgrad::transport::local::LocalTransport::world(world);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = ts
+            .into_iter()
+            .map(|t| {
+                let opts = opts.clone();
+                s.spawn(move || {
+                    let comm = distgrad::P2p::new(
+                        Counting {
+                            inner: t,
+                            sent: Default::default(),
+                        },
+                        opts,
+                    );
+                    let r = comm.rank();
+                    let x = Tensor::full(&[numel], r as f32 + 1.0);
+                    let y = futures::executor::block_on(comm.all_reduce(
+                        &x,
+                        ReduceOp::Sum,
+                        &comm.world(),
+                    ))
+                    .unwrap();
+                    let sent = comm.transport().sent.borrow().clone();
+                    let count = |ch| sent.get(ch).copied().unwrap_or(0);
+                    (y.to_vec(), (count("sig"), count("data")))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// A small all_reduce is one message from every rank to every other: the signature rides with the
 /// data to the ring successor (world - 1 messages per rank and call, the first of them on the
 /// signature channel); a large one (the ring) sends its signature on its own, before the data.
@@ -480,46 +533,15 @@ impl distgrad::transport::Transport for Counting {
 fn a_small_all_reduce_sends_one_message_per_peer() {
     for world in [2, 3, 4, 7] {
         for (numel, sigs, data) in [(1, 1, world - 2), (40_000, 1, 2 * (world - 1))] {
-            let ts = distgrad::transport::local::LocalTransport::world(world);
-            let res: Vec<_> = std::thread::scope(|s| {
-                let hs: Vec<_> = ts
-                    .into_iter()
-                    .map(|t| {
-                        s.spawn(move || {
-                            let comm = distgrad::P2p::new(
-                                Counting {
-                                    inner: t,
-                                    sent: Default::default(),
-                                },
-                                CommOptions::for_network(),
-                            );
-                            let r = comm.rank();
-                            let x = Tensor::full(&[numel], r as f32 + 1.0);
-                            let y = futures::executor::block_on(comm.all_reduce(
-                                &x,
-                                ReduceOp::Sum,
-                                &comm.world(),
-                            ))
-                            .unwrap();
-                            let sent = comm.transport().sent.borrow().clone();
-                            (y.to_vec(), sent)
-                        })
-                    })
-                    .collect();
-                hs.into_iter().map(|h| h.join().unwrap()).collect()
-            });
+            let res = counted_all_reduce(world, numel, &CommOptions::for_network());
             let want = (world * (world + 1) / 2) as f32;
             for (r, (y, sent)) in res.iter().enumerate() {
                 assert!(
                     y.iter().all(|&v| v == want),
                     "world {world} rank {r}: {y:?}"
                 );
-                let got = (
-                    sent.get("sig").copied().unwrap_or(0),
-                    sent.get("data").copied().unwrap_or(0),
-                );
                 assert_eq!(
-                    got,
+                    *sent,
                     (sigs, data),
                     "world {world} numel {numel} rank {r}: (signature, data) messages sent"
                 );
@@ -543,24 +565,34 @@ fn star_opts(timeout_ms: u64) -> CommOptions {
 fn star_all_reduce_mismatches_fail_everywhere_wherever_the_odd_rank_sits() {
     for world in [3, 4, 5] {
         for odd in 0..world {
-            // Another collective: a broadcast whose tree never sends to the star's root.
-            let res = run_local(world, star_opts(30_000), |comm| async move {
-                let x = Tensor::vector(&[1.0, 2.0]);
-                let g = comm.world();
-                if comm.rank() == odd {
-                    comm.broadcast(&x, odd, &g).await
-                } else {
-                    comm.all_reduce(&x, ReduceOp::Sum, &g).await
-                }
-            });
-            assert_mismatch(&res, "broadcast(root=", "all_reduce(op=sum");
-            // Another shape, small on both sides (star against star).
-            let res = run_local(world, star_opts(30_000), |comm| async move {
-                let n = if comm.rank() == odd { 3 } else { 4 };
-                comm.all_reduce(&Tensor::zeros(&[n]), ReduceOp::Sum, &comm.world())
-                    .await
-            });
-            assert_mismatch(&res, "shape=[3]", "shape=[4]");
+            // Other rooted collectives at the odd rank: a broadcast (its tree reaches the star's
+            // root only for some positions), a reduce, a gather (the root receives from all).
+            for kind in ["broadcast", "reduce", "gather"] {
+                let res = run_local(world, star_opts(30_000), |comm| async move {
+                    let x = Tensor::vector(&[1.0, 2.0]);
+                    let g = comm.world();
+                    if comm.rank() != odd {
+                        return comm.all_reduce(&x, ReduceOp::Sum, &g).await.map(drop);
+                    }
+                    match kind {
+                        "broadcast" => comm.broadcast(&x, odd, &g).await.map(drop),
+                        "reduce" => comm.reduce(&x, odd, ReduceOp::Sum, &g).await.map(drop),
+                        _ => comm.gather(&x, odd, &g).await.map(drop),
+                    }
+                });
+                assert_mismatch(&res, &format!("{kind}("), "all_reduce(op=sum");
+            }
+            // Another shape, small on both sides (star against star); also in sizes from
+            // `SPLIT_BYTES` (16 KiB) up, below the ring's 64 KiB, where the signature goes on its
+            // own before the data.
+            for (a, b) in [(3, 4), (5000, 5001)] {
+                let res = run_local(world, star_opts(30_000), |comm| async move {
+                    let n = if comm.rank() == odd { a } else { b };
+                    comm.all_reduce(&Tensor::zeros(&[n]), ReduceOp::Sum, &comm.world())
+                        .await
+                });
+                assert_mismatch(&res, &format!("shape=[{a}]"), &format!("shape=[{b}]"));
+            }
             // Another shape, large on one side: the ring (messages only to its successor) against
             // the star, both ways round.
             for (mine, others) in [(100_000, 10), (10, 100_000)] {
@@ -615,47 +647,17 @@ fn star_all_reduce_mismatches_fail_everywhere_wherever_the_odd_rank_sits() {
 /// and bitwise those of the exchange for values whose sum depends on the order of additions.
 #[test]
 fn a_small_star_all_reduce_sends_two_messages_per_rank_and_matches_the_exchange() {
+    let star = CommOptions {
+        small_all_reduce: SmallAllReduce::Star,
+        ..CommOptions::for_network()
+    };
     for world in [2, 3, 4, 7] {
-        let ts = distgrad::transport::local::LocalTransport::world(world);
-        let res: Vec<_> = std::thread::scope(|s| {
-            let hs: Vec<_> = ts
-                .into_iter()
-                .map(|t| {
-                    s.spawn(move || {
-                        let comm = distgrad::P2p::new(
-                            Counting {
-                                inner: t,
-                                sent: Default::default(),
-                            },
-                            CommOptions {
-                                small_all_reduce: SmallAllReduce::Star,
-                                ..CommOptions::for_network()
-                            },
-                        );
-                        let r = comm.rank();
-                        let x = Tensor::full(&[3], r as f32 + 1.0);
-                        let y = futures::executor::block_on(comm.all_reduce(
-                            &x,
-                            ReduceOp::Sum,
-                            &comm.world(),
-                        ))
-                        .unwrap();
-                        let sent = comm.transport().sent.borrow().clone();
-                        (y.to_vec(), sent)
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let res = counted_all_reduce(world, 3, &star);
         let want = (world * (world + 1) / 2) as f32;
         for (r, (y, sent)) in res.iter().enumerate() {
             assert!(
                 y.iter().all(|&v| v == want),
                 "world {world} rank {r}: {y:?}"
-            );
-            let got = (
-                sent.get("sig").copied().unwrap_or(0),
-                sent.get("data").copied().unwrap_or(0),
             );
             let expected = match (world, r) {
                 (2, _) => (1, 0),
@@ -664,7 +666,7 @@ fn a_small_star_all_reduce_sends_two_messages_per_rank_and_matches_the_exchange(
                 _ => (0, 1),
             };
             assert_eq!(
-                got, expected,
+                *sent, expected,
                 "world {world} rank {r}: (signature, data) messages sent"
             );
         }
@@ -703,4 +705,67 @@ fn small_all_reduce_names_parse() {
         e.contains("\"tree\"") && e.contains("exchange, star"),
         "{e}"
     );
+}
+
+/// On a subgroup the star's root is group rank 0, here global rank 4 of 5; global rank 1 is no
+/// member and makes no call. One member (each in turn) calls with another op: every member fails
+/// with the mismatch.
+#[test]
+fn star_all_reduce_mismatch_on_a_subgroup() {
+    const MEMBERS: [usize; 4] = [4, 2, 0, 3];
+    for odd in MEMBERS {
+        let res = run_local(5, star_opts(30_000), |comm| async move {
+            let g = comm.new_group(&MEMBERS)?;
+            if !MEMBERS.contains(&comm.rank()) {
+                return Ok(None);
+            }
+            let op = if comm.rank() == odd {
+                ReduceOp::Max
+            } else {
+                ReduceOp::Sum
+            };
+            comm.all_reduce(&Tensor::zeros(&[2]), op, &g)
+                .await
+                .map(Some)
+        });
+        assert!(
+            matches!(res[1], Ok(None)),
+            "rank 1 is no member: {:?}",
+            res[1]
+        );
+        assert_mismatch_among(&res, &MEMBERS, "op=sum", "op=max");
+    }
+}
+
+/// A star all_reduce of 5000 floats (20 KB: at least `SPLIT_BYTES`, below the ring threshold):
+/// the root's result goes to its successor after a signature message of its own, as does rank
+/// n-1's tensor to the root; every other message (the other ranks' tensors to the root, the
+/// root's result to the ranks after its successor) goes as a signature prefix message followed by
+/// the payload untouched. Results as computed by hand.
+#[test]
+fn a_star_all_reduce_of_split_size_sends_its_signatures_apart() {
+    let star = CommOptions {
+        small_all_reduce: SmallAllReduce::Star,
+        ..CommOptions::for_network()
+    };
+    for world in [3, 4, 6] {
+        let res = counted_all_reduce(world, 5000, &star);
+        let want = (world * (world + 1) / 2) as f32;
+        for (r, (y, sent)) in res.iter().enumerate() {
+            assert!(
+                y.len() == 5000 && y.iter().all(|&v| v == want),
+                "world {world} rank {r}: {:?}",
+                &y[..4]
+            );
+            let expected = match r {
+                0 => (1, 1 + 2 * (world - 2)),
+                r if r == world - 1 => (1, 1),
+                _ => (0, 2),
+            };
+            assert_eq!(
+                *sent, expected,
+                "world {world} rank {r}: (signature, data) messages sent"
+            );
+        }
+    }
 }

@@ -7,12 +7,15 @@
 //! (sent first, so checked before the data); messages from any other rank carry the sender's
 //! signature as a prefix. Because every rank checks its predecessor, any disagreement anywhere in
 //! the group is seen by at least one rank, which aborts the rest. An algorithm whose messages
-//! all go through one rank checks at the ends of that star instead (`Call::star`).
+//! all go through one rank checks at the ends of that star instead (`Call::star`): there the
+//! ranks other than the root announce nothing to a successor that is not the root, wait for no
+//! predecessor that is not the root, and the root announces with its first message only.
 //!
 //! The signature message goes out with the call's first message to the successor when that is
 //! small (a direct exchange's data: one message fewer per rank and call), else on its own before
-//! this rank sends anything else or waits on anyone. Format: `[u32 length | INLINE][signature]`
-//! then, with its inline flag (the length word's top bit), the first data message to the successor.
+//! this rank sends anything else or (except a star's root) waits on anyone. Format:
+//! `[u32 length | INLINE][signature]` then, with its inline flag (the length word's top bit), the
+//! first data message to the successor.
 
 use std::cell::Cell;
 use std::future::Future;
@@ -72,7 +75,8 @@ pub(crate) struct Call<'a, T: Transport> {
     /// The predecessor's first data message, when it came inside its signature message.
     inline: std::cell::RefCell<Option<Bytes>>,
     /// The predecessor sends no signature in this call ([`Call::star`]): one that comes anyway
-    /// is checked (it can only disagree), none is waited for.
+    /// is checked (it can only disagree), none is waited for, and the predecessor's leaving is
+    /// not this rank's error (the root, which waits for its data, fails and aborts the rest).
     pred_silent: Cell<bool>,
     /// A star's root: the signature goes with the first message to the successor, not on its
     /// own before the root's first wait ([`Call::star`]).
@@ -162,7 +166,8 @@ impl<'a, T: Transport> Call<'a, T> {
     }
 
     /// Announce the signature on its own unless it went already: before this rank sends anything
-    /// but a small first message to its successor, or waits on any peer.
+    /// but a small first message to its successor, or waits on any peer (a star's root excepted:
+    /// [`Call::star`]).
     pub(super) async fn announce(&self) -> Result<()> {
         self.announce_with(None).await
     }

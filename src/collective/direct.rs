@@ -39,9 +39,10 @@ pub(crate) async fn all_reduce<T: Transport>(
 /// Star all_reduce for small payloads (group size ≥ 3): every rank sends `x` to group rank 0,
 /// which folds the `n` tensors in rank order and sends the result to every rank. `2(n-1)`
 /// messages in two rounds instead of the exchange's `n(n-1)` in one. The signatures travel with
-/// the data and are checked at the ends of the star ([`Call::star`]): the root sees every rank's
-/// call before it sends anything, so a mismatch anywhere fails the root, whose abort then fails
-/// the others while they wait for the result.
+/// the data and are checked at the ends of the star ([`Call::star`]): the root checks every
+/// rank's call before it sends anything, so no rank uses a result of mismatched calls. A rank in
+/// another collective is caught by the root (if it sent the root its data) or by its successor
+/// (which races its announcement); whoever sees it aborts the rest.
 pub(crate) async fn all_reduce_star<T: Transport>(
     call: &Call<'_, T>,
     x: &Tensor,

@@ -1,9 +1,10 @@
 //! [`P2p`]: every collective built from a [`Transport`]'s point-to-point messages.
 //!
-//! A call runs in three steps: `P2p::begin` numbers it in its group and sends this rank's
-//! [`CallSig`] to the ring successor; the algorithm exchanges data through `Call::send` /
-//! `Call::recv`, which check signatures before any byte is used and bound every wait by the
-//! timeout; `P2p::finish` waits for the predecessor's signature if it has not come yet. Every
+//! A call runs in three steps: `P2p::begin` numbers it in its group (its [`CallSig`] goes to the
+//! ring successor with the call's first message); the algorithm exchanges data through
+//! `Call::send` / `Call::recv`, which check signatures before any byte is used and bound every
+//! wait by the timeout; `P2p::finish` waits for the predecessor's signature if it has not come yet
+//! (unless the algorithm checks elsewhere: the star's ranks check only the root's). Every
 //! collective runs inside `guarded`, which on any error (bad argument included) aborts the
 //! transport once, so that every other rank fails too (never a hang, never garbage).
 //!
@@ -262,7 +263,8 @@ impl<T: Transport> P2p<T> {
         ))
     }
 
-    /// End a call: on success make sure the predecessor's signature was checked.
+    /// End a call: on success make sure the predecessor's signature was checked (where the call
+    /// checks it: see `Call::star`).
     pub(crate) async fn finish<R>(&self, call: Call<'_, T>, r: Result<R>) -> Result<R> {
         let v = r?;
         call.check_pred().await?;

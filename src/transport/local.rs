@@ -2,7 +2,7 @@
 //! other's [`Mailbox`]. Payloads move by reference count, so sending a chunk of a CPU tensor copies
 //! nothing.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 
@@ -13,6 +13,9 @@ use crate::error::{Error, Result};
 pub struct LocalTransport {
     rank: usize,
     boxes: Arc<Vec<Mailbox>>,
+    /// Held while an abort poisons every mailbox and while a leaving rank marks itself gone in
+    /// them, so that no rank can see a peer leave, aborted, before it sees the abort.
+    world_lock: Arc<Mutex<()>>,
 }
 
 impl LocalTransport {
@@ -23,10 +26,12 @@ impl LocalTransport {
                 .map(|r| Mailbox::new(r, world))
                 .collect::<Vec<_>>(),
         );
+        let world_lock = Arc::new(Mutex::new(()));
         (0..world)
             .map(|rank| LocalTransport {
                 rank,
                 boxes: boxes.clone(),
+                world_lock: world_lock.clone(),
             })
             .collect()
     }
@@ -34,6 +39,7 @@ impl LocalTransport {
 
 impl Drop for LocalTransport {
     fn drop(&mut self) {
+        let _world = self.world_lock.lock().unwrap_or_else(|e| e.into_inner());
         for (r, b) in self.boxes.iter().enumerate() {
             if r != self.rank {
                 b.peer_gone(self.rank);
@@ -71,16 +77,20 @@ impl Transport for LocalTransport {
     }
 
     async fn abort(&self, reason: &str) {
-        // Every peer's mailbox is poisoned before any peer wakes: a woken rank may fail, return
-        // and drop its transport at once, and a rank not yet told must not see that leave
-        // (a lost peer) instead of the abort.
+        // Every peer's mailbox is poisoned before any peer is woken, and under the world's lock:
+        // a rank told first may fail, return and drop its transport at once (a running one need
+        // not be woken), and a rank not yet told must not see that leave (a lost peer) instead of
+        // the abort.
         let mut wake = Vec::new();
-        for (r, b) in self.boxes.iter().enumerate() {
-            if r != self.rank {
-                wake.extend(b.abort_deferred(self.rank, reason));
+        {
+            let _world = self.world_lock.lock().unwrap_or_else(|e| e.into_inner());
+            for (r, b) in self.boxes.iter().enumerate() {
+                if r != self.rank {
+                    wake.extend(b.abort_deferred(self.rank, reason));
+                }
             }
+            self.boxes[self.rank].abort_local(reason);
         }
-        self.boxes[self.rank].abort_local(reason);
         for w in wake {
             w.wake();
         }

@@ -155,8 +155,7 @@ impl Mailbox {
 
     /// A peer's abort (as [`Mailbox::deliver`] of an abort message), but the receives it fails
     /// are not woken yet: their wakers are returned. A transport that reaches every mailbox at
-    /// once (the in-process one) poisons them all before it wakes any, so no rank can see a peer
-    /// leave, aborted, before it sees the abort itself.
+    /// once (the in-process one) poisons them all before it wakes any.
     pub fn abort_deferred(&self, src: usize, reason: &str) -> Vec<std::task::Waker> {
         let mut inner = self.lock();
         if inner.poison.is_none() {

@@ -276,19 +276,21 @@ async function main() {
       else if (t.all_reduce_fwd_bwd.length !== (t.device === 'gpu' ? 6 : 3) || !t.all_reduce_fwd_bwd.every((r) => pos(r.ms) && pos(r.busbw_mibs))) fail(`room benchmark: rows ${JSON.stringify(t.all_reduce_fwd_bwd)}`);
       else if (JSON.stringify(t.all_reduce_fwd_bwd.filter((r) => r.device === t.device).map((r) => [r.bytes, r.algo, r.room_algo])) !== JSON.stringify([[4, 'star', true], [4, 'exchange', false], [1048576, 'ring', true]])) fail(`room benchmark: the rows' sizes and algorithms ${JSON.stringify(t.all_reduce_fwd_bwd.map((r) => [r.bytes, r.device, r.algo, r.room_algo]))}`);
       else {
-        // Each ratio is its figure over its own link's, measured in the same run.
+        // Each ratio is its figure over its own link's, measured in the same run. (`near` is false
+        // for a missing ratio: NaN compares false.)
+        const near = (got, want) => Math.abs(got - want) <= 1e-9 * Math.abs(want);
         for (const r of t.all_reduce_fwd_bwd) {
-          if (Math.abs(r.round_trips - r.ms / t.mean_round_trip_ms) > 1e-9 * r.round_trips) fail(`room benchmark: ${r.bytes} B: round trips ${r.round_trips} != ${r.ms} / ${t.mean_round_trip_ms}`);
-          if (Math.abs(r.of_exchange - r.ms / (2 * t.exchange_ms)) > 1e-9 * r.of_exchange) fail(`room benchmark: ${r.bytes} B: of_exchange ${r.of_exchange} != ${r.ms} / (2 * ${t.exchange_ms})`);
-          if (Math.abs(r.of_raw - r.busbw_mibs / t.raw_mibs_0_to_1) > 1e-9 * r.of_raw) fail(`room benchmark: ${r.bytes} B: of_raw ${r.of_raw} != ${r.busbw_mibs} / ${t.raw_mibs_0_to_1}`);
+          if (!near(r.round_trips, r.ms / t.mean_round_trip_ms)) fail(`room benchmark: ${r.bytes} B: round trips ${r.round_trips} != ${r.ms} / ${t.mean_round_trip_ms}`);
+          if (!near(r.of_exchange, r.ms / (2 * t.exchange_ms))) fail(`room benchmark: ${r.bytes} B: of_exchange ${r.of_exchange} != ${r.ms} / (2 * ${t.exchange_ms})`);
+          if (!near(r.of_raw, r.busbw_mibs / t.raw_mibs_0_to_1)) fail(`room benchmark: ${r.bytes} B: of_raw ${r.of_raw} != ${r.busbw_mibs} / ${t.raw_mibs_0_to_1}`);
         }
         // On a WebGPU tab every size also runs with CPU tensors: of_cpu is the ratio of the two.
         for (const r of t.all_reduce_fwd_bwd) {
           const cpu = t.all_reduce_fwd_bwd.find((c) => c.bytes === r.bytes && c.algo === r.algo && c.device === 'cpu');
-          if (!cpu || Math.abs(r.of_cpu - r.ms / cpu.ms) > 1e-9 * r.of_cpu) fail(`room benchmark: ${r.bytes} B ${r.algo} on ${r.device}: of_cpu ${r.of_cpu} != ${r.ms} / ${cpu?.ms}`);
+          if (!cpu || !near(r.of_cpu, r.ms / cpu.ms)) fail(`room benchmark: ${r.bytes} B ${r.algo} on ${r.device}: of_cpu ${r.of_cpu} != ${r.ms} / ${cpu?.ms}`);
           // A small row over the exchange measured beside it (same device); none for the large one.
           const ex = t.all_reduce_fwd_bwd.find((c) => c.bytes === 4 && c.algo === 'exchange' && c.device === r.device);
-          if (r.bytes === 4 ? Math.abs(r.of_exchange_algo - r.ms / ex.ms) > 1e-9 * r.of_exchange_algo : r.of_exchange_algo !== null) fail(`room benchmark: ${r.bytes} B ${r.algo} on ${r.device}: of_exchange_algo ${r.of_exchange_algo} (exchange ${ex?.ms} ms)`);
+          if (r.bytes === 4 ? !ex || !near(r.of_exchange_algo, r.ms / ex.ms) : r.of_exchange_algo !== null) fail(`room benchmark: ${r.bytes} B ${r.algo} on ${r.device}: of_exchange_algo ${r.of_exchange_algo} (exchange ${ex?.ms} ms)`);
         }
         const [small, smallEx, large] = t.all_reduce_fwd_bwd.filter((r) => r.device === t.device);
         figures[`room_bench_${NET}`] = { round_trip_ms: t.mean_round_trip_ms, raw_mibs: t.raw_mibs_0_to_1, small_algo: small.algo, small_ms: small.ms, small_round_trips: small.round_trips, exchange_ms: t.exchange_ms, small_of_exchange: small.of_exchange, small_exchange_algo_ms: smallEx.ms, small_of_exchange_algo: small.of_exchange_algo, large_ms: large.ms, large_busbw_mibs: large.busbw_mibs, large_of_raw: large.of_raw, small_of_cpu: small.of_cpu, large_of_cpu: large.of_cpu };

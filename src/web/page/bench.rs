@@ -190,11 +190,18 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
     if !matches!(app.device, Device::Cpu) {
         devices.push(Device::Cpu);
     }
-    // The small size also runs with the other small all_reduce algorithm, in the same turns.
-    let room_small = comm.small_all_reduce();
-    let small_algos: Vec<SmallAllReduce> = std::iter::once(room_small)
-        .chain(SmallAllReduce::ALL.into_iter().filter(|&a| a != room_small))
-        .collect();
+    // The small size also runs with the other small all_reduce algorithm, in the same turns
+    // (from 3 ranks: two exchange whatever the setting, so there is no other to measure).
+    let configured = comm.small_all_reduce();
+    let (room_small, small_algos): (SmallAllReduce, Vec<SmallAllReduce>) = if world > 2 {
+        let others = SmallAllReduce::ALL.into_iter().filter(|&a| a != configured);
+        (
+            configured,
+            std::iter::once(configured).chain(others).collect(),
+        )
+    } else {
+        (SmallAllReduce::Exchange, vec![SmallAllReduce::Exchange])
+    };
     // The large size's algorithm, as `P2p::all_reduce` chooses it.
     let large_algo = match comm.options().all_reduce {
         AllReduceAlgo::Auto if t.shares_memory() => AllReduceAlgo::Shared.name(),
@@ -244,7 +251,7 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
             Ok::<(), Error>(())
         }
         .await;
-        comm.set_small_all_reduce(room_small);
+        comm.set_small_all_reduce(configured);
         timed_runs?;
         comm.take_calls();
         for ((_, dev, algo), times) in runs.iter().zip(times) {
@@ -377,10 +384,18 @@ pub(super) fn show_bench(v: &serde_json::Value) {
          <th scope=\"col\">tensors on</th><th scope=\"col\">algorithm</th><th scope=\"col\">ms (median)</th><th scope=\"col\">× the exchange's</th><th scope=\"col\">× the CPU's</th><th scope=\"col\">round trips</th><th scope=\"col\">× 2 raw exchanges</th>\
          <th scope=\"col\">bus bandwidth MiB/s</th><th scope=\"col\">of the raw link</th></tr></thead><tbody>",
     );
-    for r in v["all_reduce_fwd_bwd"].as_array().into_iter().flatten() {
+    let rows = v["all_reduce_fwd_bwd"]
+        .as_array()
+        .map_or(&[][..], Vec::as_slice);
+    // Whether another small algorithm than the room's was measured beside it (3 tabs or more).
+    let compared = rows.iter().any(|r| r["room_algo"].as_bool() == Some(false));
+    for r in rows {
         // The algorithm; the room's marked where the other small one is measured beside it.
         let algo = r["algo"].as_str().unwrap_or("—");
-        let algo = if r["room_algo"].as_bool() == Some(true) && r["of_exchange_algo"].is_number() {
+        let algo = if compared
+            && r["room_algo"].as_bool() == Some(true)
+            && r["of_exchange_algo"].is_number()
+        {
             format!("{algo} (the room's)")
         } else {
             algo.to_string()
