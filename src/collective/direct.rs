@@ -62,13 +62,13 @@ pub(crate) async fn all_reduce_star<T: Transport>(
             *p = Some(call.recv_exact(j, xb.len()).await?);
         }
     }
-    let out = Tensor::from_vec(fold(call, x.cpu()?, &parts, op), x.shape())?;
-    let ob = out.to_le_bytes()?;
+    // The folded values are sent and kept as they are: one buffer, no copy.
+    let ob = crate::pool::f32_bytes(fold(call, x.cpu()?, &parts, op));
     // The successor first: its message carries the root's signature (see `Call::star`).
     for k in 1..call.n {
         call.send((ROOT + k) % call.n, ob.clone()).await?;
     }
-    Ok(out)
+    Tensor::from_shared_le_bytes(ob, x.shape())
 }
 
 /// Pairwise all_reduce for large payloads (group size ≥ 2, at least one element per rank): rank
