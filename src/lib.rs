@@ -59,13 +59,16 @@
 //!   ([`run::run_interleaved`], also in a browser page).
 //! - `web` (wasm32): the rank page, one file per concern under `web/page/` (state, DOM helpers,
 //!   URL parameters, the tabs' control bus, ranks, free play, lessons, diagram, bench, test API).
-//! - [`vjp`]: the JSON case format and runner behind `distgrad vjp`.
-//! - [`program`]: programs — named inputs, local ops and collectives (each a
-//!   [`collective::Spec`]), a loss — in JSON, checked before they run, run on any communicator.
+//! - [`program`]: THE one description of work — named inputs, local ops and collectives (each a
+//!   [`collective::Spec`]), a loss — in JSON, checked before they run ([`program::Plan`]), run on
+//!   any communicator ([`program::run_rank`]).
+//! - [`vjp`]: the case format of `distgrad vjp`, a builder of one-collective programs, and the
+//!   built-in example of each collective.
 //! - [`gradcheck`](mod@gradcheck): the distributed gradient check (central differences of the
 //!   global objective, every rank re-running per coordinate) behind `distgrad gradcheck`.
-//! - [`lesson`]: the teaching demo's lessons (JSON in `www/lessons/`) and their traces, shown by
-//!   the page and printed by `distgrad run`; one file per lesson kind.
+//! - [`lesson`]: the teaching demo's lessons (JSON in `www/lessons/`): a program plus its
+//!   narrative and how it is shown, and their traces, shown by the page and printed by
+//!   `distgrad run`; one file per view. [`lesson::Work`] reads a program or a lesson file.
 //! - [`bench`](mod@bench): the benchmarks behind `distgrad bench`.
 //! - [`train`]: data-parallel training through the collectives' duals (`distgrad train`).
 //! - `rendezvous` (native): launcher variables (RANK, WORLD_SIZE, ...) and a TCP store for

@@ -92,9 +92,7 @@ async fn collectives_in_one_page_on_webgpu_match_the_cpu() {
         };
         for &op in ops {
             let root = if which.takes_root() { 2 } else { 0 };
-            let case = vjp::example_case_async(which, world, op, root, None)
-                .await
-                .unwrap();
+            let case = vjp::example_case(which, world, op, root, None).unwrap();
             let on_cpu = vjp::run_case_interleaved(&case, &Device::Cpu)
                 .await
                 .unwrap();
@@ -105,9 +103,7 @@ async fn collectives_in_one_page_on_webgpu_match_the_cpu() {
     // Hand-derived: all_reduce(MAX) of [r+1, 2(3-r)] over 3 ranks is [3, 6]; the gradient goes
     // to the holder of each maximum (rank 2 for element 0, rank 0 for element 1) with the summed
     // cotangent [1+1+1, 1+2+3].
-    let case = vjp::example_case_async(Kind::AllReduce, 3, ReduceOp::Max, 0, None)
-        .await
-        .unwrap();
+    let case = vjp::example_case(Kind::AllReduce, 3, ReduceOp::Max, 0, None).unwrap();
     let out = vjp::run_case_interleaved(&case, &gpu).await.unwrap();
     let v = |t: &vjp::TensorJson| t.data.iter().map(|x| x.unwrap()).collect::<Vec<f32>>();
     for r in 0..3 {

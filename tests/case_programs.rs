@@ -1,4 +1,4 @@
-//! A `distgrad vjp` case is a one-collective program ([`distgrad::program::from_case`]), and
+//! A `distgrad vjp` case is a one-collective program ([`distgrad::vjp::Case::program`]), and
 //! that program is what `vjp` runs: for every collective, reduce op, roots other than 0, worlds
 //! 1..8 and subgroups, the program's gradients and `vjp`'s outputs and gradients are bit for bit
 //! those of the case's collective called directly on a tape (`dist::call`, backward seeded with
@@ -10,7 +10,7 @@ use std::process::Command;
 
 use distgrad::collective::Spec;
 use distgrad::gradcheck::{Options, gradcheck_program};
-use distgrad::program::{Program, from_case, run_local};
+use distgrad::program::{Program, run_local};
 use distgrad::vjp::{self, COLLECTIVES, Case, CaseOutput, TensorJson};
 use distgrad::{CommOptions, Communicator, ReduceOp, Tape, Tensor, Var, dist};
 
@@ -208,7 +208,7 @@ fn every_example_case_is_a_program_with_the_same_gradients() {
         let want = direct(c);
         let got = vjp::run_case(c).unwrap_or_else(|e| panic!("{}: {e}", label(c)));
         same_as_direct(c, &got, &want);
-        let program = from_case(c).unwrap_or_else(|e| panic!("{}: {e}", label(c)));
+        let program = c.program().unwrap_or_else(|e| panic!("{}: {e}", label(c)));
         // One collective step, then only local steps.
         let collectives = serde_json::to_value(&program.steps)
             .expect("steps")
@@ -238,7 +238,7 @@ fn a_case_without_cotangents_is_the_sum_of_its_outputs() {
         c.cotangents = None;
         let want = direct(&c);
         same_as_direct(&c, &vjp::run_case(&c).expect("case"), &want);
-        let program = from_case(&c).expect("program");
+        let program = c.program().expect("program");
         assert!(
             program.inputs.iter().all(|i| i.grad),
             "{}: no cotangent constants",
@@ -269,7 +269,7 @@ fn a_case_without_cotangents_is_the_sum_of_its_outputs() {
 fn case_programs_pass_the_gradient_check() {
     let mut checked = 0;
     for c in cases().iter().filter(|c| c.world <= 4) {
-        let program = from_case(c).expect("program");
+        let program = c.program().expect("program");
         let plan = program.plan(None).expect("plan");
         let r = gradcheck_program(&plan, &Options::default()).expect("check");
         assert!(r.passed, "{}:\n{}", label(c), r.render());

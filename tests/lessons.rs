@@ -144,7 +144,7 @@ fn collective_lessons_equal_distgrad_vjp_and_name_the_dual() {
         let l = load(name);
         let t = simulate(&l, 3);
         assert_eq!(t.steps[3].collective.as_deref(), Some(dual), "{name}");
-        let case = futures::executor::block_on(lesson::lesson_case(&l, 3)).unwrap();
+        let case = lesson::lesson_case(&l, 3).unwrap();
         let out = vjp::run_case(&case).unwrap();
         for r in 0..3 {
             assert_eq!(
@@ -258,8 +258,8 @@ fn pipeline_parallel_hand_derived_and_backward_runs_send_recv() {
     };
     let l = load("pipeline_parallel");
     assert_eq!(
-        l.kind,
-        lesson::LessonKind::Program,
+        l.view,
+        lesson::View::Steps,
         "the pipeline is a program lesson"
     );
     for world in [1, 2, 3, 5, 8] {
@@ -384,7 +384,9 @@ fn data_parallel_replicas_stay_identical_and_the_loss_falls() {
     let l = load("data_parallel");
     for n in [1, 3, 5] {
         let t = simulate(&l, n);
-        let steps = l.steps.unwrap_or(20);
+        let lesson::View::Train { steps, lr } = l.view else {
+            panic!("data_parallel trains");
+        };
         assert_eq!(t.steps.len(), steps + 1);
         for st in &t.steps {
             let hashes: Vec<&str> = st
@@ -417,12 +419,7 @@ fn data_parallel_replicas_stay_identical_and_the_loss_falls() {
         // A single-device reference: full-batch gradient descent on every rank's data together
         // (the mean squared error over all n·8 samples, its gradient written out in f64) takes
         // the same steps as the ranks with their averaged gradients.
-        let plan = l
-            .program
-            .as_ref()
-            .expect("program")
-            .plan(Some(n))
-            .expect("plan");
+        let plan = l.program.plan(Some(n)).expect("plan");
         let (mut rows, mut ys) = (Vec::new(), Vec::new());
         for r in 0..n {
             let ins = plan.inputs(r);
@@ -444,7 +441,7 @@ fn data_parallel_replicas_stay_identical_and_the_loss_falls() {
                 }
             }
             for j in 0..3 {
-                wr[j] -= f64::from(l.lr.unwrap_or(0.3)) * g[j];
+                wr[j] -= f64::from(lr) * g[j];
             }
             let got = vals(&t, k, 0, "w");
             for j in 0..3 {
@@ -467,9 +464,9 @@ fn interleaved_and_threaded_ranks_give_the_same_trace() {
     ] {
         let l = load(name);
         let a = simulate(&l, 4);
-        let results = distgrad::run_local(4, vjp::case_options(), |comm| {
+        let results = distgrad::run_local(4, distgrad::CommOptions::recorded(), |comm| {
             let l = &l;
-            async move { lesson::run_rank(&comm, l, None).await }
+            async move { lesson::rank_trace(&comm, l, None).await }
         });
         let traces = results.into_iter().map(|r| r.unwrap()).collect();
         let b = lesson::assemble(&l, traces).unwrap();
@@ -570,8 +567,8 @@ fn run_prints_the_program_a_lesson_runs() {
     // A collective lesson's program is `distgrad vjp`'s case as a program.
     let p = print(dir.join("reduce.json").to_str().unwrap(), "5");
     let l = load("reduce");
-    let case = futures::executor::block_on(lesson::lesson_case(&l, 5)).unwrap();
-    let want = serde_json::to_value(distgrad::program::from_case(&case).unwrap()).unwrap();
+    let case = lesson::lesson_case(&l, 5).unwrap();
+    let want = serde_json::to_value(case.program().unwrap()).unwrap();
     assert_eq!(p, want);
 }
 
@@ -660,12 +657,7 @@ fn program_parameter_server_hand_derived() {
     let l = load("program_parameter_server");
     let world = 3;
     let t = simulate(&l, world);
-    let plan = l
-        .program
-        .as_ref()
-        .expect("a program")
-        .plan(Some(world))
-        .expect("plan");
+    let plan = l.program.plan(Some(world)).expect("plan");
     let get = |r: usize, i: usize| plan.inputs(r)[i].to_vec();
     let w0 = get(0, 0);
     let mut grad = [0.0f64; 3];
@@ -773,16 +765,20 @@ fn program_pipeline_hand_derived() {
 
 #[test]
 fn a_training_lesson_says_what_it_cannot_train() {
-    let lesson = |inputs: &str, lr: f32| {
-        let text = format!(
-            r#"{{"name": "t", "title": "t", "why": "w", "kind": "program", "steps": 3, "lr": {lr},
+    let text = |inputs: &str, lr: f32, extra: &str| {
+        format!(
+            r#"{{"name": "t", "title": "t", "why": "w", "kind": "program", "steps": 3, "lr": {lr}{extra},
                 "program": {{"world": 2, "inputs": [{inputs}],
                              "steps": [{{"op": "square", "in": ["w"], "out": "q"}},
                                        {{"op": "sum", "in": ["q"], "out": "loss"}}],
                              "loss": "loss"}}}}"#
-        );
-        lesson::parse(&text).unwrap_or_else(|e| panic!("{e}"))
+        )
     };
+    let lesson = |inputs: &str, lr: f32| {
+        lesson::parse(&text(inputs, lr, "")).unwrap_or_else(|e| panic!("{e}"))
+    };
+    // What the file itself gets wrong is refused as it is read.
+    let refused = |t: String| lesson::parse(&t).expect_err("refused").to_string();
     let err = |l: &Lesson| {
         futures::executor::block_on(lesson::run_simulated(l, 2, &Device::Cpu, &[]))
             .expect_err("refused")
@@ -799,14 +795,10 @@ fn a_training_lesson_says_what_it_cannot_train() {
         0.3,
     ));
     assert!(e.contains("training needs an input with gradient"), "{e}");
-    let e = err(&lesson(
-        r#"{"name": "w", "shape": [2], "value": [1, 2]}"#,
-        -1.0,
-    ));
+    let w = r#"{"name": "w", "shape": [2], "value": [1, 2]}"#;
+    let e = refused(text(w, -1.0, ""));
     assert!(e.contains("\"lr\" must be a positive number"), "{e}");
-    let mut both = lesson(r#"{"name": "w", "shape": [2], "value": [1, 2]}"#, 0.3);
-    both.compare_objectives = true;
-    let e = err(&both);
+    let e = refused(text(w, 0.3, r#", "compare_objectives": true"#));
     assert!(e.contains("do not go together"), "{e}");
     // Replicated values train: w -= 0.25 · 2w halves w every step (both ranks' gradients 2w).
     let t = simulate(
@@ -814,4 +806,104 @@ fn a_training_lesson_says_what_it_cannot_train() {
         2,
     );
     assert_eq!(vals(&t, 3, 1, "w"), [0.125, 0.25]);
+}
+
+/// A lesson is a program with its narrative: every shipped lesson, collective ones included,
+/// has a program whose gradients pass the distributed gradient check at worlds 2, 3 and 5 (the
+/// collective lessons' programs are their example cases made for each world).
+#[test]
+fn every_lesson_is_a_program_whose_gradients_check() {
+    use distgrad::gradcheck::{Options, gradcheck_program};
+    for name in all_names() {
+        let l = load(&name);
+        for world in [2, 3, 5] {
+            let plan = l
+                .plan_for(world)
+                .unwrap_or_else(|e| panic!("{name} on {world} ranks: {e}"));
+            assert_eq!(plan.world(), world);
+            let report = gradcheck_program(&plan, &Options::default())
+                .unwrap_or_else(|e| panic!("{name} on {world} ranks: {e}"));
+            assert_eq!(
+                report.verdict(),
+                "PASS",
+                "{name} on {world} ranks:\n{}",
+                report.render()
+            );
+        }
+    }
+}
+
+/// Files say what they are (`"format"`); files written before the field are read as they were
+/// (a `"kind"` makes a lesson), and a file whose format and contents disagree is refused with
+/// a message saying so.
+#[test]
+fn files_are_recognised_by_their_declared_format() {
+    use distgrad::lesson::Work;
+    let program = r#"{"world": 2, "inputs": [{"name": "x", "shape": [1]}],
+                      "steps": [{"op": "sum", "in": ["x"], "out": "loss"}], "loss": "loss"}"#;
+    let with = |text: &str, field: &str| text.replacen('{', &format!("{{{field}, "), 1);
+    let collective = r#"{"name": "c", "title": "t", "why": "w", "kind": "collective",
+                         "collective": "all_reduce", "op": "max", "world": 4}"#;
+    for (text, lesson) in [
+        (program.to_string(), false),
+        (with(program, r#""format": "program""#), false),
+        (collective.to_string(), true),
+        (with(collective, r#""format": "lesson""#), true),
+    ] {
+        match Work::parse(&text).unwrap_or_else(|e| panic!("{text}: {e}")) {
+            Work::Program(p) => {
+                assert!(!lesson, "{text}");
+                assert_eq!(p.world, 2);
+            }
+            Work::Lesson(l) => {
+                assert!(lesson, "{text}");
+                assert_eq!(l.world, 4);
+                // The short form is a one-collective program for the lesson's world.
+                assert_eq!(l.program.world, 4);
+                assert_eq!(
+                    l.program,
+                    lesson::lesson_case(&l, 4).unwrap().program().unwrap()
+                );
+            }
+        }
+    }
+    let refused = |text: String, want: &str| {
+        let e = Work::parse(&text).expect_err(&text).to_string();
+        assert!(e.contains(want), "{text}: expected {want:?} in {e}");
+    };
+    refused(
+        with(program, r#""format": "lesson""#),
+        "lesson JSON: unknown field `inputs`",
+    );
+    refused(
+        with(collective, r#""format": "program""#),
+        "program JSON: unknown field `name`",
+    );
+    refused(
+        with(program, r#""format": "recipe""#),
+        "unknown variant `recipe`",
+    );
+    assert!(
+        distgrad::program::Program::parse(&with(program, r#""format": "lesson""#))
+            .expect_err("a lesson")
+            .to_string()
+            .contains("is a lesson, not a program")
+    );
+    // A kind's fields belong to it.
+    refused(
+        with(collective, r#""steps": 3"#),
+        "are for kind \"program\"",
+    );
+    let inner = format!(r#""program": {program}"#);
+    refused(
+        with(collective, &inner),
+        "\"program\" is for kind \"program\" only",
+    );
+    let program_lesson =
+        format!(r#"{{"name": "p", "title": "t", "why": "w", "kind": "program", {inner}}}"#);
+    assert!(matches!(Work::parse(&program_lesson), Ok(Work::Lesson(_))));
+    refused(
+        with(&program_lesson, r#""op": "max""#),
+        "the short form of kind \"collective\"",
+    );
 }

@@ -892,6 +892,42 @@ fn gradcheck_over_processes_gives_the_in_process_report() {
     assert!(out.trim_end().ends_with("FAIL"));
 }
 
+/// Every command that takes a program takes a lesson file (its program: a collective lesson's
+/// example case for the world asked): `gradcheck`, `run --print-program`, `demo --program`, and
+/// the lesson's program printed by `run --print-program` checks the same as the lesson itself.
+#[test]
+fn commands_that_take_a_program_take_a_lesson() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/www/lessons/");
+    for name in ["all_reduce_max", "tensor_parallel", "data_parallel"] {
+        let path = format!("{dir}{name}.json");
+        let (code, report, err) = cli(&["gradcheck", &path, "--world", "4"]);
+        assert_eq!(code, Some(0), "{name}: {err}");
+        assert!(report.trim_end().ends_with("PASS"), "{name}: {report}");
+        let (code, printed, err) = cli(&["run", &path, "--world", "4", "--print-program"]);
+        assert_eq!(code, Some(0), "{name}: {err}");
+        let file =
+            std::env::temp_dir().join(format!("distgrad-{name}-{}.json", std::process::id()));
+        std::fs::write(&file, &printed).expect("write");
+        let file = file.to_string_lossy().into_owned();
+        let (code, again, err) = cli(&["gradcheck", &file]);
+        assert_eq!(code, Some(0), "{name}: {err}");
+        assert_eq!(
+            again, report,
+            "{name}: the printed program checks as the lesson"
+        );
+        let (code, local, err) = cli(&["run", &file, "--json"]);
+        assert_eq!(code, Some(0), "{name}: {err}");
+        let (code, demo, err) =
+            cli(&["demo", "--program", &path, "--program-world", "4", "--json"]);
+        assert_eq!(code, Some(0), "{name}: {err}");
+        assert_eq!(
+            demo, local,
+            "{name}: the lesson's program and the printed one run alike"
+        );
+        std::fs::remove_file(&file).ok();
+    }
+}
+
 /// `gradcheck --json`: the report as JSON, the same verdict and rows as the table (independently
 /// read back from the table's text), the same exit code, and the same JSON from worker processes.
 #[test]

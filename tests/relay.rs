@@ -194,12 +194,12 @@ fn collectives_through_in_process_relay_equal_local_bitwise() {
                 j
             })
             .collect();
-        let results = run_ranks(&url, joins, vjp::case_options(), |r, comm| {
+        let results = run_ranks(&url, joins, distgrad::CommOptions::recorded(), |r, comm| {
             let p = &prepared;
             async move {
                 let want = route_of(r as u32);
                 assert_eq!(comm.transport().data_stream_route(), want, "rank {r}");
-                vjp::run_rank(&comm, p).await
+                vjp::rank_result(&comm, p).await
             }
         });
         let over_relay = vjp::assemble(&prepared, results)
@@ -239,13 +239,13 @@ fn direct_links_carry_every_collective_bitwise_like_local() {
         let prepared = vjp::Prepared::new(&case).expect("prepare");
         let room = format!("direct-{k}");
         let joins = (0..4).map(|r| direct_join(&room, 4, r)).collect();
-        let results = run_ranks(&url, joins, vjp::case_options(), |r, comm| {
+        let results = run_ranks(&url, joins, distgrad::CommOptions::recorded(), |r, comm| {
             let p = &prepared;
             async move {
                 let peers = comm.transport().direct_peers();
                 let want: Vec<usize> = (0..4).filter(|&x| x != r).collect();
                 assert_eq!(peers, want, "rank {r}: direct links");
-                vjp::run_rank(&comm, p).await
+                vjp::rank_result(&comm, p).await
             }
         });
         let direct = vjp::assemble(&prepared, results)
@@ -312,7 +312,7 @@ fn direct_and_relay_only_ranks_mix() {
         })
         .collect();
     let t0 = Instant::now();
-    let results = run_ranks(&url, joins, vjp::case_options(), |r, comm| {
+    let results = run_ranks(&url, joins, distgrad::CommOptions::recorded(), |r, comm| {
         let p = &prepared;
         async move {
             let want: Vec<usize> = match r {
@@ -321,7 +321,7 @@ fn direct_and_relay_only_ranks_mix() {
                 _ => vec![],
             };
             assert_eq!(comm.transport().direct_peers(), want, "rank {r}");
-            vjp::run_rank(&comm, p).await
+            vjp::rank_result(&comm, p).await
         }
     });
     if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {

@@ -307,8 +307,8 @@ fn killed_worker(direct: bool) {
                         joined_tx.send(r).unwrap();
                         let killed_at = go.recv_timeout(Duration::from_secs(30)).expect("go");
                         // The options of a room's ranks, as the worker's (the same algorithms).
-                        let comm = distgrad::P2p::new(t, vjp::room_options());
-                        let res = vjp::run_rank(&comm, prepared).await;
+                        let comm = distgrad::P2p::new(t, distgrad::CommOptions::room());
+                        let res = vjp::rank_result(&comm, prepared).await;
                         let took = killed_at.elapsed();
                         // as `distgrad worker` does: flush (e.g. this rank's abort) and close
                         comm.into_transport().close().await;

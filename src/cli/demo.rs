@@ -76,8 +76,7 @@ fn over_relay(case: &vjp::Case, a: &DemoArgs) -> distgrad::Result<vjp::CaseOutpu
 
 /// `demo --program`: a program on worker processes; every rank's loss and gradients.
 fn program_over_relay(path: &std::path::Path, a: &DemoArgs) -> distgrad::Result<()> {
-    let program = super::gradcheck::read_program(path)?;
-    let world = a.world_override.unwrap_or(program.world);
+    let (program, world) = super::files::read_program(path, a.world_override)?;
     let plan = program.plan(Some(world))?;
     let mut args = vec!["--program".to_string(), path.display().to_string()];
     args.extend(["--timeout-secs".into(), "30".into()]);

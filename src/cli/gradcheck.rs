@@ -8,7 +8,7 @@ use distgrad::program::{ObjectiveName, Program};
 /// Flags of `distgrad gradcheck`.
 #[derive(clap::Args)]
 pub struct GradcheckArgs {
-    /// The program file (JSON; `-` reads stdin). Not with `--random`.
+    /// The program or lesson file (JSON; `-` reads stdin). Not with `--random`.
     #[arg(required_unless_present = "random", conflicts_with = "random")]
     program: Option<std::path::PathBuf>,
     /// Check this many random programs instead (seeds from `--seed`): compositions of local ops
@@ -16,7 +16,7 @@ pub struct GradcheckArgs {
     /// objectives. Each failure prints its program.
     #[arg(long)]
     random: Option<u64>,
-    /// World size, 1..=64 (default: the program's).
+    /// World size, 1..=64 (default: the program's or lesson's).
     #[arg(long)]
     world: Option<usize>,
     /// Where the ranks run: threads of this process, or worker processes through a relay
@@ -169,23 +169,6 @@ pub enum TransportArg {
     Direct,
 }
 
-/// A file's text (`-`: stdin).
-pub fn read_text(path: &std::path::Path) -> distgrad::Result<String> {
-    if path.as_os_str() == "-" {
-        std::io::read_to_string(std::io::stdin())
-            .map_err(|e| distgrad::Error::Input(format!("reading stdin: {e}")))
-    } else {
-        std::fs::read_to_string(path)
-            .map_err(|e| distgrad::Error::Input(format!("reading {}: {e}", path.display())))
-    }
-}
-
-/// Read a program file (`-`: stdin).
-pub fn read_program(path: &std::path::Path) -> distgrad::Result<Program> {
-    let text = read_text(path)?;
-    Program::parse(&text).map_err(|e| distgrad::Error::Input(format!("{}: {e}", path.display())))
-}
-
 /// Run `distgrad gradcheck`: the exit code (0 PASS, 1 FAIL, 3 INCONCLUSIVE).
 pub fn run(a: GradcheckArgs) -> distgrad::Result<u8> {
     a.check.validate()?;
@@ -196,8 +179,9 @@ pub fn run(a: GradcheckArgs) -> distgrad::Result<u8> {
         .program
         .as_deref()
         .ok_or_else(|| distgrad::Error::Input("give a program file or --random N".into()))?;
-    let program = a.check.apply(read_program(path)?);
-    let plan = program.plan(a.world)?;
+    let (program, world) = super::files::read_program(path, a.world)?;
+    let program = a.check.apply(program);
+    let plan = program.plan(Some(world))?;
     if let Some(t) = program.title.as_ref().filter(|_| !a.json) {
         println!("{t}");
     }

@@ -15,6 +15,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 mod bench;
 mod demo;
+mod files;
 mod gradcheck;
 mod launch;
 mod relay;

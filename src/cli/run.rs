@@ -2,12 +2,14 @@
 //! the teaching demo, printed as the page shows it (every step's messages and every rank's
 //! values); either as JSON with `--json`.
 
+use distgrad::lesson::Work;
+
 use super::DeviceArg;
 
 /// Flags of `distgrad run`.
 #[derive(clap::Args)]
 pub struct RunArgs {
-    /// The program or lesson file (a program has "steps" and "loss"; `-`: stdin).
+    /// The program or lesson file (its "format" says which; `-`: stdin).
     lesson: std::path::PathBuf,
     /// World size, 1..=64 (default: the program's or lesson's, else 3).
     #[arg(long)]
@@ -29,54 +31,20 @@ pub struct RunArgs {
 /// Run `distgrad run`.
 pub fn run(a: RunArgs) -> distgrad::Result<()> {
     let path = a.lesson.as_path();
-    let text = super::gradcheck::read_text(path)?;
-    if serde_json::from_str::<serde_json::Value>(&text)
-        .is_ok_and(|v| v.get("steps").is_some() && v.get("loss").is_some())
-    {
-        if a.print_program {
-            let program = distgrad::program::Program::parse(&text)
-                .map_err(|e| distgrad::Error::Input(format!("{}: {e}", path.display())))?;
-            let world = a.world.unwrap_or(program.world);
-            return print_program(&program, world, &path.display().to_string());
-        }
-        return run_program(&a, &text, &a.device.open()?);
-    }
-    let lesson = distgrad::lesson::parse(&text).map_err(|e| {
-        // The folder's index lists the lessons; it is not one.
-        match serde_json::from_str::<serde_json::Value>(&text) {
-            Ok(v) if v.get("lessons").is_some_and(|l| l.is_array()) => {
-                let names: Vec<&str> = v["lessons"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|l| l["name"].as_str())
-                    .collect();
-                distgrad::Error::Input(format!(
-                    "{} is the index of the lessons, not a lesson: run one of them, e.g. \
-                     {}; they are: {}",
-                    path.display(),
-                    path.with_file_name("all_reduce_sum.json").display(),
-                    names.join(", ")
-                ))
-            }
-            _ => e,
-        }
-    })?;
-    let world = a
-        .world
-        .or(lesson.world)
-        .or(lesson.program.as_ref().map(|p| p.world))
-        .unwrap_or(3);
+    let work = super::files::read_work(path)?;
+    let world = a.world.unwrap_or(work.world());
     if a.print_program {
-        let program = match &lesson.program {
-            Some(p) => p.clone(),
-            None => distgrad::program::from_case(&futures::executor::block_on(
-                distgrad::lesson::lesson_case(&lesson, world),
-            )?)?,
+        let what = match &work {
+            Work::Program(_) => path.display().to_string(),
+            Work::Lesson(l) => format!("lesson {}", l.name),
         };
-        return print_program(&program, world, &format!("lesson {}", lesson.name));
+        return print_program(&work.program_for(world)?, world, &what);
     }
     let device = a.device.open()?;
+    let lesson = match work {
+        Work::Program(program) => return run_program(&program, world, a.json, &device),
+        Work::Lesson(lesson) => lesson,
+    };
     let trace = futures::executor::block_on(distgrad::lesson::run_simulated(
         &lesson,
         world,
@@ -115,19 +83,18 @@ fn print_program(
 
 /// `distgrad run prog.json`: every rank's loss and gradient per input.
 fn run_program(
-    a: &RunArgs,
-    text: &str,
+    program: &distgrad::program::Program,
+    world: usize,
+    json: bool,
     device: &distgrad::backend::Device,
 ) -> distgrad::Result<()> {
-    let program = distgrad::program::Program::parse(text)
-        .map_err(|e| distgrad::Error::Input(format!("{}: {e}", a.lesson.display())))?;
-    let plan = program.plan(a.world)?;
+    let plan = program.plan(Some(world))?;
     let opts = distgrad::CommOptions {
         device: device.clone(),
         ..distgrad::CommOptions::default()
     };
     let runs = distgrad::program::run_local(&plan, opts)?;
-    print_runs(&program, &plan, &runs, a.json)
+    print_runs(program, &plan, &runs, json)
 }
 
 /// Every rank's loss and gradients: a table, or JSON (one object per rank).

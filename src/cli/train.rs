@@ -68,10 +68,10 @@ fn every(cfg: &TrainConfig) -> usize {
 
 /// Train on `world` in-process ranks; print rank 0's losses, then every rank's hash.
 pub fn local(world: usize, cfg: &TrainConfig, device: DeviceArg) -> distgrad::Result<()> {
-    if world == 0 || world > distgrad::vjp::MAX_WORLD {
+    if world == 0 || world > distgrad::program::MAX_WORLD {
         return Err(distgrad::Error::Input(format!(
             "--world must be 1..={}",
-            distgrad::vjp::MAX_WORLD
+            distgrad::program::MAX_WORLD
         )));
     }
     // Always through the selection, so the log line says where training runs.

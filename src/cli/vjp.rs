@@ -105,7 +105,7 @@ pub fn run(a: VjpArgs) -> distgrad::Result<()> {
         return Ok(());
     }
     if a.print_program {
-        let program = distgrad::program::from_case(&case)?;
+        let program = case.program()?;
         println!(
             "{}",
             serde_json::to_string_pretty(&program)

@@ -128,8 +128,8 @@ enum Done {
 pub fn run(o: WorkerArgs) -> distgrad::Result<()> {
     let job = match &o.program {
         Some(path) => {
-            let program = o.check.apply(super::gradcheck::read_program(path)?);
-            let plan = program.plan(Some(o.world))?;
+            let (program, world) = super::files::read_program(path, Some(o.world))?;
+            let plan = o.check.apply(program).plan(Some(world))?;
             if o.gradcheck {
                 Job::Check(plan)
             } else {
@@ -198,11 +198,11 @@ pub fn run(o: WorkerArgs) -> distgrad::Result<()> {
             t,
             CommOptions {
                 timeout,
-                ..vjp::room_options()
+                ..CommOptions::room()
             },
         );
         let r = match &job {
-            Job::Case(prepared) => vjp::run_rank(&comm, prepared).await.map(Done::Case),
+            Job::Case(prepared) => vjp::rank_result(&comm, prepared).await.map(Done::Case),
             Job::Program(plan) => distgrad::program::run_rank(&comm, plan, None, true)
                 .await
                 .map(Done::Program),

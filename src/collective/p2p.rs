@@ -178,6 +178,28 @@ impl CommOptions {
             ..CommOptions::default()
         }
     }
+
+    /// For runs that show what ran (`distgrad vjp`, lessons, the page): every call recorded
+    /// ([`CommOptions::record_calls`], to name the duals), a 10 s timeout.
+    pub fn recorded() -> Self {
+        CommOptions {
+            timeout: Duration::from_secs(10),
+            record_calls: true,
+            ..CommOptions::default()
+        }
+    }
+
+    /// [`CommOptions::recorded`] for the ranks of a relay room, browser tabs and the native
+    /// workers that join them alike (every rank of a group must choose the same algorithms):
+    /// small all_reduces go through group rank 0 and back ([`SmallAllReduce::Star`]), where every
+    /// message costs the sender and the receiver a fixed price (a tab's `postMessage`, a relay
+    /// hop).
+    pub fn room() -> Self {
+        CommOptions {
+            small_all_reduce: SmallAllReduce::Star,
+            ..CommOptions::recorded()
+        }
+    }
 }
 
 /// A communicator over a point-to-point transport.

@@ -5,12 +5,12 @@ use super::*;
 
 pub(super) async fn run<T: Transport>(
     comm: &P2p<T>,
-    lesson: &Lesson,
+    form: &CollectiveForm,
     own_input: Option<Vec<TensorJson>>,
 ) -> Result<Vec<RankStep>> {
     let me = comm.rank();
     let world = comm.world_size();
-    let mut case = lesson_case(lesson, world).await?;
+    let mut case = form.case(world)?;
     if let Some(x) = own_input {
         let want: Vec<&Vec<usize>> = case.inputs[me].iter().map(|t| &t.shape).collect();
         let got: Vec<&Vec<usize>> = x.iter().map(|t| &t.shape).collect();
@@ -35,7 +35,7 @@ pub(super) async fn run<T: Transport>(
     if !args.is_empty() {
         name = format!("{name}({})", args.join(", "));
     }
-    let r = vjp::run_rank(comm, &Prepared::new(&case)?).await?;
+    let r = vjp::rank_result(comm, &vjp::Prepared::new(&case)?).await?;
     let cot = case
         .cotangents
         .as_ref()

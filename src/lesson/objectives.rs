@@ -4,22 +4,19 @@
 //! collectives, and where every rank holds the same loss the gradients differ by exactly the
 //! number of ranks that share it.
 
-use super::program::{forward_steps, plan_for, value_of};
+use super::program::{forward_steps, value_of};
 use super::*;
-use crate::program::{ObjectiveName, Program, trace_rank};
+use crate::program::{ObjectiveName, trace_rank};
 
 /// Run the lesson's program under both objectives (see the module docs).
-pub(super) async fn run<T: Transport>(
-    comm: &P2p<T>,
-    lesson: &Lesson,
-    program: &Program,
-) -> Result<Vec<RankStep>> {
+pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<Vec<RankStep>> {
+    let program = &lesson.program_for(comm.world_size())?;
     let mut traces = Vec::with_capacity(2);
     let mut steps = Vec::new();
     for objective in [ObjectiveName::SumOfRankLosses, ObjectiveName::Replicated] {
         let mut p = program.clone();
         p.objective = objective;
-        let plan = plan_for(lesson, &p, comm.world_size())?;
+        let plan = lesson.plan_program(&p, comm.world_size())?;
         let views = plan.views();
         comm.take_calls();
         let run = trace_rank(

@@ -8,14 +8,11 @@
 //! `objectives.rs`.)
 
 use super::*;
-use crate::program::{Plan, Program, StepView, TracedRun, trace_rank};
+use crate::program::{StepView, TracedRun, trace_rank};
 
 /// Show `plan` (the lesson's program for this group) step by step (see the module docs).
-pub(super) async fn run<T: Transport>(
-    comm: &P2p<T>,
-    program: &Program,
-    plan: &Plan,
-) -> Result<Vec<RankStep>> {
+pub(super) async fn run<T: Transport>(comm: &P2p<T>, plan: &Plan) -> Result<Vec<RankStep>> {
+    let program = plan.program();
     let views = plan.views();
     comm.take_calls();
     // The collectives each tape node's backward ran on this rank.
@@ -181,27 +178,4 @@ async fn shown(
     } else {
         Ok(Vec::new())
     }
-}
-
-/// The lesson's program checked for `world` ranks, saying so when the lesson was written for
-/// another world.
-pub(super) fn plan_for(
-    lesson: &Lesson,
-    program: &Program,
-    world: usize,
-) -> Result<crate::program::Plan> {
-    program.plan(Some(world)).map_err(|e| {
-        Error::Input(format!(
-            "lesson {}: {e}{}",
-            lesson.name,
-            if program.world != world {
-                format!(
-                    " (its program was written for {} ranks; this group has {world})",
-                    program.world
-                )
-            } else {
-                String::new()
-            }
-        ))
-    })
 }

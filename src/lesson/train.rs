@@ -5,25 +5,18 @@
 //! rank) while the loss falls.
 
 use super::*;
-use crate::program::{Plan, run_rank as run_program};
+use crate::program::run_rank;
 
-/// Train the lesson's program for `lesson.steps` steps (see the module docs).
+/// Train the lesson's program for `steps` steps at learning rate `lr` (see the module docs).
 pub(super) async fn run<T: Transport>(
     comm: &P2p<T>,
     lesson: &Lesson,
     plan: &Plan,
     steps: usize,
+    lr: f32,
 ) -> Result<Vec<RankStep>> {
     let me = comm.rank();
     let n = comm.world_size();
-    let lr = lesson.lr.unwrap_or(0.3);
-    if !lr.is_finite() || lr <= 0.0 {
-        return Err(Error::Input(format!(
-            "lesson {}: \"lr\" must be a positive number, got {lr}",
-            lesson.name
-        )));
-    }
-    let steps = steps.clamp(1, 100_000);
     let program = plan.program();
     let mut inputs: Vec<Tensor> = plan.inputs(me).to_vec();
     // The trainable inputs: with gradient, held by every rank, starting equal everywhere.
@@ -97,7 +90,7 @@ pub(super) async fn run<T: Transport>(
     let group = comm.world();
     let device = comm.options().device.clone();
     for k in 1..=steps {
-        let run = run_program(comm, plan, Some(&inputs), true).await?;
+        let run = run_rank(comm, plan, Some(&inputs), true).await?;
         let loss = run.loss.ok_or_else(|| {
             Error::Input(format!(
                 "lesson {}: rank {me} has no loss `{}` to train on",

@@ -57,11 +57,12 @@
 //! shapes, and what must agree across ranks (shapes of a collective's inputs, split sizes,
 //! send / recv pairs), with the step and the ranks in the message.
 
-mod case;
 mod check;
+mod inputs;
 mod random;
 mod repeat;
 mod run;
+mod shapes;
 mod trace;
 
 use serde::{Deserialize, Serialize};
@@ -69,7 +70,6 @@ use serde::{Deserialize, Serialize};
 use crate::collective::Spec;
 use crate::error::{Error, Result};
 
-pub use case::from_case;
 pub use check::Plan;
 pub use random::{RandomOptions, random_program};
 pub use repeat::{Block, MAX_EXPANDED_BYTES, MAX_EXPANDED_STEPS};
@@ -77,9 +77,11 @@ pub(crate) use run::loss_weight;
 #[cfg(not(target_arch = "wasm32"))]
 pub use run::run_local;
 pub use run::{Forward, RankRun, forward, forward_values, run_rank};
+pub use shapes::lists_outputs;
 pub use trace::{StepView, TracedRun, trace_rank};
 
-/// Largest world a program may ask for.
+/// Largest world a program may ask for: the one world limit of every command, lesson and page
+/// (ranks are threads, tabs or processes).
 pub const MAX_WORLD: usize = 64;
 
 /// Largest tensor a program may declare (elements), so a typo cannot exhaust memory.
@@ -89,6 +91,9 @@ pub const MAX_NUMEL: usize = 1 << 26;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Program {
+    /// What the file is: `"program"` (may be left out of a program file; see [`Format`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<Format>,
     /// A heading (shown by the CLI and the page).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub title: Option<String>,
@@ -103,6 +108,18 @@ pub struct Program {
     pub steps: Vec<Step>,
     /// Name of the loss value.
     pub loss: String,
+}
+
+/// What a JSON file of work holds, as its `"format"` field declares: a program, or a lesson (a
+/// program with its narrative and how the page shows it, [`crate::lesson`]). Every command that
+/// takes a program takes a lesson too (`crate::lesson::Work` reads either).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Format {
+    /// A program (this module).
+    Program,
+    /// A lesson of the teaching demo.
+    Lesson,
 }
 
 /// The objective convention of a program (see [`crate::Objective`]).
@@ -481,9 +498,17 @@ impl Serialize for Step {
 }
 
 impl Program {
-    /// Parse a program from JSON text (errors say where).
+    /// Parse a program from JSON text (errors say where). A file whose `"format"` says it is a
+    /// lesson is refused here: `crate::lesson::Work::parse` reads either.
     pub fn parse(json: &str) -> Result<Program> {
-        serde_json::from_str(json).map_err(|e| Error::Input(format!("program JSON: {e}")))
+        let p: Program =
+            serde_json::from_str(json).map_err(|e| Error::Input(format!("program JSON: {e}")))?;
+        match p.format {
+            Some(Format::Lesson) => Err(Error::Input(
+                "program JSON: \"format\": \"lesson\" is a lesson, not a program".into(),
+            )),
+            _ => Ok(p),
+        }
     }
 
     /// The program for `world` ranks with its `"for"` blocks expanded (not checked otherwise;

@@ -163,240 +163,244 @@ impl Gen {
     fn step(&mut self) {
         let (x, shape) = self.rng.pick(&self.pool);
         let out = self.name();
-        let choice = self.rng.below(12);
-        match choice {
-            0 | 1 => {
-                let op = self.rng.pick(&[
-                    LocalOp::Tanh {},
-                    LocalOp::Scale { by: -1.5 },
-                    LocalOp::Square {},
-                ]);
-                self.steps.push(local(op, &[&x], &out, None));
-                self.pool.push((out, shape));
-            }
-            2 => {
-                // A binary op with another value of the same shape.
-                let y = self.same_shape(&shape);
-                let op = self
-                    .rng
-                    .pick(&[LocalOp::Add {}, LocalOp::Sub {}, LocalOp::Mul {}]);
-                self.steps.push(local(op, &[&x, &y], &out, None));
-                self.pool.push((out, shape));
-            }
-            3 if shape.len() == 2 => {
-                let t = self.name();
-                self.steps.push(local(
-                    LocalOp::Reshape {
-                        shape: vec![shape[1], shape[0]],
-                    },
-                    &[&x],
-                    &t,
-                    None,
-                ));
-                self.steps
-                    .push(local(LocalOp::Matmul {}, &[&x, &t], &out, None));
-                self.pool.push((out, vec![shape[0], shape[0]]));
-            }
-            3 | 4 => {
-                let g = self.group();
-                let spec = Spec::AllReduce { op: self.op() };
-                self.collective(spec, vec![x.clone()], Some(out.clone()), &g, None);
-                let rest = self.others(&g);
-                self.fill(&x, &out, rest);
-                self.pool.push((out, shape));
-            }
-            5 => {
-                let g = self.group();
-                let root = self.rng.below(g.len());
-                if self.rng.coin() {
-                    self.collective(
-                        Spec::Broadcast { root },
-                        vec![x.clone()],
-                        Some(out.clone()),
-                        &g,
-                        None,
-                    );
-                    let rest = self.others(&g);
-                    self.fill(&x, &out, rest);
-                } else {
-                    let spec = Spec::Reduce {
-                        root,
-                        op: self.op(),
-                    };
-                    self.collective(spec, vec![x.clone()], Some(out.clone()), &g, None);
-                    let rest = self.others(&[g[root]]);
-                    self.fill(&x, &out, rest);
-                }
-                self.pool.push((out, shape));
-            }
-            6 if !shape.is_empty() => {
-                // all_gather, or gather to a root, joined along dim 0.
-                let g = self.group();
-                let n = g.len();
-                let list = self.name();
-                let parts: Vec<String> = (0..n).map(|k| format!("{list}.{k}")).collect();
-                let refs: Vec<&str> = parts.iter().map(String::as_str).collect();
-                let (holders, spec) = if self.rng.coin() {
-                    (g.clone(), Spec::AllGather {})
-                } else {
-                    let root = self.rng.below(n);
-                    (vec![g[root]], Spec::Gather { root })
-                };
-                self.collective(spec, vec![x.clone()], Some(list.clone()), &g, None);
-                self.steps.push(local(
-                    LocalOp::Concat { dim: 0 },
-                    &refs,
-                    &out,
-                    Some(holders.clone()),
-                ));
-                let rest = self.others(&holders);
-                self.fill_concat(&x, n, &out, rest);
-                let mut s = shape.clone();
-                if let Some(d) = s.first_mut() {
-                    *d *= n;
-                }
-                self.pool.push((out, s));
-            }
-            6 | 7 => {
-                // scatter / reduce_scatter / all_to_all of a list made from x.
-                let g = self.group();
-                let n = g.len();
-                let k = self.rng.below(3);
-                let ins = vec![x.clone(); n];
-                match k {
-                    0 => {
-                        let root = self.rng.below(n);
-                        self.collective(Spec::Scatter { root }, ins, Some(out.clone()), &g, None);
-                    }
-                    1 => {
-                        let spec = Spec::ReduceScatter { op: self.op() };
-                        self.collective(spec, ins, Some(out.clone()), &g, None);
-                    }
-                    _ => {
-                        let list = self.name();
-                        self.collective(Spec::AllToAll {}, ins, Some(list.clone()), &g, None);
-                        let parts: Vec<String> = (0..n).map(|k| format!("{list}.{k}")).collect();
-                        let refs: Vec<&str> = parts.iter().map(String::as_str).collect();
-                        // Sum the received parts back to x's shape.
-                        let mut acc = refs[0].to_string();
-                        for p in &refs[1..] {
-                            let t = self.name();
-                            self.steps.push(local(
-                                LocalOp::Add {},
-                                &[&acc, p],
-                                &t,
-                                Some(g.clone()),
-                            ));
-                            acc = t;
-                        }
-                        self.steps.push(local(
-                            LocalOp::Scale { by: 1.0 },
-                            &[&acc],
-                            &out,
-                            Some(g.clone()),
-                        ));
-                    }
-                }
-                let rest = self.others(&g);
-                self.fill(&x, &out, rest);
-                self.pool.push((out, shape));
-            }
-            8 if shape.len() == 2 => {
-                // Uneven all_to_all_single over the rows, summed to a scalar.
-                let g = self.group();
-                let n = g.len();
-                let rows = shape[0];
-                let splits: Vec<Vec<usize>> = (0..n)
-                    .map(|_| {
-                        let mut s = vec![0; n];
-                        for _ in 0..rows {
-                            let j = self.rng.below(n);
-                            s[j] += 1;
-                        }
-                        s
-                    })
-                    .collect();
-                let y = self.name();
-                self.steps.push(Step {
-                    kind: StepKind::Collective {
-                        spec: Spec::AllToAllSingle {
-                            in_splits: vec![],
-                            out_splits: vec![],
-                        },
-                        splits: Some(super::Splits {
-                            in_splits: splits,
-                            out_splits: None,
-                        }),
-                    },
-                    inputs: vec![x.clone()],
-                    out: Some(y.clone()),
-                    ranks: None,
-                    group: Some(g.clone()),
-                });
-                let t = self.name();
-                self.steps
-                    .push(local(LocalOp::Tanh {}, &[&y], &t, Some(g.clone())));
-                self.steps
-                    .push(local(LocalOp::Sum {}, &[&t], &out, Some(g.clone())));
-                if let Some(rest) = self.others(&g) {
-                    self.steps
-                        .push(local(LocalOp::Sum {}, &[&x], &out, Some(rest)));
-                }
-                self.pool.push((out, vec![]));
-            }
-            8 | 9 => {
-                // A permutation (partial) of the group.
-                let g = self.group();
-                let n = g.len();
-                let mut dst: Vec<usize> = (0..n).collect();
-                self.rng.shuffle(&mut dst);
-                let pairs: Vec<(usize, usize)> =
-                    (0..n).zip(dst).filter(|_| self.rng.below(4) != 0).collect();
-                self.collective(
-                    Spec::Permute { perm: pairs },
-                    vec![x.clone()],
-                    Some(out.clone()),
-                    &g,
-                    None,
-                );
-                let rest = self.others(&g);
-                self.fill(&x, &out, rest);
-                self.pool.push((out, shape));
-            }
-            _ if self.world > 1 => {
-                // send / recv between two ranks of a group.
-                let mut g = self.group();
-                if g.len() < 2 {
-                    g = (0..self.world).collect();
-                }
-                let (s, d) = (self.rng.below(g.len()), self.rng.below(g.len() - 1));
-                let d = if d >= s { d + 1 } else { d };
-                self.collective(
-                    Spec::Send { dst: d },
-                    vec![x.clone()],
-                    None,
-                    &g,
-                    Some(vec![g[s]]),
-                );
-                self.collective(
-                    Spec::Recv {
-                        src: s,
-                        shape: shape.clone(),
-                    },
-                    vec![],
-                    Some(out.clone()),
-                    &g,
-                    Some(vec![g[d]]),
-                );
-                let rest = self.others(&[g[d]]);
-                self.fill(&x, &out, rest);
-                self.pool.push((out, shape));
-            }
+        let made = match self.rng.below(12) {
+            0 | 1 => self.unary(&x, &out, shape),
+            2 => self.binary(&x, &out, shape),
+            3 if shape.len() == 2 => self.matmul(&x, &out, &shape),
+            3 | 4 => self.all_reduce(&x, &out, shape),
+            5 => self.rooted(&x, &out, shape),
+            6 if !shape.is_empty() => self.gathered(&x, &out, &shape),
+            6 | 7 => self.spread(&x, &out, shape),
+            8 if shape.len() == 2 => self.uneven_rows(&x, &out, &shape),
+            8 | 9 => self.permuted(&x, &out, shape),
+            _ if self.world > 1 => self.sent(&x, &out, shape),
             _ => {
                 self.steps.push(local(LocalOp::Tanh {}, &[&x], &out, None));
-                self.pool.push((out, shape));
+                shape
+            }
+        };
+        self.pool.push((out, made));
+    }
+
+    /// `out = f(x)` elementwise; each of these returns the new value's shape.
+    fn unary(&mut self, x: &str, out: &str, shape: Vec<usize>) -> Vec<usize> {
+        let op = self.rng.pick(&[
+            LocalOp::Tanh {},
+            LocalOp::Scale { by: -1.5 },
+            LocalOp::Square {},
+        ]);
+        self.steps.push(local(op, &[x], out, None));
+        shape
+    }
+
+    /// A binary op with another value of the same shape.
+    fn binary(&mut self, x: &str, out: &str, shape: Vec<usize>) -> Vec<usize> {
+        let y = self.same_shape(&shape);
+        let op = self
+            .rng
+            .pick(&[LocalOp::Add {}, LocalOp::Sub {}, LocalOp::Mul {}]);
+        self.steps.push(local(op, &[x, &y], out, None));
+        shape
+    }
+
+    /// `out = x · xᵀ` (the transpose as a reshape of the values).
+    fn matmul(&mut self, x: &str, out: &str, shape: &[usize]) -> Vec<usize> {
+        let t = self.name();
+        self.steps.push(local(
+            LocalOp::Reshape {
+                shape: vec![shape[1], shape[0]],
+            },
+            &[x],
+            &t,
+            None,
+        ));
+        self.steps
+            .push(local(LocalOp::Matmul {}, &[x, &t], out, None));
+        vec![shape[0], shape[0]]
+    }
+
+    fn all_reduce(&mut self, x: &str, out: &str, shape: Vec<usize>) -> Vec<usize> {
+        let g = self.group();
+        let spec = Spec::AllReduce { op: self.op() };
+        self.collective(spec, vec![x.to_string()], Some(out.to_string()), &g, None);
+        let rest = self.others(&g);
+        self.fill(x, out, rest);
+        shape
+    }
+
+    /// A broadcast from, or a reduce to, a root of a group.
+    fn rooted(&mut self, x: &str, out: &str, shape: Vec<usize>) -> Vec<usize> {
+        let g = self.group();
+        let root = self.rng.below(g.len());
+        let ins = vec![x.to_string()];
+        if self.rng.coin() {
+            self.collective(
+                Spec::Broadcast { root },
+                ins,
+                Some(out.to_string()),
+                &g,
+                None,
+            );
+            let rest = self.others(&g);
+            self.fill(x, out, rest);
+        } else {
+            let spec = Spec::Reduce {
+                root,
+                op: self.op(),
+            };
+            self.collective(spec, ins, Some(out.to_string()), &g, None);
+            let rest = self.others(&[g[root]]);
+            self.fill(x, out, rest);
+        }
+        shape
+    }
+
+    /// all_gather, or gather to a root, joined along dim 0.
+    fn gathered(&mut self, x: &str, out: &str, shape: &[usize]) -> Vec<usize> {
+        let g = self.group();
+        let n = g.len();
+        let list = self.name();
+        let parts: Vec<String> = (0..n).map(|k| format!("{list}.{k}")).collect();
+        let refs: Vec<&str> = parts.iter().map(String::as_str).collect();
+        let (holders, spec) = if self.rng.coin() {
+            (g.clone(), Spec::AllGather {})
+        } else {
+            let root = self.rng.below(n);
+            (vec![g[root]], Spec::Gather { root })
+        };
+        self.collective(spec, vec![x.to_string()], Some(list.clone()), &g, None);
+        self.steps.push(local(
+            LocalOp::Concat { dim: 0 },
+            &refs,
+            out,
+            Some(holders.clone()),
+        ));
+        let rest = self.others(&holders);
+        self.fill_concat(x, n, out, rest);
+        let mut s = shape.to_vec();
+        if let Some(d) = s.first_mut() {
+            *d *= n;
+        }
+        s
+    }
+
+    /// scatter / reduce_scatter / all_to_all of a list made from x.
+    fn spread(&mut self, x: &str, out: &str, shape: Vec<usize>) -> Vec<usize> {
+        let g = self.group();
+        let n = g.len();
+        let ins = vec![x.to_string(); n];
+        let o = Some(out.to_string());
+        match self.rng.below(3) {
+            0 => {
+                let root = self.rng.below(n);
+                self.collective(Spec::Scatter { root }, ins, o, &g, None);
+            }
+            1 => {
+                let spec = Spec::ReduceScatter { op: self.op() };
+                self.collective(spec, ins, o, &g, None);
+            }
+            _ => {
+                let list = self.name();
+                self.collective(Spec::AllToAll {}, ins, Some(list.clone()), &g, None);
+                let parts: Vec<String> = (0..n).map(|k| format!("{list}.{k}")).collect();
+                // Sum the received parts back to x's shape.
+                let mut acc = parts[0].clone();
+                for p in &parts[1..] {
+                    let t = self.name();
+                    self.steps
+                        .push(local(LocalOp::Add {}, &[&acc, p], &t, Some(g.clone())));
+                    acc = t;
+                }
+                self.steps.push(local(
+                    LocalOp::Scale { by: 1.0 },
+                    &[&acc],
+                    out,
+                    Some(g.clone()),
+                ));
             }
         }
+        let rest = self.others(&g);
+        self.fill(x, out, rest);
+        shape
+    }
+
+    /// An uneven all_to_all_single over the rows, summed to a scalar.
+    fn uneven_rows(&mut self, x: &str, out: &str, shape: &[usize]) -> Vec<usize> {
+        let g = self.group();
+        let n = g.len();
+        let rows = shape[0];
+        let splits: Vec<Vec<usize>> = (0..n)
+            .map(|_| {
+                let mut s = vec![0; n];
+                for _ in 0..rows {
+                    let j = self.rng.below(n);
+                    s[j] += 1;
+                }
+                s
+            })
+            .collect();
+        let y = self.name();
+        self.steps.push(Step {
+            kind: StepKind::Collective {
+                spec: Spec::AllToAllSingle {
+                    in_splits: vec![],
+                    out_splits: vec![],
+                },
+                splits: Some(super::Splits {
+                    in_splits: splits,
+                    out_splits: None,
+                }),
+            },
+            inputs: vec![x.to_string()],
+            out: Some(y.clone()),
+            ranks: None,
+            group: Some(g.clone()),
+        });
+        let t = self.name();
+        self.steps
+            .push(local(LocalOp::Tanh {}, &[&y], &t, Some(g.clone())));
+        self.steps
+            .push(local(LocalOp::Sum {}, &[&t], out, Some(g.clone())));
+        if let Some(rest) = self.others(&g) {
+            self.steps
+                .push(local(LocalOp::Sum {}, &[x], out, Some(rest)));
+        }
+        vec![]
+    }
+
+    /// A permutation (partial) of the group.
+    fn permuted(&mut self, x: &str, out: &str, shape: Vec<usize>) -> Vec<usize> {
+        let g = self.group();
+        let n = g.len();
+        let mut dst: Vec<usize> = (0..n).collect();
+        self.rng.shuffle(&mut dst);
+        let pairs: Vec<(usize, usize)> =
+            (0..n).zip(dst).filter(|_| self.rng.below(4) != 0).collect();
+        let spec = Spec::Permute { perm: pairs };
+        self.collective(spec, vec![x.to_string()], Some(out.to_string()), &g, None);
+        let rest = self.others(&g);
+        self.fill(x, out, rest);
+        shape
+    }
+
+    /// send / recv between two ranks of a group.
+    fn sent(&mut self, x: &str, out: &str, shape: Vec<usize>) -> Vec<usize> {
+        let mut g = self.group();
+        if g.len() < 2 {
+            g = (0..self.world).collect();
+        }
+        let (s, d) = (self.rng.below(g.len()), self.rng.below(g.len() - 1));
+        let d = if d >= s { d + 1 } else { d };
+        let ins = vec![x.to_string()];
+        self.collective(Spec::Send { dst: d }, ins, None, &g, Some(vec![g[s]]));
+        let recv = Spec::Recv {
+            src: s,
+            shape: shape.clone(),
+        };
+        self.collective(recv, vec![], Some(out.to_string()), &g, Some(vec![g[d]]));
+        let rest = self.others(&[g[d]]);
+        self.fill(x, out, rest);
+        shape
     }
 }
 
@@ -456,6 +460,7 @@ pub fn random_program(seed: u64, o: &RandomOptions) -> Program {
         .push(local(LocalOp::Mul {}, &[&last, &other], &p, None));
     g.steps.push(local(LocalOp::Sum {}, &[&p], "loss", None));
     Program {
+        format: None,
         title: Some(format!("random program {seed}")),
         world,
         objective,

@@ -50,7 +50,9 @@ pub struct Block {
 }
 
 /// Keys whose values are numbers (or lists of numbers) in a step: a string there is an
-/// expression.
+/// expression. The test `numeric_keys_are_the_integer_fields_of_a_step` holds this list against
+/// every kind of step (each local op and collective, read by serde): a field added to one and
+/// not the other fails it.
 const NUMERIC_KEYS: [&str; 12] = [
     "ranks",
     "group",
@@ -568,6 +570,96 @@ impl<'a> Parser<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The variant names serde knows for an internally tagged enum (`tag` its tag field), read
+    /// from the error it gives for a variant it does not know.
+    fn variants<T: serde::de::DeserializeOwned>(tag: &str) -> Vec<String> {
+        let e = serde_json::from_value::<T>(serde_json::json!({ tag: "?" }))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        let list = e.split("expected one of").nth(1).unwrap_or_default();
+        list.split('`')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Whether a JSON value is an integer or a (nested) non-empty list of integers.
+    fn integral(v: &Value) -> bool {
+        match v {
+            Value::Number(n) => n.is_u64(),
+            Value::Array(a) => !a.is_empty() && a.iter().all(integral),
+            _ => false,
+        }
+    }
+
+    /// Every local op and every collective as a step with every field given (numbers > 0), read
+    /// as a [`Step`] and written back: the keys whose values are integers are exactly
+    /// [`NUMERIC_KEYS`]. A new op or collective needs its sample here (the test says which), and
+    /// a new integer field of one fails until it is a numeric key.
+    #[test]
+    fn numeric_keys_are_the_integer_fields_of_a_step() {
+        let ops: HashMap<&str, Value> = [
+            ("scale", serde_json::json!({"by": 0.5})),
+            ("reshape", serde_json::json!({"shape": [2, 3]})),
+            ("slice", serde_json::json!({"dim": 1, "start": 1, "len": 2})),
+            ("concat", serde_json::json!({"dim": 1})),
+        ]
+        .into_iter()
+        .collect();
+        let collectives: HashMap<&str, Value> = [
+            ("broadcast", serde_json::json!({"root": 1})),
+            ("reduce", serde_json::json!({"root": 1, "op": "max"})),
+            ("gather", serde_json::json!({"root": 1})),
+            ("scatter", serde_json::json!({"root": 1})),
+            ("all_reduce", serde_json::json!({"op": "max"})),
+            ("reduce_scatter", serde_json::json!({"op": "max"})),
+            ("permute", serde_json::json!({"perm": [[0, 1], [1, 2]]})),
+            ("send", serde_json::json!({"dst": 1})),
+            ("recv", serde_json::json!({"src": 1, "shape": [2]})),
+            (
+                "all_to_all_single",
+                serde_json::json!({"in_splits": [1, 2], "out_splits": [2, 1]}),
+            ),
+        ]
+        .into_iter()
+        .collect();
+        let common = serde_json::json!({"in": ["a"], "out": "b", "ranks": [1], "group": [1, 2]});
+        let mut found = std::collections::BTreeSet::new();
+        let kinds = [
+            ("op", &ops, variants::<super::super::LocalOp>("op")),
+            (
+                "collective",
+                &collectives,
+                variants::<crate::collective::Spec>("collective"),
+            ),
+        ];
+        for (tag, samples, names) in kinds {
+            assert!(names.len() > 5, "serde lists the {tag} names: {names:?}");
+            for name in names {
+                let mut step = common.clone();
+                step[tag] = Value::from(name.clone());
+                if let Some(Value::Object(fields)) = samples.get(name.as_str()) {
+                    for (k, v) in fields {
+                        step[k.as_str()] = v.clone();
+                    }
+                }
+                let parsed: Step = serde_json::from_value(step.clone())
+                    .unwrap_or_else(|e| panic!("{tag} {name}: give it a sample here: {e}"));
+                let written = serde_json::to_value(&parsed).expect("a step serializes");
+                for (k, v) in written.as_object().expect("an object") {
+                    if integral(v) {
+                        found.insert(k.clone());
+                    }
+                }
+            }
+        }
+        let want: std::collections::BTreeSet<String> =
+            NUMERIC_KEYS.iter().map(|k| k.to_string()).collect();
+        assert_eq!(found, want);
+    }
 
     fn env() -> HashMap<String, i64> {
         HashMap::from([

@@ -2,7 +2,8 @@
 
 use std::collections::HashMap;
 
-use super::check::{What, lists_outputs};
+use super::check::What;
+use super::shapes::lists_outputs;
 use super::{LocalOp, Plan};
 use crate::autograd::{Tape, Var};
 use crate::collective::{Communicator, Group};

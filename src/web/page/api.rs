@@ -60,11 +60,11 @@ pub(super) fn go_to_room(room: &str, world: &str, token: Option<&str>, net: Opti
     let Some(w) = web_sys::window() else { return };
     let ok = world
         .parse::<usize>()
-        .is_ok_and(|n| (1..=vjp::MAX_WORLD).contains(&n));
+        .is_ok_and(|n| (1..=crate::program::MAX_WORLD).contains(&n));
     if !ok || room.is_empty() {
         show_notice(&format!(
             "a room needs a name and 1..{} ranks",
-            vjp::MAX_WORLD
+            crate::program::MAX_WORLD
         ));
         return;
     }

@@ -79,7 +79,7 @@ pub(super) async fn run_lesson(app: &App, name: &str) -> Result<()> {
         None => lesson::run_simulated(&lesson, app.world, &app.device, &inputs).await?,
         Some(comm) => {
             let own = inputs.get(comm.rank()).cloned().flatten();
-            let mine = lesson::run_rank(comm, &lesson, own).await?;
+            let mine = lesson::rank_trace(comm, &lesson, own).await?;
             let all = exchange(app, comm, mine).await?;
             lesson::assemble(&lesson, all)?
         }
@@ -221,7 +221,7 @@ pub(super) fn render_lesson() {
             plot,
             k,
             trace.steps.len(),
-            lesson.kind == LessonKind::Collective,
+            matches!(lesson.view, lesson::View::Collective(_)),
             v.playing,
         ))
     });

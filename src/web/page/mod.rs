@@ -74,7 +74,7 @@ use web_sys::{Document, HtmlElement, HtmlInputElement, HtmlSelectElement};
 use crate::backend::{Choice, Device};
 use crate::collective::{AllReduceAlgo, Communicator, P2p, ReduceOp, SmallAllReduce};
 use crate::error::{Error, Result};
-use crate::lesson::{self, Lesson, LessonKind, Phase, Trace};
+use crate::lesson::{self, Lesson, Phase, Trace};
 use crate::transport::browser::{BrowserTransport, LinkKind, Links, NetEvent, PORT_HUB, WebJoin};
 use crate::transport::{Channel, Tag, Transport};
 use crate::vjp::{self, Case, Prepared, RankResult, TensorJson};
@@ -343,7 +343,7 @@ async fn run() -> Result<()> {
         // One readback per reduction instead of one per ring step: 1 MiB all_reduce forward +
         // backward on WebGPU (SwiftShader, 4 tabs) 104-106 ms against 122-128 ms folding on the GPU.
         fold_on_device: false,
-        ..vjp::room_options()
+        ..crate::collective::CommOptions::room()
     };
     let app = Rc::new(App {
         comm: Some(P2p::new(t, opts)),

@@ -10,11 +10,11 @@ pub(super) fn params() -> Result<Params> {
     let count = |key: &str, s: String| {
         s.parse::<usize>()
             .ok()
-            .filter(|w| (1..=vjp::MAX_WORLD).contains(w))
+            .filter(|w| (1..=crate::program::MAX_WORLD).contains(w))
             .ok_or_else(|| {
                 Error::Input(format!(
                     "{key}={s:?}: expected a number 1..{}",
-                    vjp::MAX_WORLD
+                    crate::program::MAX_WORLD
                 ))
             })
     };

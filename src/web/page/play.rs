@@ -6,7 +6,7 @@ pub(super) async fn run_case(app: &App, case: &Case) -> Result<RankResult> {
     let _busy = app.busy.lock().await;
     let comm = app.group()?;
     let prepared = Prepared::new(case)?;
-    let r = vjp::run_rank(comm, &prepared).await?;
+    let r = vjp::rank_result(comm, &prepared).await?;
     state(|s| {
         s.runs += 1;
         s.last = Some(r.clone());
@@ -136,7 +136,7 @@ pub(super) async fn form_case(collective: &str, op: &str, root: usize) -> Result
             "root {root} is not a rank of a world of {world}"
         )));
     }
-    vjp::example_case_async(which, world, op, root, None).await
+    vjp::example_case(which, world, op, root, None)
 }
 
 pub(super) async fn request_from_form(collective: String, op: String, root: usize) -> Result<()> {

@@ -127,7 +127,8 @@ pub(super) fn plan_text(text: &str, world: usize) -> Result<(Program, Plan)> {
             "no program: choose an example, a file, or paste one".into(),
         ));
     }
-    let program = Program::parse(text)?;
+    // A lesson file is a program with its narrative: its program runs here.
+    let program = crate::lesson::Work::parse(text)?.program_for(world)?;
     let plan = program.plan(Some(world)).map_err(|e| match program.world {
         w if w != world => Error::Input(format!(
             "{e} (the program was written for {w} ranks; this room has {world})"
@@ -157,7 +158,7 @@ pub(super) async fn program_here(app: &App, text: &str, check: bool) -> Result<S
         let o = gradcheck::Options {
             comm: crate::collective::CommOptions {
                 device: app.device.clone(),
-                ..vjp::case_options()
+                ..crate::collective::CommOptions::recorded()
             },
             ..gradcheck::Options::default()
         };
@@ -223,7 +224,7 @@ fn capitalized(s: &str) -> String {
 async fn run_on_every_rank(app: &App, plan: &Plan) -> Result<Vec<ShownRun>> {
     let opts = crate::collective::CommOptions {
         device: app.device.clone(),
-        ..vjp::case_options()
+        ..crate::collective::CommOptions::recorded()
     };
     match &app.comm {
         None => {
@@ -251,7 +252,7 @@ async fn check_on_every_rank(app: &App, plan: &Plan) -> Result<Report> {
     let o = gradcheck::Options {
         comm: crate::collective::CommOptions {
             device: app.device.clone(),
-            ..vjp::case_options()
+            ..crate::collective::CommOptions::recorded()
         },
         ..gradcheck::Options::default()
     };

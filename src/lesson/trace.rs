@@ -1,0 +1,207 @@
+//! What a lesson shows: its [`Trace`], a list of steps, each with the messages drawn as arrows
+//! between ranks and every rank's values at that step; each rank makes its [`RankTrace`], the
+//! group's is their [`assemble`]; [`render`] prints it as `distgrad run` does.
+
+use serde::{Deserialize, Serialize};
+
+use super::Lesson;
+use crate::error::{Error, Result};
+use crate::vjp::{self, TensorJson};
+
+/// A named value a rank holds at a step: tensors, or a text (a hash).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Named {
+    /// Name as shown (`x`, `y`, `dL/dx`, ...).
+    pub name: String,
+    /// Values (empty when `text` is set or the rank has none).
+    #[serde(default)]
+    pub tensors: Vec<TensorJson>,
+    /// A text value instead of tensors.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+}
+
+impl Named {
+    pub(super) fn tensors(name: &str, tensors: Vec<TensorJson>) -> Self {
+        Named {
+            name: name.into(),
+            tensors,
+            text: None,
+        }
+    }
+
+    pub(super) fn text(name: &str, text: String) -> Self {
+        Named {
+            name: name.into(),
+            tensors: Vec::new(),
+            text: Some(text),
+        }
+    }
+
+    /// The value as the page and the terminal print it.
+    pub fn show(&self) -> String {
+        match &self.text {
+            Some(t) => t.clone(),
+            None if self.tensors.is_empty() => "-".into(),
+            None => self
+                .tensors
+                .iter()
+                .map(vjp::fmt_t)
+                .collect::<Vec<_>>()
+                .join(" "),
+        }
+    }
+}
+
+/// The stage a step belongs to (colours the arrows).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Starting values.
+    Input,
+    /// Forward pass.
+    Forward,
+    /// Cotangents seeded.
+    Cotangent,
+    /// Backward pass.
+    Backward,
+    /// A training step (forward, backward, all_reduce, update).
+    Train,
+    /// A conclusion.
+    Result,
+}
+
+/// One step of one rank.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankStep {
+    /// What happens.
+    pub label: String,
+    /// Stage.
+    pub phase: Phase,
+    /// Collective that ran at this step, as recorded by the communicator (e.g. `reduce_scatter(op=sum)`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collective: Option<String>,
+    /// Messages as (from, to) ranks.
+    pub arrows: Vec<(usize, usize)>,
+    /// This rank's values.
+    pub values: Vec<Named>,
+}
+
+/// One rank's trace of a lesson.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankTrace {
+    /// The rank.
+    pub rank: usize,
+    /// Its steps.
+    pub steps: Vec<RankStep>,
+}
+
+/// One step of the whole group.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Step {
+    /// What happens.
+    pub label: String,
+    /// Stage.
+    pub phase: Phase,
+    /// Collective that ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub collective: Option<String>,
+    /// Messages as (from, to) ranks.
+    pub arrows: Vec<(usize, usize)>,
+    /// Every rank's values, index = rank.
+    pub ranks: Vec<Vec<Named>>,
+}
+
+/// A lesson's trace: what the page shows and `distgrad run` prints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Trace {
+    /// Lesson name.
+    pub lesson: String,
+    /// Heading.
+    pub title: String,
+    /// Why the backward pass is what it is.
+    pub why: String,
+    /// World size.
+    pub world: usize,
+    /// The steps.
+    pub steps: Vec<Step>,
+}
+
+/// Put the ranks' traces (index = rank) together; every rank must have run the same steps. A step
+/// takes rank 0's label, arrows and collective (or, where rank 0 names none, the first rank's that
+/// does: in a pipeline only two stages take part in a step).
+pub fn assemble(lesson: &Lesson, traces: Vec<RankTrace>) -> Result<Trace> {
+    let world = traces.len();
+    let first = traces
+        .first()
+        .ok_or_else(|| Error::Input("no rank traces".into()))?;
+    let mut steps: Vec<Step> = first
+        .steps
+        .iter()
+        .map(|s| Step {
+            label: s.label.clone(),
+            phase: s.phase,
+            collective: s.collective.clone(),
+            arrows: s.arrows.clone(),
+            ranks: Vec::with_capacity(world),
+        })
+        .collect();
+    for (r, t) in traces.into_iter().enumerate() {
+        if t.rank != r || t.steps.len() != steps.len() {
+            return Err(Error::Input(format!(
+                "rank {r}'s trace (rank {}, {} steps) does not match rank 0's ({} steps)",
+                t.rank,
+                t.steps.len(),
+                steps.len()
+            )));
+        }
+        for (s, rs) in steps.iter_mut().zip(t.steps) {
+            // A step where only some ranks communicate names what the first of them recorded.
+            if s.collective.is_none() {
+                s.collective = rs.collective;
+            }
+            s.ranks.push(rs.values);
+        }
+    }
+    Ok(Trace {
+        lesson: lesson.name.clone(),
+        title: lesson.title.clone(),
+        why: lesson.why.clone(),
+        world,
+        steps,
+    })
+}
+
+/// The trace as text, one block per step (what `distgrad run` prints).
+pub fn render(trace: &Trace) -> String {
+    let mut s = format!(
+        "lesson {}: {} (world {})\nwhy: {}\n",
+        trace.lesson, trace.title, trace.world, trace.why
+    );
+    for (i, st) in trace.steps.iter().enumerate() {
+        s.push_str(&format!("\nstep {i} [{:?}] {}\n", st.phase, st.label));
+        if !st.arrows.is_empty() {
+            // Wrapped at about 100 columns (an all_to_all of 64 ranks has 4032 arrows).
+            let mut line = String::from("  messages:");
+            for (x, y) in &st.arrows {
+                let a = format!(" {x}→{y}");
+                if line.chars().count() + a.chars().count() > 100 {
+                    s.push_str(&line);
+                    s.push('\n');
+                    line = " ".repeat("  messages:".len());
+                }
+                line.push_str(&a);
+            }
+            s.push_str(&line);
+            s.push('\n');
+        }
+        for (r, vals) in st.ranks.iter().enumerate() {
+            let v: Vec<String> = vals
+                .iter()
+                .map(|n| format!("{} = {}", n.name, n.show()))
+                .collect();
+            s.push_str(&format!("  rank {r}: {}\n", v.join(", ")));
+        }
+    }
+    s
+}
