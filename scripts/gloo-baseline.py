@@ -9,16 +9,19 @@ Needs PyTorch (any build: gloo runs on the CPU), e.g. `python3 -m venv /opt/gloo
 
     /opt/gloo-venv/bin/python scripts/gloo-baseline.py --world 4 [--min-bytes 1048576]
 
-Run it beside `distgrad bench` on the same machine in the same session: absolute figures drift
+Run it beside `distgrad bench` on the same machine, back to back: absolute figures drift
 from run to run on a shared 2-core VM; the ratio is what the targets are about.
 """
 
 import argparse
 import os
 import statistics
+import sys
 import time
 
-from bench_sizes import fmt, sizes
+# The helpers shared by the baseline scripts live in scripts/lib/ (importable module names).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
+from bench_sizes import fmt, sizes  # noqa: E402
 
 
 def rank_main(rank, world, port, lo, hi, ops, q):

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Build, on this machine, everything scripts/gpu-check.sh runs on a GPU machine that has no Rust
-# toolchain and no network (the lent device machine): the release `distgrad` binary and the test
-# programs of tests/nccl.rs, gpu_kernels.rs, gpu_export.rs, gpu_tensor.rs and the gradient
-# suites (grad_hand.rs, grad_adjoint.rs, grad_fd.rs), built with
-# --features native-nccl and stripped, plus the Vulkan loader and libglvnd packages, into
-# .gpu-bundle/ (git-ignored). gpu-check.sh uses the bundle when `cargo` is missing or
-# GPU_CHECK_PREBUILT=1. The bundle must stay under the device tool's 64 MiB working-tree limit:
-# the sizes are printed.
+# Build the GPU check's programs on a machine with Rust, for a GPU machine without it:
+# scripts/gpu-check.sh runs them there. Into .gpu-bundle/ (git-ignored) go the release `distgrad`
+# binary and the test programs of tests/nccl.rs, gpu_kernels.rs, gpu_export.rs, gpu_tensor.rs and
+# the gradient suites (grad_hand.rs, grad_adjoint.rs, grad_fd.rs), all built with
+# --features native-nccl and stripped, plus the Debian packages of the Vulkan loader and
+# libglvnd, which NVIDIA's Vulkan driver needs and a bare GPU machine may lack, and the commit
+# they were built from. gpu-check.sh uses the bundle when `cargo` is missing or
+# GPU_CHECK_PREBUILT=1 (with cargo it builds a local bundle itself: GPU_BUNDLE_LOCAL=1, no
+# packages). The bundle is copied to the GPU machine with the working tree, so it is kept small:
+# the sizes are printed, and a bundle of 60 MiB or more is an error.
 #
-#   scripts/gpu-bundle.sh           # from the repository root; then carry .gpu-bundle
+#   scripts/gpu-bundle.sh           # from the repository root; then copy the tree with .gpu-bundle/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/distgrad-target}"
@@ -47,8 +49,9 @@ if [ "${GPU_BUNDLE_LOCAL:-0}" = 1 ]; then
 fi
 
 # The Vulkan loader and libglvnd's libraries, which the NVIDIA Vulkan driver (libGLX_nvidia)
-# loads: the lent machine has neither (seen 2026-12-04: without libglvnd, no Vulkan adapter).
-echo "gpu-bundle: the Vulkan loader and libglvnd (the device machine may lack them)"
+# loads: a bare GPU machine may have neither (seen on the H200 machine of 2026-12-04: without
+# libglvnd, no Vulkan adapter).
+echo "gpu-bundle: the Vulkan loader and libglvnd (the GPU machine may lack them)"
 (cd "$out/deb" && apt-get download -qq libvulkan1 libglvnd0 libegl1 libgl1 libglx0 libopengl0 \
   libgles2 2>/dev/null) \
   || echo "gpu-bundle: could not download the loader packages (apt); the bundle may lack them"
@@ -57,7 +60,7 @@ git rev-parse HEAD > "$out/commit"
 du -ah "$out" | sort -h | tail -8
 total=$(du -sm "$out" | cut -f1)
 if [ "$total" -ge 60 ]; then
-  echo "gpu-bundle: ${total} MiB: too close to the device tool's 64 MiB limit" >&2
+  echo "gpu-bundle: ${total} MiB: the bundle must stay under 60 MiB (it travels with the working tree)" >&2
   exit 1
 fi
 echo "gpu-bundle: ${total} MiB in $out (commit $(cat "$out/commit"))"

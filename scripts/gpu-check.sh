@@ -4,7 +4,8 @@
 #   1. the NCCL tests (every collective forward + backward on NCCL vs the in-process group; bad
 #      calls; mismatch detection with 2+ GPUs; staging and the shared Vulkan/CUDA data path);
 #   2. the WGSL kernel, tensor and exported-memory tests on the real adapter;
-#   3. `distgrad bench kernels` at 16M and 256M f32 (GB/s and the ratio to the device's own copy);
+#   3. `distgrad bench kernels` at 16M, 64M and 256M f32 (GB/s and the ratio to the device's own
+#      copy);
 #   4. the in-process 4-rank all_reduce with tensors on the GPU beside the CPU figure, with the
 #      bytes each call reads back;
 #   5. the NCCL all_reduce benchmark (1 KiB .. 1 GiB: CUDA buffers, host staging, shared wgpu
@@ -17,20 +18,19 @@
 # Sized to finish in about six minutes on one H200.
 #
 #   scripts/gpu-check.sh            # from the repository root
-#
-# On the lent device machine (no Rust there): scripts/gpu-bundle.sh here first, then one run with
-# carry [".gpu-bundle"] and the command
-#   set -o pipefail; scripts/gpu-check.sh 2>&1 | tee $OUT/gpu-check.log
+#   set -o pipefail; scripts/gpu-check.sh 2>&1 | tee gpu-check.log   # keep the log (see results/h200-2026-12-04/)
 #
 # Build: it runs the programs of .gpu-bundle/ (scripts/gpu-bundle.sh). With cargo (and without
-# GPU_CHECK_PREBUILT=1) it builds that bundle here first; the lent device machine has no Rust and
-# no network, so there the bundle is made beforehand on a machine with Rust and carried along (it
-# holds the Vulkan loader package too).
+# GPU_CHECK_PREBUILT=1) it builds that bundle here first. A GPU machine without Rust (or without
+# network) runs a bundle made beforehand on a machine with Rust: scripts/gpu-bundle.sh there, then
+# copy the working tree with .gpu-bundle/ (which holds the Vulkan loader packages too) to the GPU
+# machine and run this script there.
 # NCCL: cudarc loads libnccl.so; NCCL ships libnccl.so.2 (for example in the pip wheel
 # nvidia-nccl-cu13: site-packages/nvidia/nccl/lib). This script finds such a folder through python3
 # when none is on the loader path and adds a libnccl.so symlink next to a copy of it.
 # Vulkan: without a loader on the machine it unpacks the bundle's libvulkan1; where the NVIDIA
-# driver's ICD file sits under /usr/local/nvidia (as on the lent machine) it points Vulkan at it.
+# driver's ICD file sits under /usr/local/nvidia (as on the H200 machine of 2026-12-04) it points
+# Vulkan at it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/distgrad-target}"
@@ -116,7 +116,7 @@ limit() {
   return 0
 }
 # GPU_CHECK_QUICK=1: small sizes everywhere, to try this script itself on a machine without a GPU
-# (lavapipe) before spending device time.
+# (lavapipe) before running it on a GPU machine.
 if [ "${GPU_CHECK_QUICK:-0}" = 1 ]; then
   kernel_elems=64K,1M coll_max=1048576 nccl_max=4194304 steps=20
 else

@@ -18,9 +18,12 @@ import argparse
 import os
 import re
 import socket
+import sys
 import time
 
-from bench_sizes import fmt, sizes
+# The helpers shared by the baseline scripts live in scripts/lib/ (importable module names).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
+from bench_sizes import fmt, sizes  # noqa: E402
 
 
 def rank_main(rank, world, port, lo, hi, q):

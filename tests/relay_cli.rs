@@ -137,7 +137,7 @@ fn wait_line(rx: &mpsc::Receiver<String>, needle: &str, seen: &mut Vec<String>) 
     panic!("no line with {needle:?} within {WAIT:?}; saw {seen:?}");
 }
 
-/// The README's two-worker flow: the first worker creates the room and says its token at once
+/// The two-worker flow of docs/cli.md: the first worker creates the room and says its token at once
 /// (while it waits for the room to fill), the second joins with that token through
 /// DISTGRAD_TOKEN, and both finish with the same all_gather result.
 #[test]

@@ -48,14 +48,14 @@ enum Cmd {
     /// outputs, cotangents and gradients, and the dual collective the backward pass ran.
     ///
     /// `distgrad vjp all_gather --world 4` runs a built-in example; `distgrad vjp case.json` (or `-`
-    /// for stdin) runs a case file (schema: see the README).
+    /// for stdin) runs a case file (schema: docs/program-format.md).
     Vjp(vjp::VjpArgs),
     /// Run a program (`www/programs/*.json`: inputs, local ops, collectives, a loss) or a lesson of
     /// the teaching demo (`www/lessons/<name>.json`) on N ranks in this process: a program prints
     /// every rank's loss and gradients, a lesson its trace (every step's messages and every rank's
     /// values, as the web page shows them).
     Run(run::RunArgs),
-    /// Check a program's gradients across its ranks: central differences of the global objective
+    /// Check a program's (or a lesson's) gradients across its ranks: central differences of the global objective
     /// (every perturbed coordinate re-runs the program on all ranks) against what backward gave
     /// each rank; a table per rank and input and PASS (exit code 0), FAIL (1) or INCONCLUSIVE (3:
     /// at a tie across ranks, where a check per coordinate cannot confirm backward's choice).

@@ -1,4 +1,4 @@
-// The page's room benchmark, repeated: the figures behind the README's browser table and the notes
+// The page's room benchmark, repeated: the figures behind docs/benchmarks.md's browser table and the notes
 // on the browser data path.
 //
 //   node tests/browser/bench.mjs --bin <distgrad binary> --dist <built web app>
