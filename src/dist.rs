@@ -332,7 +332,7 @@ mod tests {
 
     use super::*;
     use crate::collective::CommOptions;
-    use crate::run::run_local;
+    use crate::in_process::run_local;
 
     fn opts() -> CommOptions {
         CommOptions {

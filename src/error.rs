@@ -156,9 +156,213 @@ pub enum Error {
         /// What happened.
         detail: String,
     },
+    /// A program, lesson or case that cannot run as written (found before it runs), or the
+    /// ranks that failed running one.
+    #[error(transparent)]
+    Program(#[from] ProgramError),
     /// Bad user input to the CLI or a case file.
     #[error("{0}")]
     Input(String),
+}
+
+/// Why a program (or a lesson, or a case) cannot run as written. Each variant carries where the
+/// fault is; its message is what `distgrad` prints.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ProgramError {
+    /// The text is not JSON of the format its reader takes.
+    #[error("{reader} JSON: {detail}")]
+    Json {
+        /// What was read: `program`, `lesson`, `case`.
+        reader: &'static str,
+        /// serde's message, with the line and column.
+        detail: String,
+    },
+    /// The file's `"format"` names another kind of file than its reader takes.
+    #[error("{reader} JSON: \"format\": \"{declared}\" is a {declared}, not a {reader}")]
+    Format {
+        /// What the file says it is: `program`, `lesson`.
+        declared: &'static str,
+        /// What was read: `program`, `lesson`.
+        reader: &'static str,
+    },
+    /// The world is not one a program can run on.
+    #[error("world must be 1..={max}, got {world}")]
+    World {
+        /// The world asked for.
+        world: usize,
+        /// The largest world (`program::MAX_WORLD`).
+        max: usize,
+    },
+    /// A checked program runs on a communicator of another world.
+    #[error("the program was checked for world {planned}, the communicator has {communicator}")]
+    WorldMismatch {
+        /// The world of the plan.
+        planned: usize,
+        /// The communicator's.
+        communicator: usize,
+    },
+    /// A name that cannot be one.
+    #[error(
+        "{what} {name:?}: names are non-empty, without '.' (list outputs are `name.0`, `name.1`, ...) and without spaces"
+    )]
+    Name {
+        /// What it names: `input`, `output`, `loss`.
+        what: &'static str,
+        /// The name as written.
+        name: String,
+    },
+    /// Two inputs of one name.
+    #[error("input {name:?} is declared twice")]
+    DuplicateInput {
+        /// The name.
+        name: String,
+    },
+    /// An input whose fields cannot make its values.
+    #[error("input {name:?}{}: {detail}", on_rank(*.rank))]
+    Input {
+        /// The input's name.
+        name: String,
+        /// The rank whose values are wrong, where it is one rank's.
+        rank: Option<usize>,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A `"for"` block that cannot be expanded.
+    #[error("{at}: {detail}")]
+    Block {
+        /// Where: `step 0 (for s)`, or a step inside it with the variable's value.
+        at: String,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A step that cannot run as written.
+    #[error("{at} ({step}): {detail}")]
+    Step {
+        /// Where it is written: `step 3`, or a step of a `"for"` block with the variable's value.
+        at: String,
+        /// What it does: `all_reduce(op=max) [h] -> m`.
+        step: String,
+        /// What is wrong, with the ranks and shapes.
+        detail: String,
+    },
+    /// A rank sends a number of messages to another that the other does not receive.
+    #[error(
+        "group {group:?}: group rank {src} sends {sent} message(s) to group rank {dst} ({sent_at}), which receives {received} ({received_at})"
+    )]
+    Unpaired {
+        /// The group (global ranks).
+        group: Vec<usize>,
+        /// Sending group rank.
+        src: usize,
+        /// Receiving group rank.
+        dst: usize,
+        /// Messages sent.
+        sent: usize,
+        /// The steps that send them.
+        sent_at: String,
+        /// Messages received.
+        received: usize,
+        /// The steps that receive them.
+        received_at: String,
+    },
+    /// A rank receives from one that sends it nothing.
+    #[error(
+        "group {group:?}: group rank {dst} receives from group rank {src} ({at}), which sends nothing"
+    )]
+    Unsent {
+        /// The group (global ranks).
+        group: Vec<usize>,
+        /// The group rank received from.
+        src: usize,
+        /// The receiving group rank.
+        dst: usize,
+        /// The step that receives.
+        at: String,
+    },
+    /// A message received as another shape than it is sent.
+    #[error("{sent_at} sends a {sent:?} tensor that {received_at} receives as {received:?}")]
+    MessageShape {
+        /// The sending step.
+        sent_at: String,
+        /// The shape sent.
+        sent: Vec<usize>,
+        /// The receiving step.
+        received_at: String,
+        /// The shape the receiver expects.
+        received: Vec<usize>,
+    },
+    /// Under the replicated objective, a value replicated differently on two ranks.
+    #[error(
+        "under the replicated objective `{name}` is {first} on rank {first_rank} but {other} on rank {other_rank} (last bound by {bound_by}): a value's replication must be the same on every rank that has it (bind it with the same kind of step on every rank, or use the sum_of_rank_losses objective)"
+    )]
+    Replication {
+        /// The value.
+        name: String,
+        /// A rank that has it.
+        first_rank: usize,
+        /// Its replication there (`varying`, `invariant over ranks [0, 1]`, ...).
+        first: String,
+        /// A rank where it differs.
+        other_rank: usize,
+        /// Its replication there.
+        other: String,
+        /// The step that last bound it.
+        bound_by: String,
+    },
+    /// A loss that is not one element.
+    #[error(
+        "loss `{name}` has shape {shape:?} on rank {rank}; it must have one element (add a \"sum\" step)"
+    )]
+    LossShape {
+        /// The loss's name.
+        name: String,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// On which rank.
+        rank: usize,
+    },
+    /// A loss invariant over a group that some member does not have.
+    #[error(
+        "under the replicated objective the loss `{name}` is invariant over ranks {group:?} and counts once for them, so each of them must have it; rank {rank} does not"
+    )]
+    LossMissing {
+        /// The loss's name.
+        name: String,
+        /// The group it is invariant over.
+        group: Vec<usize>,
+        /// The member without it.
+        rank: usize,
+    },
+    /// No rank has the loss.
+    #[error("loss `{name}` is defined on no rank")]
+    NoLoss {
+        /// The loss's name.
+        name: String,
+    },
+    /// A lesson that cannot run as written (on this world).
+    #[error("lesson {name}: {detail}")]
+    Lesson {
+        /// The lesson's name.
+        name: String,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A `distgrad vjp` case that cannot be a program.
+    #[error("{detail}")]
+    Case {
+        /// What is wrong, naming the collective, field and rank.
+        detail: String,
+    },
+    /// Ranks failed while running a program (index = global rank).
+    #[error("the program failed:\n  {}", .ranks.iter().map(|(r, e)| format!("rank {r}: {e}")).collect::<Vec<_>>().join("\n  "))]
+    Failed {
+        /// Each failed rank and its error.
+        ranks: Vec<(usize, String)>,
+    },
+}
+
+fn on_rank(rank: Option<usize>) -> String {
+    rank.map(|r| format!(" on rank {r}")).unwrap_or_default()
 }
 
 impl Error {

@@ -987,10 +987,10 @@ where
 #[cfg(not(target_arch = "wasm32"))]
 pub fn gradcheck<F>(world: usize, o: &Options, inputs: &[CheckInput], f: F) -> Result<Report>
 where
-    F: AsyncFn(&crate::run::LocalComm, &Tape, Vec<Var>) -> Result<Option<Var>> + Sync,
+    F: AsyncFn(&crate::in_process::LocalComm, &Tape, Vec<Var>) -> Result<Option<Var>> + Sync,
 {
     let f = &f;
-    let results = crate::run::run_local(world, o.comm.clone(), |comm| async move {
+    let results = crate::in_process::run_local(world, o.comm.clone(), |comm| async move {
         check_on(&comm, o, inputs, f).await
     });
     let mut reports = Vec::with_capacity(world);

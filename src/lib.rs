@@ -45,7 +45,7 @@
 //!   local steps are the tensor API's [`tensor::partial`], never a backend's internals.
 //! - [`transport`]: the [`transport::Transport`] trait (async, tag-matched bytes), the shared
 //!   [`transport::Mailbox`], the in-process transport, (native) the WebSocket transport with
-//!   its direct TCP links between native ranks (`transport::direct`) and (wasm32) the browser's
+//!   its direct TCP links between native ranks (`transport::tcp_links`) and (wasm32) the browser's
 //!   (`transport::browser`: WebSocket to the relay, WebRTC data channels, BroadcastChannels).
 //!   Both relay clients share one per-peer routing and abort (`transport::route`). It moves
 //!   bytes: it imports the wire and the buffer pool, nothing of tensors or collectives.
@@ -55,8 +55,8 @@
 //! - `relay` (native): the WebSocket relay server: rooms, ranks, routing, signaling, static files,
 //!   data streams (`relay/stream.rs`), per-address admission limits, TLS. It imports no client
 //!   transport.
-//! - [`run`]: run N ranks in one process: as threads (`run_local`) or interleaved on one task
-//!   ([`run::run_interleaved`], also in a browser page).
+//! - [`in_process`]: run N ranks in one process: as threads (`run_local`) or interleaved on one task
+//!   ([`in_process::run_interleaved`], also in a browser page), or as threads over a relay.
 //! - `web` (wasm32): the rank page, one file per concern under `web/page/` (state, DOM helpers,
 //!   URL parameters, the tabs' control bus, ranks, free play, lessons, diagram, bench, test API).
 //! - [`program`]: THE one description of work — named inputs, local ops and collectives (each a
@@ -109,11 +109,11 @@ pub mod program;
 compile_error!(
     "feature `native-nccl` needs Linux (NCCL and the Vulkan-CUDA memory sharing are Linux-only)"
 );
+pub mod in_process;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod relay;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod rendezvous;
-pub mod run;
 pub mod tensor;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod tls;
@@ -128,12 +128,12 @@ pub use autograd::{Grads, Objective, Tape, Var};
 pub use collective::{
     AllReduceAlgo, CommOptions, Communicator, Group, P2p, ReduceOp, SmallAllReduce,
 };
-pub use error::{Error, Result};
+pub use error::{Error, ProgramError, Result};
 #[cfg(not(target_arch = "wasm32"))]
 pub use gradcheck::gradcheck;
-pub use run::LocalComm;
+pub use in_process::LocalComm;
 #[cfg(not(target_arch = "wasm32"))]
-pub use run::run_local;
+pub use in_process::run_local;
 pub use tensor::Tensor;
 
 /// Feed `data` to every decoder of bytes that arrive from the network: the wire's (frame header,

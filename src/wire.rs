@@ -359,7 +359,7 @@ pub enum Control {
         members: Vec<u32>,
         /// One key per rank (32 hex digits; this member's own entry empty) that only this member
         /// and that peer were given: direct links between native members prove their ranks with
-        /// it (`src/transport/direct.rs`). Absent from relays that issue none (no direct links).
+        /// it (`src/transport/tcp_links.rs`). Absent from relays that issue none (no direct links).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         link_keys: Option<Vec<String>>,
     },

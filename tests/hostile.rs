@@ -301,7 +301,7 @@ fn weak_and_wrong_tokens_are_refused() {
 
 /// The relay's `ready` gives each pair of members one link key that only those two hold (so a
 /// third member cannot prove itself as either on a direct link; the handshake itself is tested in
-/// `src/transport/direct.rs`): the same for (a, b) and (b, a), different for every pair, 128 bits.
+/// `src/transport/tcp_links.rs`): the same for (a, b) and (b, a), different for every pair, 128 bits.
 #[test]
 fn each_pair_of_members_gets_its_own_link_key() {
     let relay = TestRelay::default_config();

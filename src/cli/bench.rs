@@ -5,7 +5,7 @@
 use clap::ValueEnum;
 use distgrad::backend::Device;
 use distgrad::bench::{self, BenchOp};
-use distgrad::run::RelayRoute;
+use distgrad::in_process::RelayRoute;
 use distgrad::{AllReduceAlgo, CommOptions, Communicator, SmallAllReduce};
 
 use super::launch::{LocalRelay, TOKEN_ENV, wait_ranks};
@@ -312,11 +312,13 @@ fn collectives(a: &BenchArgs, child: Option<BenchChild>) -> distgrad::Result<()>
                 let (sizes, device) = (&sizes, &device);
                 async move { rank_bench(&comm, ops, sizes, memcpy, device).await }
             }),
-            Some(route) => {
-                distgrad::run::run_over_relay_via(world, relay_cfg, opts, route, async |comm| {
-                    rank_bench(comm, ops, &sizes, memcpy, &Device::Cpu).await
-                })?
-            }
+            Some(route) => distgrad::in_process::run_over_relay_via(
+                world,
+                relay_cfg,
+                opts,
+                route,
+                async |comm| rank_bench(comm, ops, &sizes, memcpy, &Device::Cpu).await,
+            )?,
         };
         let mut rank0 = None;
         for (r, res) in results.into_iter().enumerate() {

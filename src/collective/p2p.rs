@@ -118,6 +118,42 @@ impl SmallAllReduce {
     }
 }
 
+/// The route a call's data takes, written first into its signature ([`CallSig::extra`]): ranks
+/// that would take different routes (configured differently, or disagreeing about the size) fail
+/// with a mismatch naming both calls, not with a confusing byte count. The codes are the wire's:
+/// never renumber one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// Every rank sends to every other (one round).
+    Exchange,
+    /// Around the ring (an all_reduce's segment size follows the code).
+    Ring,
+    /// Pairwise exchange of chunks.
+    Pairwise,
+    /// Pairwise exchange over memory the ranks share (in-process).
+    Shared,
+    /// Through group rank 0 and back.
+    Star,
+}
+
+impl Route {
+    /// The ring where it is chosen, else the exchange (all_gather, reduce_scatter).
+    fn of(ring: bool) -> Route {
+        if ring { Route::Ring } else { Route::Exchange }
+    }
+
+    /// The code in the signature.
+    fn code(self) -> u64 {
+        match self {
+            Route::Exchange => 0,
+            Route::Ring => 1,
+            Route::Pairwise => 2,
+            Route::Shared => 3,
+            Route::Star => 4,
+        }
+    }
+}
+
 /// Tuning and safety knobs of a [`P2p`] communicator.
 #[derive(Debug, Clone)]
 pub struct CommOptions {
@@ -461,29 +497,25 @@ impl<T: Transport> Communicator for P2p<T> {
                 a => a,
             };
             let star = !ring && n > 2 && self.small.get() == SmallAllReduce::Star;
-            let extra = match (ring, algo) {
-                (false, _) if star => vec![4],
-                (false, _) => vec![0],
-                (true, AllReduceAlgo::Ring | AllReduceAlgo::Auto) => {
-                    vec![1, self.opts.segment_bytes as u64]
-                }
-                (true, AllReduceAlgo::Pairwise) => vec![2],
-                (true, AllReduceAlgo::Shared) => vec![3],
+            let route = match (ring, algo) {
+                (false, _) if star => Route::Star,
+                (false, _) => Route::Exchange,
+                (true, AllReduceAlgo::Ring | AllReduceAlgo::Auto) => Route::Ring,
+                (true, AllReduceAlgo::Pairwise) => Route::Pairwise,
+                (true, AllReduceAlgo::Shared) => Route::Shared,
+            };
+            let extra = match route {
+                Route::Ring => vec![route.code(), self.opts.segment_bytes as u64],
+                _ => vec![route.code()],
             };
             let sig = Spec::AllReduce { op }.sig().shape(x.shape()).extra(extra);
             let call = self.begin(group, sig).await?;
-            let r = match (ring, algo) {
-                (false, _) if star => direct::all_reduce_star(&call, &host, op).await,
-                (false, _) => direct::all_reduce(&call, &host, op).await,
-                (true, AllReduceAlgo::Ring | AllReduceAlgo::Auto) => {
-                    ring::all_reduce(&call, &host, op, self.opts.segment_bytes).await
-                }
-                (true, AllReduceAlgo::Pairwise) => {
-                    direct::all_reduce_pairwise(&call, &host, op, false).await
-                }
-                (true, AllReduceAlgo::Shared) => {
-                    direct::all_reduce_pairwise(&call, &host, op, true).await
-                }
+            let r = match route {
+                Route::Star => direct::all_reduce_star(&call, &host, op).await,
+                Route::Exchange => direct::all_reduce(&call, &host, op).await,
+                Route::Ring => ring::all_reduce(&call, &host, op, self.opts.segment_bytes).await,
+                Route::Pairwise => direct::all_reduce_pairwise(&call, &host, op, false).await,
+                Route::Shared => direct::all_reduce_pairwise(&call, &host, op, true).await,
             };
             self.finish(call, r).await?.to_device(&dev)
         })
@@ -546,7 +578,7 @@ impl<T: Transport> Communicator for P2p<T> {
             let sig = Spec::AllGather {}
                 .sig()
                 .shape(x.shape())
-                .extra(vec![u64::from(ring)]);
+                .extra(vec![Route::of(ring).code()]);
             let call = self.begin(group, sig).await?;
             let r = if ring {
                 ring::all_gather(&call, x).await
@@ -575,7 +607,7 @@ impl<T: Transport> Communicator for P2p<T> {
             let sig = Spec::ReduceScatter { op }
                 .sig()
                 .shape(&shape)
-                .extra(vec![u64::from(ring)]);
+                .extra(vec![Route::of(ring).code()]);
             let call = self.begin(group, sig).await?;
             let r = if ring {
                 ring::reduce_scatter(&call, xs, op).await

@@ -36,7 +36,7 @@
 //!   s + 1; the last stage holds the loss), whose backward runs each send's dual, a recv, and
 //!   each recv's dual, a send.
 //! - With `"steps"` ([`View::Train`], `"lr"` default 0.3) the program is trained data-parallel
-//!   (`train.rs`): each step every rank runs it forward and backward on its own data, the
+//!   (`training.rs`): each step every rank runs it forward and backward on its own data, the
 //!   parameters' gradients (inputs with gradient, equal on every rank at the start) are averaged
 //!   with all_reduce(AVG) and every rank steps; per step the loss of this rank and of the group,
 //!   the parameters and a hash of them (equal on every rank: the replicas stay identical).
@@ -45,19 +45,19 @@
 //!   the backward pass under each with the collectives it ran, and the gradients' ratio (the
 //!   two-objectives lesson: `s = all_reduce(SUM, x)`, `loss = ½·sum(s²)`, the factor is N).
 //!
-//! One file per view (`collective.rs`, `program.rs`, `train.rs`, `objectives.rs`), each a `run`
+//! One file per view (`collective.rs`, `steps.rs`, `training.rs`, `objectives.rs`), each a `run`
 //! giving this rank's steps; the trace types, assembling and rendering traces in `trace.rs`.
 
 mod collective;
 mod objectives;
-mod program;
+mod steps;
 mod trace;
-mod train;
+mod training;
 
 use serde::{Deserialize, Serialize};
 
 use crate::collective::{CommOptions, Communicator, Kind, P2p, ReduceOp};
-use crate::error::{Error, Result};
+use crate::error::{Error, ProgramError, Result};
 use crate::program::{Format, MAX_WORLD, Plan, Program};
 use crate::tensor::Tensor;
 use crate::transport::Transport;
@@ -151,6 +151,15 @@ impl Lesson {
         self.plan_program(&program, world)
     }
 
+    /// An error about this lesson.
+    fn error(&self, detail: String) -> Error {
+        ProgramError::Lesson {
+            name: self.name.clone(),
+            detail,
+        }
+        .into()
+    }
+
     /// `program` (the lesson's, changed) checked for `world` ranks, errors naming the lesson.
     fn plan_program(&self, program: &Program, world: usize) -> Result<Plan> {
         program.plan(Some(world)).map_err(|e| {
@@ -162,7 +171,7 @@ impl Lesson {
             } else {
                 String::new()
             };
-            Error::Input(format!("lesson {}: {e}{other}", self.name))
+            self.error(format!("{e}{other}"))
         })
     }
 }
@@ -210,11 +219,19 @@ impl TryFrom<LessonFile> for Lesson {
     type Error = Error;
 
     fn try_from(f: LessonFile) -> Result<Lesson> {
-        let at = |detail: String| Error::Input(format!("lesson {}: {detail}", f.name));
-        if f.format == Some(Format::Program) {
-            return Err(at(
-                "\"format\": \"program\" is a program, not a lesson".into()
-            ));
+        let at = |detail: String| -> Error {
+            ProgramError::Lesson {
+                name: f.name.clone(),
+                detail,
+            }
+            .into()
+        };
+        if let Some(declared @ Format::Program) = f.format {
+            return Err(ProgramError::Format {
+                declared: declared.name(),
+                reader: "lesson",
+            }
+            .into());
         }
         let view = view_of(&f).map_err(at)?;
         let world = f.world.or(f.program.as_ref().map(|p| p.world)).unwrap_or(3);
@@ -329,7 +346,13 @@ impl From<Lesson> for LessonFile {
 
 /// Parse a lesson file's text.
 pub fn parse(json: &str) -> Result<Lesson> {
-    serde_json::from_str(json).map_err(|e| Error::Input(format!("lesson JSON: {e}")))
+    serde_json::from_str(json).map_err(|e| {
+        ProgramError::Json {
+            reader: "lesson",
+            detail: e.to_string(),
+        }
+        .into()
+    })
 }
 
 /// A file of work, as its `"format"` declares: a program or a lesson. Files without the field
@@ -388,10 +411,11 @@ impl Work {
 pub fn lesson_case(lesson: &Lesson, world: usize) -> Result<vjp::Case> {
     match &lesson.view {
         View::Collective(form) => form.case(world),
-        _ => Err(Error::Input(format!(
-            "lesson {} is not a collective lesson",
-            lesson.name
-        ))),
+        _ => Err(ProgramError::Lesson {
+            name: lesson.name.clone(),
+            detail: "not a collective lesson".into(),
+        }
+        .into()),
     }
 }
 
@@ -432,9 +456,9 @@ pub async fn rank_trace<T: Transport>(
     comm.take_calls();
     let steps = match &lesson.view {
         View::Collective(form) => collective::run(comm, form, own_input).await?,
-        View::Steps => program::run(comm, &lesson.plan_for(world)?).await?,
+        View::Steps => steps::run(comm, &lesson.plan_for(world)?).await?,
         View::Train { steps, lr } => {
-            train::run(comm, lesson, &lesson.plan_for(world)?, *steps, *lr).await?
+            training::run(comm, lesson, &lesson.plan_for(world)?, *steps, *lr).await?
         }
         View::CompareObjectives => objectives::run(comm, lesson).await?,
     };
@@ -458,15 +482,17 @@ pub async fn run_simulated(
     inputs: &[Option<Vec<TensorJson>>],
 ) -> Result<Trace> {
     if world == 0 || world > MAX_WORLD {
-        return Err(Error::Input(format!(
-            "world must be 1..={MAX_WORLD}, got {world}"
-        )));
+        return Err(ProgramError::World {
+            world,
+            max: MAX_WORLD,
+        }
+        .into());
     }
     let opts = CommOptions {
         device: device.clone(),
         ..CommOptions::recorded()
     };
-    let results = crate::run::run_interleaved(world, opts, |comm| async move {
+    let results = crate::in_process::run_interleaved(world, opts, |comm| async move {
         let own = inputs.get(comm.rank()).cloned().flatten();
         rank_trace(&comm, lesson, own).await
     })

@@ -4,7 +4,7 @@
 //! collectives, and where every rank holds the same loss the gradients differ by exactly the
 //! number of ranks that share it.
 
-use super::program::{forward_steps, value_of};
+use super::steps::{forward_steps, value_of};
 use super::*;
 use crate::program::{ObjectiveName, trace_rank};
 

@@ -14,7 +14,7 @@ use super::inputs::{input_values, ranks_of};
 use super::shapes::{collective_shapes, group_specs, lists_outputs, local_shape};
 use super::{Input, LocalOp, MAX_WORLD, Program, Step, StepKind};
 use crate::collective::{Kind, Spec};
-use crate::error::{Error, Result};
+use crate::error::{Error, ProgramError, Result};
 use crate::tensor::Tensor;
 
 /// A checked program for a world: each rank's inputs and each step's per-rank call.
@@ -114,11 +114,13 @@ fn steps_at(steps: &[usize], origins: &[String]) -> String {
     }
 }
 
-fn check_name(what: &str, name: &str) -> Result<()> {
+fn check_name(what: &'static str, name: &str) -> Result<()> {
     if name.is_empty() || name.contains('.') || name.chars().any(char::is_whitespace) {
-        return Err(Error::Input(format!(
-            "{what} {name:?}: names are non-empty, without '.' (list outputs are `name.0`, `name.1`, ...) and without spaces"
-        )));
+        return Err(ProgramError::Name {
+            what,
+            name: name.to_string(),
+        }
+        .into());
     }
     Ok(())
 }
@@ -126,7 +128,12 @@ fn check_name(what: &str, name: &str) -> Result<()> {
 /// An error about a step; `at` says where it is in the program as written (`step 3`, or a step of
 /// a `"for"` block: `step 0 (for s), its step 2 with s = 1`).
 fn err(at: &str, s: &Step, detail: impl std::fmt::Display) -> Error {
-    Error::Input(format!("{at} ({}): {detail}", s.describe()))
+    ProgramError::Step {
+        at: at.to_string(),
+        step: s.describe(),
+        detail: detail.to_string(),
+    }
+    .into()
 }
 
 /// The program with every `name.*` in a step's inputs replaced by the parts of the list output
@@ -169,9 +176,11 @@ fn expand_parts(p: &Program, world: usize, origins: &[String]) -> Result<Program
 /// Check `p` for `world` ranks and make its [`Plan`].
 pub(super) fn plan(p: &Program, world: usize) -> Result<Plan> {
     if world == 0 || world > MAX_WORLD {
-        return Err(Error::Input(format!(
-            "world must be 1..={MAX_WORLD}, got {world}"
-        )));
+        return Err(ProgramError::World {
+            world,
+            max: MAX_WORLD,
+        }
+        .into());
     }
     // Messages name a step of a "for" block by where it came from, not by its place in the
     // expanded program.
@@ -266,10 +275,10 @@ impl<'p> Checker<'p> {
     fn input(&mut self, i: usize, inp: &Input) -> Result<()> {
         check_name("input", &inp.name)?;
         if self.origin.contains_key(&inp.name) {
-            return Err(Error::Input(format!(
-                "input {:?} is declared twice",
-                inp.name
-            )));
+            return Err(ProgramError::DuplicateInput {
+                name: inp.name.clone(),
+            }
+            .into());
         }
         self.origin.insert(inp.name.clone(), "an input".into());
         let all: Vec<usize> = (0..self.world).collect();
@@ -617,31 +626,39 @@ impl<'p> Checker<'p> {
             let recvs = self.received.get(key).map_or(&[][..], Vec::as_slice);
             let (g, src, dst) = *key;
             if sends.len() != recvs.len() {
-                return Err(Error::Input(format!(
-                    "group {:?}: group rank {src} sends {} message(s) to group rank {dst} ({}), which receives {} ({})",
-                    self.groups[g],
-                    sends.len(),
-                    at(sends),
-                    recvs.len(),
-                    at(recvs)
-                )));
+                return Err(ProgramError::Unpaired {
+                    group: self.groups[g].clone(),
+                    src,
+                    dst,
+                    sent: sends.len(),
+                    sent_at: at(sends),
+                    received: recvs.len(),
+                    received_at: at(recvs),
+                }
+                .into());
             }
             for ((ss, sh), (rs, rh)) in sends.iter().zip(recvs) {
                 if sh != rh {
-                    return Err(Error::Input(format!(
-                        "{} sends a {sh:?} tensor that {} receives as {rh:?}",
-                        self.origins[*ss], self.origins[*rs]
-                    )));
+                    return Err(ProgramError::MessageShape {
+                        sent_at: self.origins[*ss].clone(),
+                        sent: sh.clone(),
+                        received_at: self.origins[*rs].clone(),
+                        received: rh.clone(),
+                    }
+                    .into());
                 }
             }
         }
         for (key, recvs) in &self.received {
             if !self.sent.contains_key(key) {
                 let (g, src, dst) = *key;
-                return Err(Error::Input(format!(
-                    "group {:?}: group rank {dst} receives from group rank {src} ({}), which sends nothing",
-                    self.groups[g], self.origins[recvs[0].0]
-                )));
+                return Err(ProgramError::Unsent {
+                    group: self.groups[g].clone(),
+                    src,
+                    dst,
+                    at: self.origins[recvs[0].0].clone(),
+                }
+                .into());
             }
         }
         Ok(())
@@ -672,12 +689,15 @@ impl<'p> Checker<'p> {
             if let Some(&other) = holders.iter().find(|&&r| kind(r) != kind(first))
                 && (kind(first).0.is_some() || kind(other).0.is_some())
             {
-                let o = self.origin.get(name).map_or("", String::as_str);
-                return Err(Error::Input(format!(
-                    "under the replicated objective `{name}` is {} on rank {first} but {} on rank {other} (last bound by {o}): a value's replication must be the same on every rank that has it (bind it with the same kind of step on every rank, or use the sum_of_rank_losses objective)",
-                    describe(first),
-                    describe(other)
-                )));
+                return Err(ProgramError::Replication {
+                    name: name.clone(),
+                    first_rank: first,
+                    first: describe(first),
+                    other_rank: other,
+                    other: describe(other),
+                    bound_by: self.origin.get(name).cloned().unwrap_or_default(),
+                }
+                .into());
             }
         }
         Ok(())
@@ -693,9 +713,12 @@ impl<'p> Checker<'p> {
                 continue;
             };
             if crate::tensor::checked_numel(s) != Some(1) {
-                return Err(Error::Input(format!(
-                    "loss `{loss}` has shape {s:?} on rank {r}; it must have one element (add a \"sum\" step)"
-                )));
+                return Err(ProgramError::LossShape {
+                    name: loss.clone(),
+                    shape: s.clone(),
+                    rank: r,
+                }
+                .into());
             }
             has_loss = true;
             if let Some(g) = state.invariant.get(loss)
@@ -703,13 +726,16 @@ impl<'p> Checker<'p> {
                     .iter()
                     .find(|&&m| !self.ranks[m].shapes.contains_key(loss))
             {
-                return Err(Error::Input(format!(
-                    "under the replicated objective the loss `{loss}` is invariant over ranks {g:?} and counts once for them, so each of them must have it; rank {m} does not"
-                )));
+                return Err(ProgramError::LossMissing {
+                    name: loss.clone(),
+                    group: g.clone(),
+                    rank: *m,
+                }
+                .into());
             }
         }
         if !has_loss {
-            return Err(Error::Input(format!("loss `{loss}` is defined on no rank")));
+            return Err(ProgramError::NoLoss { name: loss.clone() }.into());
         }
         Ok(())
     }

@@ -4,14 +4,20 @@
 //! others first.
 
 use super::{Input, MAX_NUMEL};
-use crate::error::{Error, Result};
+use crate::error::{ProgramError, Result};
 use crate::tensor::Tensor;
 
 /// Each rank's value of input `index` of a program for `world` ranks (`None` on ranks that do
 /// not hold it).
 pub(super) fn input_values(index: usize, inp: &Input, world: usize) -> Result<Vec<Option<Tensor>>> {
-    let what = format!("input {:?}", inp.name);
-    let fail = |detail: String| Error::Input(format!("{what}: {detail}"));
+    let fail = |detail: String| -> crate::error::Error {
+        ProgramError::Input {
+            name: inp.name.clone(),
+            rank: None,
+            detail,
+        }
+        .into()
+    };
     let holders = holders(inp, world).map_err(fail)?;
     let shapes = shapes(inp, holders.len()).map_err(fail)?;
     if inp.replicated && (inp.ranks.is_some() || inp.shapes.is_some()) {
@@ -34,7 +40,6 @@ pub(super) fn input_values(index: usize, inp: &Input, world: usize) -> Result<Ve
         .collect::<Result<Vec<usize>>>()?;
     check_fields(inp).map_err(fail)?;
     let slots = Slots {
-        what: &what,
         inp,
         holders: &holders,
         shapes: &shapes,
@@ -55,18 +60,23 @@ pub(super) fn input_values(index: usize, inp: &Input, world: usize) -> Result<Ve
     Ok(out)
 }
 
-/// Which ranks of `ranks` are named, checked: distinct, below `world`, not none.
-pub(super) fn ranks_of(what: &str, ranks: &[usize], world: usize) -> Result<Vec<bool>> {
+/// Which ranks of `ranks` are named, checked: distinct, below `world`, not none (else why not,
+/// `what` naming the field).
+pub(super) fn ranks_of(
+    what: &str,
+    ranks: &[usize],
+    world: usize,
+) -> std::result::Result<Vec<bool>, String> {
     let mut seen = vec![false; world];
     for &r in ranks {
         if r >= world || std::mem::replace(&mut seen[r], true) {
-            return Err(Error::Input(format!(
+            return Err(format!(
                 "{what} {ranks:?}: ranks must be distinct and below world {world}"
-            )));
+            ));
         }
     }
     if ranks.is_empty() {
-        return Err(Error::Input(format!("{what} must not be empty")));
+        return Err(format!("{what} must not be empty"));
     }
     Ok(seen)
 }
@@ -75,7 +85,7 @@ pub(super) fn ranks_of(what: &str, ranks: &[usize], world: usize) -> Result<Vec<
 fn holders(inp: &Input, world: usize) -> std::result::Result<Vec<usize>, String> {
     match &inp.ranks {
         Some(r) => {
-            ranks_of("\"ranks\"", r, world).map_err(|e| e.to_string())?;
+            ranks_of("\"ranks\"", r, world)?;
             Ok(r.clone())
         }
         None => Ok((0..world).collect()),
@@ -124,8 +134,6 @@ fn check_fields(inp: &Input) -> std::result::Result<(), String> {
 
 /// One input's holders, with their shapes and sizes: where its values go.
 struct Slots<'a> {
-    /// The input as messages name it: `input "x"`.
-    what: &'a str,
     inp: &'a Input,
     holders: &'a [usize],
     shapes: &'a [Vec<usize>],
@@ -134,22 +142,29 @@ struct Slots<'a> {
 }
 
 impl Slots<'_> {
-    /// `v` as the values of holder `k`: the right count, every one finite. `whose` follows the
-    /// input's name in a message (` on rank 2`, or nothing).
-    fn check(&self, v: &[f32], k: usize, whose: &str) -> Result<()> {
-        let what = self.what;
+    /// An error about this input (on `rank`, where it is one rank's values).
+    fn fail(&self, rank: Option<usize>, detail: String) -> ProgramError {
+        ProgramError::Input {
+            name: self.inp.name.clone(),
+            rank,
+            detail,
+        }
+    }
+
+    /// `v` as the values of holder `k`: the right count, every one finite; `rank` where a
+    /// message names the rank.
+    fn check(&self, v: &[f32], k: usize, rank: Option<usize>) -> Result<()> {
         if v.len() != self.numels[k] {
-            return Err(Error::Input(format!(
-                "{what}{whose}: shape {:?} needs {} values, got {}",
+            let detail = format!(
+                "shape {:?} needs {} values, got {}",
                 self.shapes[k],
                 self.numels[k],
                 v.len()
-            )));
+            );
+            return Err(self.fail(rank, detail).into());
         }
         if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-            return Err(Error::Input(format!(
-                "{what}{whose}: value {i} is not finite"
-            )));
+            return Err(self.fail(rank, format!("value {i} is not finite")).into());
         }
         Ok(())
     }
@@ -162,14 +177,11 @@ impl Slots<'_> {
             } else {
                 format!("rank ({})", self.world)
             };
-            return Err(Error::Input(format!(
-                "{}: \"values\" needs one list per {whom}, got {}",
-                self.what,
-                vs.len()
-            )));
+            let detail = format!("\"values\" needs one list per {whom}, got {}", vs.len());
+            return Err(self.fail(None, detail).into());
         }
         for (k, v) in vs.iter().enumerate() {
-            self.check(v, k, &format!(" on rank {}", self.holders[k]))?;
+            self.check(v, k, Some(self.holders[k]))?;
         }
         Ok(vs.to_vec())
     }
@@ -177,28 +189,23 @@ impl Slots<'_> {
     /// `"value"` on every holder, plus `r · "per_rank"` on rank `r`.
     fn shared_value(&self, v: &[f32]) -> Result<Vec<Vec<f32>>> {
         for (k, &r) in self.holders.iter().enumerate() {
-            let whose = if self.inp.shapes.is_some() {
-                format!(" on rank {r}")
-            } else {
-                String::new()
-            };
-            self.check(v, k, &whose)?;
+            self.check(v, k, self.inp.shapes.is_some().then_some(r))?;
         }
         let Some(d) = &self.inp.per_rank else {
             return Ok(vec![v.to_vec(); self.holders.len()]);
         };
         if d.len() != v.len() || d.iter().any(|x| !x.is_finite()) {
-            return Err(Error::Input(format!(
-                "{}: \"per_rank\" needs {} finite values (one per value), got {}",
-                self.what,
+            let detail = format!(
+                "\"per_rank\" needs {} finite values (one per value), got {}",
                 v.len(),
                 d.len()
-            )));
+            );
+            return Err(self.fail(None, detail).into());
         }
         let mut out = Vec::with_capacity(self.holders.len());
         for (k, &r) in self.holders.iter().enumerate() {
             let at: Vec<f32> = v.iter().zip(d).map(|(a, b)| a + r as f32 * b).collect();
-            self.check(&at, k, &format!(" on rank {r}"))?;
+            self.check(&at, k, Some(r))?;
             out.push(at);
         }
         Ok(out)

@@ -61,24 +61,24 @@ mod check;
 mod inputs;
 mod random;
 mod repeat;
-mod run;
+mod runner;
 mod shapes;
-mod trace;
+mod traced;
 
 use serde::{Deserialize, Serialize};
 
 use crate::collective::Spec;
-use crate::error::{Error, Result};
+use crate::error::{ProgramError, Result};
 
 pub use check::Plan;
 pub use random::{RandomOptions, random_program};
 pub use repeat::{Block, MAX_EXPANDED_BYTES, MAX_EXPANDED_STEPS};
-pub(crate) use run::loss_weight;
+pub(crate) use runner::loss_weight;
 #[cfg(not(target_arch = "wasm32"))]
-pub use run::run_local;
-pub use run::{Forward, RankRun, forward, forward_values, run_rank};
+pub use runner::run_local;
+pub use runner::{Forward, RankRun, forward, forward_values, run_rank};
 pub use shapes::lists_outputs;
-pub use trace::{StepView, TracedRun, trace_rank};
+pub use traced::{StepView, TracedRun, trace_rank};
 
 /// Largest world a program may ask for: the one world limit of every command, lesson and page
 /// (ranks are threads, tabs or processes).
@@ -120,6 +120,16 @@ pub enum Format {
     Program,
     /// A lesson of the teaching demo.
     Lesson,
+}
+
+impl Format {
+    /// The name in JSON and in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Program => "program",
+            Format::Lesson => "lesson",
+        }
+    }
 }
 
 /// The objective convention of a program (see [`crate::Objective`]).
@@ -501,12 +511,16 @@ impl Program {
     /// Parse a program from JSON text (errors say where). A file whose `"format"` says it is a
     /// lesson is refused here: `crate::lesson::Work::parse` reads either.
     pub fn parse(json: &str) -> Result<Program> {
-        let p: Program =
-            serde_json::from_str(json).map_err(|e| Error::Input(format!("program JSON: {e}")))?;
+        let p: Program = serde_json::from_str(json).map_err(|e| ProgramError::Json {
+            reader: "program",
+            detail: e.to_string(),
+        })?;
         match p.format {
-            Some(Format::Lesson) => Err(Error::Input(
-                "program JSON: \"format\": \"lesson\" is a lesson, not a program".into(),
-            )),
+            Some(f @ Format::Lesson) => Err(ProgramError::Format {
+                declared: f.name(),
+                reader: "program",
+            }
+            .into()),
             _ => Ok(p),
         }
     }

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use serde_json::Value;
 
 use super::{Program, Step, StepKind};
-use crate::error::{Error, Result};
+use crate::error::{Error, ProgramError, Result};
 
 /// Most steps plus block repetitions a program's blocks may expand to.
 pub const MAX_EXPANDED_STEPS: usize = 100_000;
@@ -185,15 +185,22 @@ fn expand_block(
     budget: &mut Budget,
 ) -> Result<()> {
     let here = format!("{at} (for {})", b.var);
+    let block = |at: &str, detail: String| -> Error {
+        ProgramError::Block {
+            at: at.to_string(),
+            detail,
+        }
+        .into()
+    };
     let bound = |v: &Value, what: &str| -> Result<i64> {
-        number(v, env).map_err(|e| Error::Input(format!("{here}: \"{what}\": {e}")))
+        number(v, env).map_err(|e| block(&here, format!("\"{what}\": {e}")))
     };
     let (from, to) = (bound(&b.from, "from")?, bound(&b.to, "to")?);
     if env.contains_key(&b.var) {
-        return Err(Error::Input(format!(
-            "{here}: `{}` is already a variable of an enclosing block",
-            b.var
-        )));
+        return Err(block(
+            &here,
+            format!("`{}` is already a variable of an enclosing block", b.var),
+        ));
     }
     // Each step's size as written, charged for every copy made of it.
     let sizes: Vec<usize> = b
@@ -204,12 +211,10 @@ fn expand_block(
     let mut env = env.clone();
     for v in from..=to {
         env.insert(b.var.clone(), v);
-        budget
-            .charge(1, 0)
-            .map_err(|e| Error::Input(format!("{here}: {e}")))?;
+        budget.charge(1, 0).map_err(|e| block(&here, e))?;
         for (k, item) in b.steps.iter().enumerate() {
             let at = format!("{here}, its step {k} with {} = {v}", b.var);
-            let fail = |e: String| Error::Input(format!("{at}: {e}"));
+            let fail = |e: String| block(&at, e);
             budget.charge(1, 0).map_err(fail)?;
             let Value::Object(map) = item else {
                 return Err(fail("a step is a JSON object".into()));

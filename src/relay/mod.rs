@@ -48,7 +48,10 @@ use crate::wire::{
     MIN_FRAME_PAYLOAD, secret_eq,
 };
 
+mod refusal;
 mod stream;
+
+pub use refusal::Refusal;
 use stream::StreamOut;
 
 /// Limits and options of a relay.
@@ -315,15 +318,12 @@ pub(super) struct AddrSlot {
 
 impl AddrSlot {
     /// Count a new connection from `ip`, or say why it is refused (the address is at its cap).
-    fn take(shared: &Arc<Shared>, ip: IpAddr) -> Result<AddrSlot, String> {
+    fn take(shared: &Arc<Shared>, ip: IpAddr) -> Result<AddrSlot, Refusal> {
         let ip = ip.to_canonical();
         let mut conns = shared.addr_conns.lock().unwrap_or_else(|e| e.into_inner());
         let n = conns.entry(ip).or_insert(0);
         if *n >= shared.cfg.max_conns_per_addr {
-            return Err(format!(
-                "too many connections from {ip} ({} open, the relay's limit per address)",
-                *n
-            ));
+            return Err(Refusal::TooManyConnections { ip, open: *n });
         }
         *n += 1;
         Ok(AddrSlot {
@@ -422,15 +422,11 @@ pub fn token_bits(token: &str) -> u32 {
 }
 
 /// Why a token a client chose is too weak for `cfg`, if it is.
-fn weak_token(cfg: &RelayConfig, token: &str) -> Option<String> {
+fn weak_token(cfg: &RelayConfig, token: &str) -> Option<Refusal> {
     let bits = token_bits(token);
-    (bits < cfg.min_token_bits).then(|| {
-        format!(
-            "the room token is too weak (about {bits} bits; this relay asks for at least {}): \
-             use 32 random hex digits or 22 random letters and digits, or leave the token out \
-             and the relay makes one",
-            cfg.min_token_bits
-        )
+    (bits < cfg.min_token_bits).then_some(Refusal::WeakToken {
+        bits,
+        min: cfg.min_token_bits,
     })
 }
 
@@ -743,8 +739,8 @@ async fn connection(socket: WebSocket, shared: Arc<Shared>, on_host: bool, peer:
 
     let seat = match join(&shared, &mut stream, &link, on_host, peer).await {
         Ok(seat) => seat,
-        Err(reason) => {
-            send_error(&tx, &reason);
+        Err(refusal) => {
+            send_error(&tx, &refusal.to_string());
             let _ = writer.await;
             return;
         }
@@ -797,16 +793,16 @@ async fn join(
     link: &Link,
     on_host: bool,
     peer: Option<IpAddr>,
-) -> Result<Seat, String> {
+) -> Result<Seat, Refusal> {
     let tx = &link.tx;
     let first = tokio::time::timeout(shared.cfg.join_timeout, stream.next())
         .await
-        .map_err(|_| format!("no join within {:?}", shared.cfg.join_timeout))?;
+        .map_err(|_| Refusal::NoJoin(shared.cfg.join_timeout))?;
     let text = match first {
         Some(Ok(Message::Text(t))) => t,
-        Some(Ok(_)) => return Err("the first message must be a JSON join".into()),
-        Some(Err(e)) => return Err(format!("socket error before join: {e}")),
-        None => return Err("closed before join".into()),
+        Some(Ok(_)) => return Err(Refusal::NotText),
+        Some(Err(e)) => return Err(Refusal::Socket(e.to_string())),
+        None => return Err(Refusal::Closed),
     };
     let (room, token, world, rank, wants_stream) = match serde_json::from_str::<Control>(&text) {
         Ok(Control::Join {
@@ -816,21 +812,24 @@ async fn join(
             rank,
             stream,
         }) => (room, token, world, rank, stream),
-        Ok(other) => return Err(format!("expected join, got {other:?}")),
-        Err(e) => return Err(format!("malformed join: {e}")),
+        Ok(other) => return Err(Refusal::NotJoin(format!("{other:?}"))),
+        Err(e) => return Err(Refusal::Malformed(e.to_string())),
     };
     let cfg = &shared.cfg;
     if room.is_empty() || room.len() > 128 {
-        return Err("room name must be 1..=128 bytes".into());
+        return Err(Refusal::RoomName);
     }
     if world == 0 || world > cfg.max_members {
-        return Err(format!("world {world} outside 1..={}", cfg.max_members));
+        return Err(Refusal::World {
+            world,
+            max: cfg.max_members,
+        });
     }
     // Everything checkable without the room comes first: a refused join must not create a room.
     if let Some(k) = rank
         && k >= world
     {
-        return Err(format!("rank {k} outside world {world}"));
+        return Err(Refusal::RankOutside { rank: k, world });
     }
     if let Some(t) = &token
         && !shared.rooms().contains_key(&room)
@@ -841,10 +840,10 @@ async fn join(
     // Made before the lock (it may fail); used only if this join creates the room.
     let fresh_token = match &token {
         Some(_) => None,
-        None => Some(random_token().map_err(|e| e.to_string())?),
+        None => Some(random_token().map_err(|e| Refusal::Random(e.to_string()))?),
     };
     let key = match wants_stream && shared.cfg.streams {
-        true => Some(random_token().map_err(|e| e.to_string())?),
+        true => Some(random_token().map_err(|e| Refusal::Random(e.to_string()))?),
         false => None,
     };
     let peer = peer.map(|ip| ip.to_canonical());
@@ -858,27 +857,33 @@ async fn join(
     let r = match rooms.get_mut(&room) {
         Some(r) => {
             if !token.as_deref().is_some_and(|t| secret_eq(t, &r.token)) {
-                return Err(format!("wrong token for room {room:?}"));
+                return Err(Refusal::WrongToken { room });
             }
             if r.world != world {
-                return Err(format!("room {room:?} has world {}, not {world}", r.world));
+                return Err(Refusal::WorldMismatch {
+                    room,
+                    has: r.world,
+                    asked: world,
+                });
             }
             if r.started {
-                return Err(format!("room {room:?} has already started"));
+                return Err(Refusal::Started { room });
             }
             r
         }
         None => {
             if n_rooms >= cfg.max_rooms {
-                return Err(format!("relay is full ({} rooms)", cfg.max_rooms));
+                return Err(Refusal::Full {
+                    rooms: cfg.max_rooms,
+                });
             }
             if let Some(ip) = peer
                 && waiting_here >= cfg.max_waiting_rooms_per_addr
             {
-                return Err(format!(
-                    "{ip} already has {waiting_here} rooms waiting for members (the relay's \
-                     limit per address): join one of them, or wait until they fill or close"
-                ));
+                return Err(Refusal::WaitingRooms {
+                    ip,
+                    waiting: waiting_here,
+                });
             }
             let id = shared.next_room.fetch_add(1, Ordering::Relaxed);
             created = Some(id);
@@ -894,12 +899,12 @@ async fn join(
     };
     let rank = match rank {
         Some(k) if r.members.contains_key(&k) => {
-            return Err(format!("rank {k} is taken in room {room:?}"));
+            return Err(Refusal::RankTaken { rank: k, room });
         }
         Some(k) => k,
         None => (0..world)
             .find(|k| !r.members.contains_key(k))
-            .ok_or_else(|| format!("room {room:?} is full"))?,
+            .ok_or_else(|| Refusal::RoomFull { room: room.clone() })?,
     };
     let room_id = r.id;
     r.members.insert(

@@ -180,7 +180,9 @@ impl Incoming {
                 tokio::spawn(async move {
                     let slot = match slot {
                         Ok(slot) => slot,
-                        Err(why) => return refuse(sock, &why, shared.cfg.join_timeout).await,
+                        Err(why) => {
+                            return refuse(sock, &why.to_string(), shared.cfg.join_timeout).await;
+                        }
                     };
                     let mut first = [0u8; 1];
                     let peek = tokio::time::timeout(shared.cfg.join_timeout, sock.peek(&mut first));

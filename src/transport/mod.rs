@@ -4,7 +4,7 @@
 //! under a tag; messages between one pair of ranks with one tag arrive in the order they were sent.
 //! Incoming messages of every transport land in a [`Mailbox`], the one place that does tag matching,
 //! peer loss and abort. Implementations: [`local`] (ranks as threads of one process); natively
-//! `ws` (WebSocket through the relay, with `direct` TCP links between native ranks where they can
+//! `ws` (WebSocket through the relay, with `tcp_links`: direct TCP links between native ranks where they can
 //! make them); in a browser `browser` (the relay's WebSocket, WebRTC data channels and
 //! BroadcastChannels between tabs; its waits sleep on `clock`, which a hidden tab does not
 //! stretch). The two relay clients share [`route`]: how a peer's leave is
@@ -14,11 +14,11 @@
 pub mod browser;
 #[cfg(target_arch = "wasm32")]
 pub mod clock;
-#[cfg(not(target_arch = "wasm32"))]
-pub mod direct;
 pub mod local;
 pub mod mailbox;
 pub mod route;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod tcp_links;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod ws;
 

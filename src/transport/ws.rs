@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
 
 use super::route::{self, Linked, peer_left};
-use super::{Mailbox, Tag, Transport, direct};
+use super::{Mailbox, Tag, Transport, tcp_links};
 use crate::error::{Error, Result};
 use crate::wire::{
     Control, DEFAULT_FRAME_PAYLOAD, HEADER_LEN, Header, MAX_STREAM_PAYLOAD, MIN_FRAME_PAYLOAD,
@@ -117,9 +117,9 @@ pub struct WsTransport {
     send_timeout: Duration,
     reader: Option<tokio::task::JoinHandle<()>>,
     writer: Option<tokio::task::JoinHandle<()>>,
-    links: std::collections::HashMap<usize, direct::Link>,
+    links: std::collections::HashMap<usize, tcp_links::Link>,
     /// The data stream to the relay, if attached.
-    data: Option<direct::Link>,
+    data: Option<tcp_links::Link>,
     /// Which socket carries the data stream.
     data_route: Option<StreamRoute>,
 }
@@ -223,7 +223,7 @@ impl WsTransport {
         let mut welcome = None;
         let mut data_stream = None;
         let mut relay_frame: Option<usize> = None;
-        let mut keys = direct::LinkKeys::new();
+        let mut keys = tcp_links::LinkKeys::new();
         let wait = async {
             while let Some(msg) = stream.next().await {
                 let msg = msg.map_err(|e| relay_err(format!("while joining: {e}")))?;
@@ -271,7 +271,7 @@ impl WsTransport {
                     Ok(Control::Ready { link_keys, .. }) => {
                         keys = link_keys
                             .as_ref()
-                            .map(|k| direct::parse_keys(k))
+                            .map(|k| tcp_links::parse_keys(k))
                             .unwrap_or_default();
                         return Ok(());
                     }
@@ -311,7 +311,7 @@ impl WsTransport {
         let linked = Arc::new(Linked::new(world));
         let data_route = data_stream.as_ref().map(|(_, _, route)| *route);
         let data = data_stream.map(|(rd, wr, _)| {
-            let (tx, writer) = direct::spawn_writer(wr);
+            let (tx, writer) = tcp_links::spawn_writer(wr);
             let mb = mailbox.clone();
             let max_message = opts.max_message;
             let linked = linked.clone();
@@ -375,14 +375,14 @@ impl WsTransport {
                             data,
                             ..
                         }) => {
-                            let kind = direct::peer_kind(&data);
+                            let kind = tcp_links::peer_kind(&data);
                             // A rank without direct links answers a peer that offers one, so
                             // that the peer does not wait for it (only such peers are told).
-                            if !direct_on && matches!(kind, direct::PeerKind::Listening(_)) {
+                            if !direct_on && matches!(kind, tcp_links::PeerKind::Listening(_)) {
                                 let reply = Control::Signal {
                                     to: Some(from),
                                     from: None,
-                                    data: direct::announcement(None),
+                                    data: tcp_links::announcement(None),
                                 };
                                 if let Ok(text) = serde_json::to_string(&reply)
                                     && let Some(tx) = replies.upgrade()
@@ -414,7 +414,7 @@ impl WsTransport {
             None => None,
         };
         let here = listener.as_ref().and_then(|l| l.local_addr().ok());
-        let note = direct::announcement(here);
+        let note = tcp_links::announcement(here);
         for r in (0..world).filter(|&r| r != rank && here.is_some()) {
             let msg = Control::Signal {
                 to: Some(r as u32),
@@ -428,7 +428,7 @@ impl WsTransport {
         }
         let links = match listener {
             Some(l) => {
-                direct::establish(
+                tcp_links::establish(
                     rank,
                     world,
                     &keys,
@@ -567,7 +567,7 @@ impl Transport for WsTransport {
             detail: "connection to the relay is closed".into(),
         };
         if let Some((link, _, _)) = self.links.get(&dst) {
-            let head = direct::frame_head(self.rank, dst, tag, payload.len());
+            let head = tcp_links::frame_head(self.rank, dst, tag, payload.len());
             // The link's writer stopped: the peer is gone (its end closed or broke).
             let gone = || Error::PeerLost {
                 rank: self.rank,
@@ -586,7 +586,7 @@ impl Transport for WsTransport {
                     (i * MAX_STREAM_PAYLOAD).min(payload.len())
                         ..((i + 1) * MAX_STREAM_PAYLOAD).min(payload.len()),
                 );
-                let head = direct::frame_head_more(self.rank, dst, tag, part.len(), i + 1 < n);
+                let head = tcp_links::frame_head_more(self.rank, dst, tag, part.len(), i + 1 < n);
                 let route = "the relay on the data stream";
                 self.queue(stream.send((head, part)), closed, route).await?;
             }
@@ -815,7 +815,7 @@ async fn read_stream(
             Ok(h) => h,
             Err(e) => return format!("the relay sent a bad frame: {e}"),
         };
-        let payload = match direct::read_payload(&mut rd, n).await {
+        let payload = match tcp_links::read_payload(&mut rd, n).await {
             Ok(p) => p,
             Err(e) => return failed(e),
         };

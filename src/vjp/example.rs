@@ -2,10 +2,11 @@
 //! collective lessons, the page's free play): small numbers that make the collective's effect
 //! visible.
 
-use super::program::{Calls, build, output_names};
+use super::build::{Calls, build, output_names};
+use super::case_err;
 use super::{Case, TensorJson};
 use crate::collective::{Kind, ReduceOp};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::program::MAX_WORLD;
 
 /// A built-in example case for `distgrad vjp <collective> --world N`: small integer inputs that
@@ -19,7 +20,7 @@ pub fn example_case(
     group: Option<Vec<usize>>,
 ) -> Result<Case> {
     if world == 0 || world > MAX_WORLD {
-        return Err(Error::Input(format!(
+        return Err(case_err(format!(
             "world must be 1..={MAX_WORLD}, got {world}"
         )));
     }

@@ -27,23 +27,31 @@
 //! beyond ±3.4e38 are rejected); a non-finite result is written as `null` (the tables say `nan`,
 //! `inf` or `-inf`).
 
+mod build;
 mod example;
-mod program;
 mod table;
 
 use serde::{Deserialize, Serialize};
 
 use crate::collective::{CommOptions, Communicator, Kind, P2p};
-use crate::error::{Error, Result};
-use crate::program::{Plan, trace_rank};
+use crate::error::{Error, ProgramError, Result};
 #[cfg(not(target_arch = "wasm32"))]
-use crate::run::run_local;
+use crate::in_process::run_local;
+use crate::program::{Plan, trace_rank};
 use crate::tensor::Tensor;
 use crate::transport::Transport;
 
+use build::{Calls, build, output_names, slot_names};
 pub use example::example_case;
-use program::{Calls, build, output_names, slot_names};
 pub use table::{fmt_t, render_table, text_table};
+
+/// An error about a case as its reader says it (the collective, the field, the rank).
+fn case_err(detail: impl Into<String>) -> Error {
+    ProgramError::Case {
+        detail: detail.into(),
+    }
+    .into()
+}
 
 /// A tensor in JSON.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -64,15 +72,15 @@ impl TensorJson {
             .enumerate()
             .map(|(i, x)| match x {
                 Some(v) if v.is_finite() => Ok(*v),
-                Some(_) => Err(Error::Input(format!(
+                Some(_) => Err(case_err(format!(
                     "{what}: element {i} is beyond the f32 range (±3.4e38; inputs must be finite)"
                 ))),
-                None => Err(Error::Input(format!(
+                None => Err(case_err(format!(
                     "{what}: element {i} is null (JSON has no NaN; inputs must be finite)"
                 ))),
             })
             .collect::<Result<Vec<f32>>>()?;
-        Tensor::from_vec(data, &self.shape).map_err(|e| Error::Input(format!("{what}: {e}")))
+        Tensor::from_vec(data, &self.shape).map_err(|e| case_err(format!("{what}: {e}")))
     }
 
     /// From a tensor (NaN becomes `None`); GPU tensors are read back.
@@ -162,7 +170,7 @@ pub fn parse_collective(s: &str) -> Result<Kind> {
         .find(|k| k.name() == s)
         .ok_or_else(|| {
             let names: Vec<_> = COLLECTIVES.iter().map(|k| k.name()).collect();
-            Error::Input(format!(
+            case_err(format!(
                 "unknown collective {s:?}; expected one of {}",
                 names.join(", ")
             ))
@@ -179,7 +187,10 @@ pub fn parse_case(json: &str) -> Result<Case> {
             }
             _ => "",
         };
-        Error::Input(format!("case JSON: {e}{hint}"))
+        Error::from(ProgramError::Json {
+            reader: "case",
+            detail: format!("{e}{hint}"),
+        })
     })
 }
 
@@ -198,11 +209,13 @@ impl Prepared {
         // What the case check leaves to the program check: shapes that must agree across the
         // ranks, split sizes against the rows passed.
         let plan = build(case, &calls)?.plan(None).map_err(|e| match e {
-            Error::Input(m) => Error::Input(format!(
-                "{}: the ranks' inputs do not fit together (checked as the case's program, \
-                 which --print-program shows): {m}",
-                calls.kind.name()
-            )),
+            Error::Program(e) => Error::from(ProgramError::Case {
+                detail: format!(
+                    "{}: the ranks' inputs do not fit together (checked as the case's program, \
+                     which --print-program shows): {e}",
+                    calls.kind.name()
+                ),
+            }),
             other => other,
         })?;
         Ok(Prepared { calls, plan })
@@ -237,7 +250,7 @@ pub async fn rank_result<T: Transport>(comm: &P2p<T>, prepared: &Prepared) -> Re
     let c = &prepared.calls;
     let me = comm.rank();
     if comm.world_size() != c.world {
-        return Err(Error::Input(format!(
+        return Err(case_err(format!(
             "case is for world {}, communicator has {}",
             c.world,
             comm.world_size()
@@ -261,9 +274,10 @@ pub async fn rank_result<T: Transport>(comm: &P2p<T>, prepared: &Prepared) -> Re
     let names = slot_names("x", c.n_inputs.iter().copied().max().unwrap_or(0));
     let mut grads = Vec::with_capacity(c.n_inputs[me]);
     for x in names.iter().take(c.n_inputs[me]) {
-        let g = run.grads.get(x).ok_or_else(|| {
-            Error::Input(format!("rank {me}: the case's program has no input {x}"))
-        })?;
+        let g = run
+            .grads
+            .get(x)
+            .ok_or_else(|| case_err(format!("rank {me}: the case's program has no input {x}")))?;
         grads.push(TensorJson::read(g).await?);
     }
     let mut outputs = Vec::new();
@@ -299,7 +313,7 @@ pub fn assemble(prepared: &Prepared, results: Vec<Result<RankResult>>) -> Result
         }
     }
     if !errors.is_empty() {
-        return Err(Error::Input(format!(
+        return Err(case_err(format!(
             "{} failed:\n  {}",
             p.kind.name(),
             errors.join("\n  ")
@@ -349,7 +363,7 @@ pub async fn run_case_interleaved(
         device: device.clone(),
         ..CommOptions::recorded()
     };
-    let results = crate::run::run_interleaved(prepared.world(), opts, |comm| {
+    let results = crate::in_process::run_interleaved(prepared.world(), opts, |comm| {
         let p = &prepared;
         async move { rank_result(&comm, p).await }
     })

@@ -35,11 +35,10 @@
 //! `dom.rs` (DOM helpers), `params.rs` (URL parameters, share links), `ranks.rs` (network events,
 //! the ranks diagram), `bus.rs` (the control bus between tabs), `play.rs` (free play),
 //! `lessons.rs` (the lesson view), `programs.rs` (programs and the gradient check),
-//! `diagram.rs` (SVG drawings, the loss plot), `bench.rs`,
+//! `diagram.rs` (SVG drawings, the loss plot), `room_bench.rs`,
 //! `api.rs` (`window.distgrad` and the handlers).
 
 mod api;
-mod bench;
 mod bus;
 mod diagram;
 mod dom;
@@ -48,9 +47,9 @@ mod params;
 mod play;
 mod programs;
 mod ranks;
+mod room_bench;
 
 use api::*;
-use bench::*;
 use bus::*;
 use diagram::*;
 use dom::*;
@@ -59,6 +58,7 @@ use params::*;
 use play::*;
 use programs::*;
 use ranks::*;
+use room_bench::*;
 
 use std::cell::RefCell;
 use std::rc::Rc;

@@ -228,10 +228,11 @@ async fn run_on_every_rank(app: &App, plan: &Plan) -> Result<Vec<ShownRun>> {
     };
     match &app.comm {
         None => {
-            let results = crate::run::run_interleaved(plan.world(), opts, |comm| async move {
-                crate::program::run_rank(&comm, plan, None, true).await
-            })
-            .await;
+            let results =
+                crate::in_process::run_interleaved(plan.world(), opts, |comm| async move {
+                    crate::program::run_rank(&comm, plan, None, true).await
+                })
+                .await;
             results
                 .into_iter()
                 .enumerate()
@@ -259,11 +260,12 @@ async fn check_on_every_rank(app: &App, plan: &Plan) -> Result<Report> {
     match &app.comm {
         None => {
             let o = &o;
-            let results =
-                crate::run::run_interleaved(plan.world(), o.comm.clone(), |comm| async move {
-                    gradcheck::check_program_on(&comm, plan, o).await
-                })
-                .await;
+            let results = crate::in_process::run_interleaved(
+                plan.world(),
+                o.comm.clone(),
+                |comm| async move { gradcheck::check_program_on(&comm, plan, o).await },
+            )
+            .await;
             // Every simulated rank got the same report; rank 0's is shown.
             let mut first = None;
             for (r, rep) in results.into_iter().enumerate() {

@@ -3,7 +3,7 @@
 //! objective with respect to each step's result (cotangents), the backward pass through each
 //! collective step, last to first (the messages reversed, the collectives its dual really ran,
 //! the cotangent of the step's result and the gradients of what the step read), and the
-//! gradients of the inputs. (With `"steps"` the lesson trains the program instead, `train.rs`;
+//! gradients of the inputs. (With `"steps"` the lesson trains the program instead, `training.rs`;
 //! with `"compare_objectives"` it differentiates it under both objective conventions,
 //! `objectives.rs`.)
 

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use super::check::What;
-use super::run::{forward_values, input_vars};
+use super::runner::{forward_values, input_vars};
 use super::{Plan, StepKind};
 use crate::autograd::{Tape, Var};
 use crate::collective::Communicator;

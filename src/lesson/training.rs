@@ -24,19 +24,16 @@ pub(super) async fn run<T: Transport>(
         .filter(|&i| program.inputs[i].grad)
         .collect();
     if trainable.is_empty() {
-        return Err(Error::Input(format!(
-            "lesson {}: training needs an input with gradient (a parameter)",
-            lesson.name
-        )));
+        return Err(lesson.error("training needs an input with gradient (a parameter)".into()));
     }
     for &i in &trainable {
         let first = plan.inputs(0)[i].try_to_vec()?;
         for r in 0..n {
             if !plan.holds(r, i) || plan.inputs(r)[i].try_to_vec()? != first {
-                return Err(Error::Input(format!(
-                    "lesson {}: parameter {:?} must start equal on every rank (give it a \"value\" \
-                     or make it \"replicated\"; data without gradient may differ per rank)",
-                    lesson.name, program.inputs[i].name
+                return Err(lesson.error(format!(
+                    "parameter {:?} must start equal on every rank (give it a \"value\" or make \
+                     it \"replicated\"; data without gradient may differ per rank)",
+                    program.inputs[i].name
                 )));
             }
         }
@@ -92,9 +89,9 @@ pub(super) async fn run<T: Transport>(
     for k in 1..=steps {
         let run = run_rank(comm, plan, Some(&inputs), true).await?;
         let loss = run.loss.ok_or_else(|| {
-            Error::Input(format!(
-                "lesson {}: rank {me} has no loss `{}` to train on",
-                lesson.name, program.loss
+            lesson.error(format!(
+                "rank {me} has no loss `{}` to train on",
+                program.loss
             ))
         })?;
         // One bucket: every parameter's gradient, averaged over the ranks at once.

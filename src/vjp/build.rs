@@ -4,9 +4,10 @@
 //! tensors each rank passes, finite numbers) is checked here, as the case says it
 //! ([`Calls::of`]); everything else by the program's own check ([`Program::plan`]).
 
+use super::case_err;
 use super::{Case, TensorJson, parse_collective};
 use crate::collective::{Kind, ReduceOp, Spec};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::program::{
     Input, LocalOp, MAX_WORLD, ObjectiveName, Program, Splits, Step, StepKind, lists_outputs,
 };
@@ -28,7 +29,7 @@ impl Calls {
         let kind = parse_collective(&case.collective)?;
         let world = case.world;
         if world == 0 || world > MAX_WORLD {
-            return Err(Error::Input(format!(
+            return Err(case_err(format!(
                 "world must be 1..={MAX_WORLD}, got {world}"
             )));
         }
@@ -36,19 +37,19 @@ impl Calls {
         let mut seen = vec![false; world];
         for &g in &group {
             if g >= world || std::mem::replace(&mut seen[g], true) {
-                return Err(Error::Input(format!(
+                return Err(case_err(format!(
                     "group {group:?}: ranks must be distinct and below world {world}"
                 )));
             }
         }
         if group.is_empty() {
-            return Err(Error::Input("group must not be empty".into()));
+            return Err(case_err("group must not be empty"));
         }
         let specs = member_specs(case, kind, &group)?;
         let n = group.len();
         for (r, spec) in specs.iter().enumerate() {
             spec.check(r, n)
-                .map_err(|e| Error::Input(format!("rank {}: {e}", group[r])))?;
+                .map_err(|e| case_err(format!("rank {}: {e}", group[r])))?;
         }
         let calls = Calls {
             kind,
@@ -89,7 +90,7 @@ impl Calls {
         count: &dyn Fn(usize) -> usize,
     ) -> Result<Vec<usize>> {
         if lists.len() != self.world {
-            return Err(Error::Input(format!(
+            return Err(case_err(format!(
                 "\"{what}\" needs one list per global rank ({}), got {}",
                 self.world,
                 lists.len()
@@ -101,7 +102,7 @@ impl Calls {
             .map(|(g, l)| {
                 let want = count(g);
                 if l.len() != want {
-                    return Err(Error::Input(format!(
+                    return Err(case_err(format!(
                         "{what} of rank {g}: {} takes {want} tensor(s) here, got {}",
                         self.kind.name(),
                         l.len()
@@ -119,7 +120,7 @@ impl Calls {
 /// The call of each member (only all_to_all_single's splits differ between ranks), from the
 /// case's `op`, `root`, `perm` and splits, each refused where the collective takes none.
 fn member_specs(case: &Case, kind: Kind, group: &[usize]) -> Result<Vec<Spec>> {
-    let refuse = |field: &str| Error::Input(format!("{} takes no \"{field}\"", kind.name()));
+    let refuse = |field: &str| case_err(format!("{} takes no \"{field}\"", kind.name()));
     let op = match (&case.op, kind.takes_op()) {
         (Some(s), true) => ReduceOp::parse(s)?,
         (Some(_), false) => return Err(refuse("op")),
@@ -128,7 +129,7 @@ fn member_specs(case: &Case, kind: Kind, group: &[usize]) -> Result<Vec<Spec>> {
     let n = group.len();
     let root = match (case.root, kind.takes_root()) {
         (Some(r), true) if r >= n => {
-            return Err(Error::Input(format!(
+            return Err(case_err(format!(
                 "root {r} is not a group rank (group size {n}; roots are group ranks)"
             )));
         }
@@ -139,9 +140,7 @@ fn member_specs(case: &Case, kind: Kind, group: &[usize]) -> Result<Vec<Spec>> {
     let perm = match (kind, &case.perm) {
         (Kind::Permute, Some(p)) => p.clone(),
         (Kind::Permute, None) => {
-            return Err(Error::Input(
-                "permute needs \"perm\": [[src,dst],...]".into(),
-            ));
+            return Err(case_err("permute needs \"perm\": [[src,dst],...]"));
         }
         (_, Some(_)) => return Err(refuse("perm")),
         (_, None) => Vec::new(),
@@ -152,16 +151,13 @@ fn member_specs(case: &Case, kind: Kind, group: &[usize]) -> Result<Vec<Spec>> {
             i.iter().cloned().zip(o.iter().cloned()).collect()
         }
         (Kind::AllToAllSingle, _, _) => {
-            return Err(Error::Input(
-                "all_to_all_single needs \"in_splits\" and \"out_splits\", one list per global rank".into(),
+            return Err(case_err(
+                "all_to_all_single needs \"in_splits\" and \"out_splits\", one list per global rank",
             ));
         }
         (_, None, None) => Vec::new(),
         _ => {
-            return Err(Error::Input(format!(
-                "{} takes no split sizes",
-                kind.name()
-            )));
+            return Err(case_err(format!("{} takes no split sizes", kind.name())));
         }
     };
     Ok(group
@@ -224,7 +220,7 @@ pub(super) fn build(case: &Case, calls: &Calls) -> Result<Program> {
     // Ranks with outputs have the same number of them (0 elsewhere) for every collective.
     let holders: Vec<usize> = (0..case.world).filter(|&g| n_outputs[g] > 0).collect();
     if holders.iter().any(|&g| n_outputs[g] != n_out) {
-        return Err(Error::Input(format!(
+        return Err(case_err(format!(
             "{}: ranks have different numbers of outputs ({n_outputs:?}); a program cannot \
              write this case's loss",
             calls.kind.name()
@@ -358,7 +354,7 @@ fn slot_input(name: &str, lists: &[Vec<TensorJson>], k: usize, grad: bool) -> Re
                 .enumerate()
                 .map(|(i, x)| {
                     x.filter(|v| v.is_finite()).ok_or_else(|| {
-                        Error::Input(format!("{name} on rank {g}: element {i} is not finite"))
+                        case_err(format!("{name} on rank {g}: element {i} is not finite"))
                     })
                 })
                 .collect::<Result<Vec<f32>>>()

@@ -7,7 +7,7 @@ use super::shapes::lists_outputs;
 use super::{LocalOp, Plan};
 use crate::autograd::{Tape, Var};
 use crate::collective::{Communicator, Group};
-use crate::error::{Error, Result};
+use crate::error::{Error, ProgramError, Result};
 use crate::tensor::Tensor;
 
 /// One rank's run of a program.
@@ -118,11 +118,11 @@ pub async fn forward_values<C: Communicator>(
 ) -> Result<Forward> {
     let me = comm.rank();
     if comm.world_size() != plan.world {
-        return Err(Error::Input(format!(
-            "the program was checked for world {}, the communicator has {}",
-            plan.world,
-            comm.world_size()
-        )));
+        return Err(ProgramError::WorldMismatch {
+            planned: plan.world,
+            communicator: comm.world_size(),
+        }
+        .into());
     }
     let groups = make_groups(comm, plan)?;
     let mut env: HashMap<String, Var> = plan
@@ -136,9 +136,11 @@ pub async fn forward_values<C: Communicator>(
         .collect();
     let get = |env: &HashMap<String, Var>, name: &str, step: usize| {
         env.get(name).cloned().ok_or_else(|| {
-            Error::Input(format!(
-                "step {step}: `{name}` is not defined on rank {me} (the plan said it would be)"
-            ))
+            Error::from(ProgramError::Step {
+                at: format!("step {step}"),
+                step: plan.program.steps[step].describe(),
+                detail: format!("`{name}` is not defined on rank {me} (the plan said it would be)"),
+            })
         })
     };
     let mut nodes = Vec::with_capacity(plan.steps.len());
@@ -245,23 +247,20 @@ pub async fn run_rank<C: Communicator>(
 /// Run `plan` forward and backward on its world of in-process ranks (threads); results by rank.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn run_local(plan: &Plan, opts: crate::collective::CommOptions) -> Result<Vec<RankRun>> {
-    let results = crate::run::run_local(plan.world, opts, |comm| async move {
+    let results = crate::in_process::run_local(plan.world, opts, |comm| async move {
         run_rank(&comm, plan, None, true).await
     });
     let mut out = Vec::with_capacity(results.len());
-    let mut errors = Vec::new();
+    let mut failed = Vec::new();
     for (r, res) in results.into_iter().enumerate() {
         match res {
             Ok(run) => out.push(run),
-            Err(e) => errors.push(format!("rank {r}: {e}")),
+            Err(e) => failed.push((r, e.to_string())),
         }
     }
-    if errors.is_empty() {
+    if failed.is_empty() {
         Ok(out)
     } else {
-        Err(Error::Input(format!(
-            "the program failed:\n  {}",
-            errors.join("\n  ")
-        )))
+        Err(ProgramError::Failed { ranks: failed }.into())
     }
 }

@@ -1,0 +1,121 @@
+//! [`Refusal`]: why the relay turns a connection or a join away, with what it checked (the
+//! room, the world, the rank, the address and its count). Its message is what the client is
+//! told (a JSON `error`, then the close reason).
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+/// Why the relay refuses a connection or a join.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Refusal {
+    /// The address already has as many connections open as the relay allows one address.
+    #[error("too many connections from {ip} ({open} open, the relay's limit per address)")]
+    TooManyConnections {
+        /// The source address.
+        ip: IpAddr,
+        /// Its connections open now.
+        open: usize,
+    },
+    /// No join message came in time.
+    #[error("no join within {0:?}")]
+    NoJoin(Duration),
+    /// The first message was not a text message.
+    #[error("the first message must be a JSON join")]
+    NotText,
+    /// The socket failed before the join.
+    #[error("socket error before join: {0}")]
+    Socket(String),
+    /// The socket closed before the join.
+    #[error("closed before join")]
+    Closed,
+    /// The first message was another control message.
+    #[error("expected join, got {0}")]
+    NotJoin(String),
+    /// The first message was not a control message.
+    #[error("malformed join: {0}")]
+    Malformed(String),
+    /// A room name of no bytes or too many.
+    #[error("room name must be 1..=128 bytes")]
+    RoomName,
+    /// A world of 0 or beyond the relay's limit.
+    #[error("world {world} outside 1..={max}")]
+    World {
+        /// The world asked for.
+        world: u32,
+        /// The relay's largest.
+        max: u32,
+    },
+    /// A rank asked for outside the world.
+    #[error("rank {rank} outside world {world}")]
+    RankOutside {
+        /// The rank asked for.
+        rank: u32,
+        /// The world.
+        world: u32,
+    },
+    /// A new room's token too easy to guess (the message says how to make one).
+    #[error(
+        "the room token is too weak (about {bits} bits; this relay asks for at least {min}): use 32 random hex digits or 22 random letters and digits, or leave the token out and the relay makes one"
+    )]
+    WeakToken {
+        /// The token's estimated strength.
+        bits: u32,
+        /// The relay's minimum.
+        min: u32,
+    },
+    /// The relay could not make a token or key (the OS's random number generator failed).
+    #[error("{0}")]
+    Random(String),
+    /// The token does not open the room.
+    #[error("wrong token for room {room:?}")]
+    WrongToken {
+        /// The room.
+        room: String,
+    },
+    /// The room exists with another world.
+    #[error("room {room:?} has world {has}, not {asked}")]
+    WorldMismatch {
+        /// The room.
+        room: String,
+        /// Its world.
+        has: u32,
+        /// The world asked for.
+        asked: u32,
+    },
+    /// The room is running; no one joins it now.
+    #[error("room {room:?} has already started")]
+    Started {
+        /// The room.
+        room: String,
+    },
+    /// The relay holds as many rooms as it allows.
+    #[error("relay is full ({rooms} rooms)")]
+    Full {
+        /// Its limit.
+        rooms: usize,
+    },
+    /// The address already has as many rooms waiting for members as it may.
+    #[error(
+        "{ip} already has {waiting} rooms waiting for members (the relay's limit per address): join one of them, or wait until they fill or close"
+    )]
+    WaitingRooms {
+        /// The creator's address.
+        ip: IpAddr,
+        /// Its rooms waiting.
+        waiting: usize,
+    },
+    /// The rank asked for has a member.
+    #[error("rank {rank} is taken in room {room:?}")]
+    RankTaken {
+        /// The rank.
+        rank: u32,
+        /// The room.
+        room: String,
+    },
+    /// Every rank of the room has a member.
+    #[error("room {room:?} is full")]
+    RoomFull {
+        /// The room.
+        room: String,
+    },
+}
