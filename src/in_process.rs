@@ -89,7 +89,7 @@ pub enum RelayRoute {
     /// Through the relay, on data streams over TCP (as members on other hosts attach).
     StreamTcp,
     /// Over direct TCP links between the ranks, the relay only introducing them
-    /// ([`crate::transport::direct`]).
+    /// ([`crate::transport::tcp_links`]).
     Direct,
 }
 

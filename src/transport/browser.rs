@@ -51,7 +51,7 @@ use web_sys::{
 
 // Polls, link setup and grace periods sleep on a clock a hidden tab does not stretch.
 use super::clock::sleep;
-use super::route::{self, Linked};
+use super::session::{self, Event, JoinRequest, Linked, Session};
 use super::{Mailbox, Tag, Transport};
 use crate::error::{Error, Result};
 use crate::wire::{
@@ -237,7 +237,10 @@ struct Shared {
     rank: Cell<Option<usize>>,
     mailbox: RefCell<Option<Arc<Mailbox>>>,
     parts: RefCell<Reassembler>,
-    joining: mpsc::UnboundedSender<Control>,
+    /// The session with the relay: what each control message means.
+    session: RefCell<Session>,
+    /// What the join waits for: the room ready (`Ok`), or why joining failed.
+    joining: mpsc::UnboundedSender<std::result::Result<(), String>>,
     signals: Vec<mpsc::UnboundedSender<serde_json::Value>>,
     listener: RefCell<Option<Listener>>,
     closed: RefCell<Option<String>>,
@@ -280,9 +283,7 @@ impl Shared {
         if let Some(mb) = self.mailbox.borrow().as_ref() {
             mb.abort_local(reason);
         }
-        let _ = self.joining.unbounded_send(Control::Error {
-            message: reason.to_string(),
-        });
+        let _ = self.joining.unbounded_send(Err(reason.to_string()));
         self.emit(NetEvent::Closed(reason.to_string()));
     }
 
@@ -311,85 +312,66 @@ impl Shared {
     }
 
     fn on_control(&self, text: &str) {
-        let msg = match serde_json::from_str::<Control>(text) {
-            Ok(m) => m,
-            Err(e) => return self.fail(&format!("malformed control message from relay: {e}")),
-        };
-        match msg {
-            Control::Welcome {
-                rank,
-                ref members,
-                ref token,
-                max_frame,
-                ref ice_servers,
-                ..
-            } => {
-                self.rank.set(Some(rank as usize));
-                *self.ice_servers.borrow_mut() = ice_servers.as_ref().map(|v| v.to_string());
-                if let Some(m) = max_frame {
+        let event = self.session.borrow_mut().on_text(text);
+        match event {
+            Err(why) => self.fail(&why),
+            Ok(Event::Welcome(w)) => {
+                self.rank.set(Some(w.rank as usize));
+                *self.ice_servers.borrow_mut() = w.ice_servers.as_ref().map(|v| v.to_string());
+                if let Some(m) = w.max_frame {
                     self.relay_payload
                         .set(m.clamp(MIN_FRAME_PAYLOAD, RELAY_MAX_PAYLOAD));
                 }
                 *self.mailbox.borrow_mut() =
-                    Some(Arc::new(Mailbox::new(rank as usize, self.world)));
+                    Some(Arc::new(Mailbox::new(w.rank as usize, self.world)));
                 self.emit(NetEvent::Joined {
-                    rank: rank as usize,
-                    token: token.clone(),
+                    rank: w.rank as usize,
+                    token: w.token,
                 });
-                self.emit(NetEvent::Members(members.clone()));
-                let _ = self.joining.unbounded_send(msg);
+                self.emit(NetEvent::Members(w.members));
             }
-            Control::Members { members } => self.emit(NetEvent::Members(members)),
-            Control::Ready { ref members, .. } => {
-                self.emit(NetEvent::Members(members.clone()));
-                let _ = self.joining.unbounded_send(msg);
+            Ok(Event::Members(members)) => self.emit(NetEvent::Members(members)),
+            Ok(Event::Ready { members, .. }) => {
+                self.emit(NetEvent::Members(members));
+                let _ = self.joining.unbounded_send(Ok(()));
             }
-            Control::PeerLeft { rank, ref reason } => {
-                if let Some(mb) = self.mailbox.borrow().as_ref() {
-                    route::peer_left(mb, &self.linked, rank, reason);
-                    let r = rank as usize;
-                    if reason == LEFT_CLEANLY
-                        && self.linked.get(r)
-                        && !self.ended.get(r).is_some_and(Cell::get)
-                    {
-                        // A linked peer's goodbye comes on its link, after its data. A tab that
-                        // went without one (closed before it could say it): its link has ended
-                        // too, so give data still on the way a moment, then stop waiting.
-                        let mb = mb.clone();
-                        spawn_local(async move {
-                            sleep(LINK_END_GRACE).await;
-                            mb.peer_gone(r);
-                        });
-                    }
-                }
-                self.emit(NetEvent::PeerLeft {
-                    rank,
-                    reason: reason.clone(),
-                });
-                let _ = self.joining.unbounded_send(msg);
-            }
+            Ok(Event::PeerLeft { rank, reason }) => self.peer_left(rank, reason),
             // A peer's abort, ahead of whatever its data path still holds (a native member
             // sends it on its WebSocket).
-            Control::Abort {
-                from: Some(from),
-                reason,
-            } => {
+            Ok(Event::PeerAborted { from, reason }) => {
                 if let (Some(mb), Some(me)) = (self.mailbox.borrow().as_ref(), self.rank.get()) {
-                    route::peer_aborted(mb, me, self.world, from, reason);
+                    session::peer_aborted(mb, me, self.world, from, reason);
                 }
             }
-            Control::Signal {
-                from: Some(from),
-                data,
-                ..
-            } => {
+            Ok(Event::Signal { from, data }) => {
                 if let Some(tx) = self.signals.get(from as usize) {
                     let _ = tx.unbounded_send(data);
                 }
             }
-            Control::Error { message } => self.fail(&format!("relay error: {message}")),
-            other => self.fail(&format!("unexpected control message {other:?}")),
         }
+    }
+
+    /// The relay says `rank` left ([`session::peer_left`]); a linked peer that went without its
+    /// goodbye gets a grace period.
+    fn peer_left(&self, rank: u32, reason: String) {
+        if let Some(mb) = self.mailbox.borrow().as_ref() {
+            session::peer_left(mb, &self.linked, rank, &reason);
+            let r = rank as usize;
+            if reason == LEFT_CLEANLY
+                && self.linked.get(r)
+                && !self.ended.get(r).is_some_and(Cell::get)
+            {
+                // A linked peer's goodbye comes on its link, after its data. A tab that went
+                // without one (closed before it could say it): its link has ended too, so give
+                // data still on the way a moment, then stop waiting.
+                let mb = mb.clone();
+                spawn_local(async move {
+                    sleep(LINK_END_GRACE).await;
+                    mb.peer_gone(r);
+                });
+            }
+        }
+        self.emit(NetEvent::PeerLeft { rank, reason });
     }
 }
 
@@ -603,6 +585,44 @@ async fn within<F: std::future::Future>(limit: Duration, fut: F) -> Option<F::Ou
     }
 }
 
+/// The WebSocket to the relay at `url`, its messages fed to `shared` (control messages to the
+/// session, data frames to the mailbox), `join_text` sent once it opens; with the handlers that
+/// must live as long as it.
+fn open_socket(
+    url: &str,
+    shared: &Rc<Shared>,
+    join_text: String,
+) -> Result<(WebSocket, Vec<Handler>)> {
+    let ws = WebSocket::new(url).map_err(|e| js_err(&format!("WebSocket {url}"), e))?;
+    ws.set_binary_type(BinaryType::Arraybuffer);
+    let s = shared.clone();
+    let onmessage: Handler = Closure::new(move |ev: JsValue| {
+        let ev: MessageEvent = ev.unchecked_into();
+        let data = ev.data();
+        if let Some(text) = data.as_string() {
+            s.on_control(&text);
+        } else if let Some(b) = bytes_of(&data) {
+            s.on_frame(b, None);
+        }
+    });
+    ws.set_onmessage(Some(onmessage.as_ref().unchecked_ref()));
+    let s = shared.clone();
+    let onclose: Handler = Closure::new(move |_| s.fail("the connection to the relay closed"));
+    ws.set_onclose(Some(onclose.as_ref().unchecked_ref()));
+    let s = shared.clone();
+    let at = url.to_string();
+    let onerror: Handler = Closure::new(move |_| {
+        s.fail(&format!("cannot reach the relay at {at}"));
+    });
+    ws.set_onerror(Some(onerror.as_ref().unchecked_ref()));
+    let ws2 = ws.clone();
+    let onopen: Handler = Closure::new(move |_| {
+        let _ = ws2.send_with_str(&join_text);
+    });
+    ws.set_onopen(Some(onopen.as_ref().unchecked_ref()));
+    Ok((ws, vec![onmessage, onclose, onerror, onopen]))
+}
+
 impl BrowserTransport {
     /// Connect to the relay, join `opts.room`, wait until the room is full, then open the direct
     /// path `opts.links` asks for to every peer. `on_event` hears membership and link
@@ -617,8 +637,17 @@ impl BrowserTransport {
             signal_tx.push(t);
             signal_rx.push(Some(r));
         }
+        let session = Session::new(JoinRequest {
+            room: opts.room.clone(),
+            token: opts.token.clone(),
+            world: opts.world,
+            rank: opts.rank,
+            stream: false,
+        });
+        let join_text = session.join_text();
         let shared = Rc::new(Shared {
             world,
+            session: RefCell::new(session),
             rank: Cell::new(None),
             mailbox: RefCell::new(None),
             parts: RefCell::new(Reassembler::new(opts.max_message)),
@@ -631,81 +660,25 @@ impl BrowserTransport {
             linked: Linked::new(world),
             ended: (0..world).map(|_| Cell::new(false)).collect(),
         });
-        let ws =
-            WebSocket::new(&opts.url).map_err(|e| js_err(&format!("WebSocket {}", opts.url), e))?;
-        ws.set_binary_type(BinaryType::Arraybuffer);
-        let mut handlers = Vec::new();
-
-        let s = shared.clone();
-        let onmessage: Handler = Closure::new(move |ev: JsValue| {
-            let ev: MessageEvent = ev.unchecked_into();
-            let data = ev.data();
-            if let Some(text) = data.as_string() {
-                s.on_control(&text);
-            } else if let Some(b) = bytes_of(&data) {
-                s.on_frame(b, None);
-            }
-        });
-        ws.set_onmessage(Some(onmessage.as_ref().unchecked_ref()));
-        handlers.push(onmessage);
-        let s = shared.clone();
-        let onclose: Handler = Closure::new(move |_| s.fail("the connection to the relay closed"));
-        ws.set_onclose(Some(onclose.as_ref().unchecked_ref()));
-        handlers.push(onclose);
-        let url = opts.url.clone();
-        let s = shared.clone();
-        let onerror: Handler = Closure::new(move |_| {
-            s.fail(&format!("cannot reach the relay at {url}"));
-        });
-        ws.set_onerror(Some(onerror.as_ref().unchecked_ref()));
-        handlers.push(onerror);
-        let join_text = serde_json::to_string(&Control::Join {
-            room: opts.room.clone(),
-            token: opts.token.clone(),
-            world: opts.world,
-            rank: opts.rank,
-            stream: false,
-        })
-        .map_err(|e| Error::Input(e.to_string()))?;
-        let ws2 = ws.clone();
-        let onopen: Handler = Closure::new(move |_| {
-            let _ = ws2.send_with_str(&join_text);
-        });
-        ws.set_onopen(Some(onopen.as_ref().unchecked_ref()));
-        handlers.push(onopen);
-
+        let (ws, handlers) = open_socket(&opts.url, &shared, join_text)?;
         let relay_err = |detail: String| Error::Relay { detail };
-        let mut token = None;
         let wait = async {
-            while let Some(msg) = jrx.next().await {
-                match msg {
-                    Control::Welcome { token: t, .. } => token = Some(t),
-                    Control::Ready { .. } => return Ok(()),
-                    Control::PeerLeft { rank, reason } => {
-                        // Before the room is full a member may come and go; only a lost one matters
-                        // if the room cannot fill any more, which the relay reports as an error.
-                        let _ = (rank, reason);
-                    }
-                    Control::Error { message } => return Err(relay_err(message)),
-                    _ => {}
-                }
+            match jrx.next().await {
+                Some(r) => r.map_err(relay_err),
+                None => Err(relay_err("the relay connection ended while joining".into())),
             }
-            Err(relay_err("the relay connection ended while joining".into()))
         };
         match within(opts.ready_timeout, wait).await {
             Some(r) => r?,
             None => {
                 ws.close().ok();
-                return Err(relay_err(format!(
-                    "room {:?} did not fill to {} ranks within {:?}",
-                    opts.room, opts.world, opts.ready_timeout
-                )));
+                return Err(shared.session.borrow().fill_timeout(opts.ready_timeout));
             }
         }
-        let rank = shared
-            .rank
-            .get()
-            .ok_or_else(|| relay_err("ready before welcome".into()))?;
+        let (rank, token) = match shared.session.borrow().welcome() {
+            Some(w) => (w.rank as usize, w.token.clone()),
+            None => return Err(relay_err("ready before welcome".into())),
+        };
         // The port hub, where one is named and the browser can run it; without it, the pairs that
         // find each other keep their BroadcastChannel.
         let hub = match (&opts.port_hub, opts.links) {
@@ -722,7 +695,7 @@ impl BrowserTransport {
             shared,
             rank,
             world,
-            token: token.unwrap_or_default(),
+            token,
             send_timeout: opts.send_timeout,
             ws,
             links: RefCell::new(vec![None; world]),
@@ -736,46 +709,51 @@ impl BrowserTransport {
             },
         };
         let base = format!("distgrad/{}/{}", opts.room, t.token);
-        let attempts = (0..world).filter(|&p| p != rank).map(|p| {
-            let rx = signal_rx[p].take();
-            let t = &t;
-            let base = &base;
-            async move {
-                let channel = |limit| t.connect_channel(base, p, limit);
-                let r = match (opts.links, rx) {
-                    (Links::WebRtc, Some(rx)) => {
-                        t.connect_peer(p, rx, opts.rtc_timeout).await.map(Link::Rtc)
-                    }
-                    (Links::Channel, _) => channel(opts.rtc_timeout).await,
-                    (Links::Auto, Some(rx)) => match channel(opts.channel_probe).await {
-                        Ok(link) => Ok(link),
-                        Err(no_channel) => t
-                            .connect_peer(p, rx, opts.rtc_timeout)
-                            .await
-                            .map(Link::Rtc)
-                            .map_err(|no_rtc| format!("{no_channel}; WebRTC: {no_rtc}")),
-                    },
-                    // Direct links off by choice: the relay is not a fallback, so no reason to show.
-                    _ => Err(String::new()),
-                };
-                let (kind, detail) = match r {
-                    Ok(link) => {
-                        let kind = link.kind();
-                        t.links.borrow_mut()[p] = Some(link);
-                        t.shared.linked.set(p);
-                        (kind, String::new())
-                    }
-                    Err(why) => (LinkKind::Relay, why),
-                };
-                t.shared.emit(NetEvent::Link {
-                    peer: p,
-                    kind,
-                    detail,
-                });
-            }
-        });
+        let attempts = (0..world)
+            .filter(|&p| p != rank)
+            .map(|p| t.link_peer(&opts, &base, p, signal_rx[p].take()));
         futures::future::join_all(attempts).await;
         Ok(t)
+    }
+
+    /// Open the direct path to `peer` that `opts.links` asks for (a MessageChannel or
+    /// BroadcastChannel to a tab of this browser, else a WebRTC data channel, signalled through
+    /// `signals`), and say which it got and, where the relay carries the data, why.
+    async fn link_peer(
+        &self,
+        opts: &WebJoin,
+        base: &str,
+        peer: usize,
+        signals: Option<mpsc::UnboundedReceiver<serde_json::Value>>,
+    ) {
+        let channel = |limit| self.connect_channel(base, peer, limit);
+        let r = match (opts.links, signals) {
+            (Links::WebRtc, Some(rx)) => self
+                .connect_peer(peer, rx, opts.rtc_timeout)
+                .await
+                .map(Link::Rtc),
+            (Links::Channel, _) => channel(opts.rtc_timeout).await,
+            (Links::Auto, Some(rx)) => match channel(opts.channel_probe).await {
+                Ok(link) => Ok(link),
+                Err(no_channel) => self
+                    .connect_peer(peer, rx, opts.rtc_timeout)
+                    .await
+                    .map(Link::Rtc)
+                    .map_err(|no_rtc| format!("{no_channel}; WebRTC: {no_rtc}")),
+            },
+            // Direct links off by choice: the relay is not a fallback, so no reason to show.
+            _ => Err(String::new()),
+        };
+        let (kind, detail) = match r {
+            Ok(link) => {
+                let kind = link.kind();
+                self.links.borrow_mut()[peer] = Some(link);
+                self.shared.linked.set(peer);
+                (kind, String::new())
+            }
+            Err(why) => (LinkKind::Relay, why),
+        };
+        self.shared.emit(NetEvent::Link { peer, kind, detail });
     }
 
     /// Open the BroadcastChannel of the pair (this rank, `peer`) and find out whether `peer` is on
@@ -1260,6 +1238,6 @@ impl Transport for BrowserTransport {
 
     async fn abort(&self, reason: &str) {
         let mb = self.shared.mailbox.borrow().clone();
-        route::abort_all(self, mb.as_deref(), reason).await;
+        session::abort_all(self, mb.as_deref(), reason).await;
     }
 }

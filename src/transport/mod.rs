@@ -7,8 +7,9 @@
 //! `ws` (WebSocket through the relay, with `tcp_links`: direct TCP links between native ranks where they can
 //! make them); in a browser `browser` (the relay's WebSocket, WebRTC data channels and
 //! BroadcastChannels between tabs; its waits sleep on `clock`, which a hidden tab does not
-//! stretch). The two relay clients share [`route`]: how a peer's leave is
-//! taken when data with it goes over a link of its own, and how an abort reaches every peer.
+//! stretch). The two relay clients drive one [`session`]: the relay client
+//! protocol without sockets (joining, the control messages, how a peer's leave and abort are
+//! taken, how ours reaches every peer).
 
 #[cfg(target_arch = "wasm32")]
 pub mod browser;
@@ -16,7 +17,7 @@ pub mod browser;
 pub mod clock;
 pub mod local;
 pub mod mailbox;
-pub mod route;
+pub mod session;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod tcp_links;
 #[cfg(not(target_arch = "wasm32"))]

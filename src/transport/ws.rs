@@ -21,7 +21,7 @@ use futures::{SinkExt, StreamExt};
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
 
-use super::route::{self, Linked, peer_left};
+use super::session::{self, Event, JoinRequest, Linked, Session, Welcome, peer_left};
 use super::{Mailbox, Tag, Transport, tcp_links};
 use crate::error::{Error, Result};
 use crate::wire::{
@@ -64,7 +64,7 @@ pub struct JoinOptions {
     /// Longest wait for room in the outgoing queue (the relay pushing back) before a send fails.
     pub send_timeout: Duration,
     /// Direct links: listen on this address (port 0: any) and exchange data with the room's
-    /// other native members over TCP, the relay only introducing them ([`super::direct`]);
+    /// other native members over TCP, the relay only introducing them ([`super::tcp_links`]);
     /// `None` (the default): everything through the relay.
     pub direct: Option<std::net::SocketAddr>,
     /// How long joining waits for the direct links to come up; pairs not linked by then use the
@@ -192,125 +192,234 @@ fn connect_error(url: &str, e: &tokio_tungstenite::tungstenite::Error) -> Error 
     relay_err(format!("cannot connect to {url}: {detail}"))
 }
 
+/// The WebSocket to the relay, split.
+type WsSink = futures::stream::SplitSink<
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>,
+    Message,
+>;
+type WsStream = futures::stream::SplitStream<
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>,
+>;
+
+/// What joining gave: the relay's welcome, the data stream (if attached) and the direct-link keys.
+struct Joined {
+    welcome: Welcome,
+    data_stream: Option<StreamHalves>,
+    keys: tcp_links::LinkKeys,
+}
+
+/// The WebSocket to `url` (TLS trusting `opts.ca_cert` too), and the relay's address where a data
+/// stream can reach it (a plain connection: streams do not go through TLS).
+async fn open_socket(
+    url: &str,
+    opts: &JoinOptions,
+) -> Result<(WsSink, WsStream, Option<std::net::SocketAddr>)> {
+    let connector = match &opts.ca_cert {
+        Some(pem) => Some(tls_connector(pem)?),
+        None => None,
+    };
+    let (ws, _) = tokio_tungstenite::connect_async_tls_with_config(url, None, true, connector)
+        .await
+        .map_err(|e| connect_error(url, &e))?;
+    let relay_addr = match ws.get_ref() {
+        tokio_tungstenite::MaybeTlsStream::Plain(s) => s.peer_addr().ok(),
+        _ => None,
+    };
+    let (sink, stream) = ws.split();
+    Ok((sink, stream, relay_addr))
+}
+
+/// Send a control message on the WebSocket.
+async fn send_control(sink: &mut WsSink, msg: &Control, what: &str) -> Result<()> {
+    let text = serde_json::to_string(msg).map_err(|e| relay_err(e.to_string()))?;
+    sink.send(Message::text(text))
+        .await
+        .map_err(|e| relay_err(format!("sending {what}: {e}")))
+}
+
+/// Join: send the session's join, then follow the relay's answers ([`Session`]) until the room
+/// is ready, attaching the data stream when the welcome offers one.
+async fn handshake(
+    session: &mut Session,
+    sink: &mut WsSink,
+    stream: &mut WsStream,
+    opts: &JoinOptions,
+    relay_addr: Option<std::net::SocketAddr>,
+) -> Result<Joined> {
+    sink.send(Message::text(session.join_text()))
+        .await
+        .map_err(|e| relay_err(format!("sending join: {e}")))?;
+    let mut data_stream = None;
+    while let Some(msg) = stream.next().await {
+        let msg = msg.map_err(|e| relay_err(format!("while joining: {e}")))?;
+        let Message::Text(t) = msg else { continue };
+        match session.on_text(&t).map_err(relay_err)? {
+            Event::Welcome(w) => {
+                if let Some(OnWelcome(f)) = &opts.on_welcome {
+                    f(w.rank, &w.token, &w.members);
+                }
+                // The relay announces the room ready only once our stream is attached or we
+                // said there is none.
+                if let (Some(key), Some(addr)) = (&w.stream_key, relay_addr) {
+                    data_stream = stream_or_none(sink, opts, &w, key, addr).await?;
+                }
+            }
+            Event::Ready { link_keys, .. } => {
+                let welcome = session
+                    .welcome()
+                    .cloned()
+                    .ok_or_else(|| relay_err("ready before welcome"))?;
+                let keys = link_keys
+                    .as_ref()
+                    .map(|k| tcp_links::parse_keys(k))
+                    .unwrap_or_default();
+                return Ok(Joined {
+                    welcome,
+                    data_stream,
+                    keys,
+                });
+            }
+            Event::Members(_)
+            | Event::PeerLeft { .. }
+            | Event::PeerAborted { .. }
+            | Event::Signal { .. } => {}
+        }
+    }
+    Err(relay_err("relay closed the connection while joining"))
+}
+
+/// Attach the data stream the welcome offers (through the relay's Unix-domain socket when the
+/// relay is on this host and has one), or tell the relay there is none.
+async fn stream_or_none(
+    sink: &mut WsSink,
+    opts: &JoinOptions,
+    w: &Welcome,
+    key: &str,
+    addr: std::net::SocketAddr,
+) -> Result<Option<StreamHalves>> {
+    let hello = StreamHello {
+        room: opts.room.clone(),
+        rank: w.rank,
+        key: key.to_string(),
+    };
+    let local = w
+        .stream_path
+        .as_deref()
+        .filter(|_| opts.local_stream && addr.ip().to_canonical().is_loopback());
+    match attach_stream(addr, local, &hello).await {
+        Ok(s) => Ok(Some(s)),
+        Err(_) => {
+            send_control(sink, &Control::NoStream, "no-stream").await?;
+            Ok(None)
+        }
+    }
+}
+
+/// The reader of the relay's WebSocket once the room runs: data frames into the mailbox,
+/// control messages as the session says (a peer's leave or abort, direct-link signals, answered
+/// when this rank makes no links); ends the mailbox with the reason the connection ended.
+struct Reader {
+    session: Session,
+    mb: Arc<Mailbox>,
+    linked: Arc<Linked>,
+    rank: usize,
+    world: usize,
+    max_message: usize,
+    direct_on: bool,
+    /// Weak: the writer must still end when the transport drops its sender.
+    replies: mpsc::WeakSender<Message>,
+    signals: mpsc::UnboundedSender<(usize, tcp_links::PeerKind)>,
+}
+
+impl Reader {
+    async fn run(mut self, mut stream: WsStream) {
+        let mut parts = Reassembler::new(self.max_message);
+        let reason = loop {
+            let msg = match stream.next().await {
+                None => break "the relay closed the connection".to_string(),
+                Some(Err(e)) => break format!("connection to the relay failed: {e}"),
+                Some(Ok(m)) => m,
+            };
+            let r = match msg {
+                Message::Binary(b) => self.frame(&mut parts, b),
+                Message::Text(t) => self.control(&t),
+                Message::Close(_) => Err("the relay closed the connection".to_string()),
+                _ => Ok(()),
+            };
+            if let Err(reason) = r {
+                break reason;
+            }
+        };
+        self.mb.abort_local(&reason);
+    }
+
+    fn frame(&self, parts: &mut Reassembler, b: Bytes) -> std::result::Result<(), String> {
+        let h = Header::decode(&b).map_err(|e| format!("the relay sent a bad frame: {e}"))?;
+        if let Some(m) = parts.push(h.src, &h, b.slice(HEADER_LEN..))? {
+            self.mb.deliver(h.src as usize, h.tag, m);
+        }
+        Ok(())
+    }
+
+    fn control(&mut self, text: &str) -> std::result::Result<(), String> {
+        match self.session.on_text(text)? {
+            Event::PeerLeft { rank, reason } => peer_left(&self.mb, &self.linked, rank, &reason),
+            Event::PeerAborted { from, reason } => {
+                session::peer_aborted(&self.mb, self.rank, self.world, from, reason)
+            }
+            Event::Signal { from, data } => self.signal(from, &data),
+            Event::Welcome(_) | Event::Members(_) | Event::Ready { .. } => {}
+        }
+        Ok(())
+    }
+
+    /// A peer's direct-link signal: handed to the link setup (later ones are moot); a rank
+    /// without direct links answers a peer that offers one, so that it does not wait for us
+    /// (only such peers are told).
+    fn signal(&self, from: u32, data: &serde_json::Value) {
+        let kind = tcp_links::peer_kind(data);
+        if !self.direct_on && matches!(kind, tcp_links::PeerKind::Listening(_)) {
+            let reply = Control::Signal {
+                to: Some(from),
+                from: None,
+                data: tcp_links::announcement(None),
+            };
+            if let Ok(text) = serde_json::to_string(&reply)
+                && let Some(tx) = self.replies.upgrade()
+            {
+                tokio::spawn(async move {
+                    let _ = tx.send(Message::text(text)).await;
+                });
+            }
+        }
+        let _ = self.signals.send((from as usize, kind));
+    }
+}
+
 impl WsTransport {
     /// Connect to `url` (e.g. `ws://127.0.0.1:8080/ws`), join, and wait until the room is full.
     pub async fn connect(url: &str, opts: JoinOptions) -> Result<WsTransport> {
-        let connector = match &opts.ca_cert {
-            Some(pem) => Some(tls_connector(pem)?),
-            None => None,
-        };
-        let (ws, _) = tokio_tungstenite::connect_async_tls_with_config(url, None, true, connector)
-            .await
-            .map_err(|e| connect_error(url, &e))?;
-        // A data stream goes to the same address as the WebSocket (not through TLS).
-        let relay_addr = match ws.get_ref() {
-            tokio_tungstenite::MaybeTlsStream::Plain(s) => s.peer_addr().ok(),
-            _ => None,
-        };
-        let (mut sink, mut stream) = ws.split();
-        let join = Control::Join {
+        let (mut sink, mut stream, relay_addr) = open_socket(url, &opts).await?;
+        let mut session = Session::new(JoinRequest {
             room: opts.room.clone(),
             token: opts.token.clone(),
             world: opts.world,
             rank: opts.rank,
             stream: opts.stream && relay_addr.is_some(),
-        };
-        let text = serde_json::to_string(&join).map_err(|e| relay_err(e.to_string()))?;
-        sink.send(Message::text(text))
-            .await
-            .map_err(|e| relay_err(format!("sending join: {e}")))?;
-
-        let mut welcome = None;
-        let mut data_stream = None;
-        let mut relay_frame: Option<usize> = None;
-        let mut keys = tcp_links::LinkKeys::new();
-        let wait = async {
-            while let Some(msg) = stream.next().await {
-                let msg = msg.map_err(|e| relay_err(format!("while joining: {e}")))?;
-                let Message::Text(t) = msg else { continue };
-                match serde_json::from_str::<Control>(&t) {
-                    Ok(Control::Welcome {
-                        rank,
-                        token,
-                        members,
-                        stream_key,
-                        stream_path,
-                        max_frame,
-                        ..
-                    }) => {
-                        relay_frame = max_frame;
-                        if let Some(OnWelcome(f)) = &opts.on_welcome {
-                            f(rank, &token, &members);
-                        }
-                        welcome = Some((rank, token));
-                        // The relay announces the room ready only once our stream is attached
-                        // or we said there is none.
-                        if let (Some(key), Some(addr)) = (stream_key, relay_addr) {
-                            let hello = StreamHello {
-                                room: opts.room.clone(),
-                                rank,
-                                key,
-                            };
-                            // A relay on this host (reached on loopback) is nearer through its
-                            // Unix-domain socket.
-                            let local = stream_path.filter(|_| {
-                                opts.local_stream && addr.ip().to_canonical().is_loopback()
-                            });
-                            match attach_stream(addr, local.as_deref(), &hello).await {
-                                Ok(s) => data_stream = Some(s),
-                                Err(_) => {
-                                    let text = serde_json::to_string(&Control::NoStream)
-                                        .map_err(|e| relay_err(e.to_string()))?;
-                                    sink.send(Message::text(text)).await.map_err(|e| {
-                                        relay_err(format!("sending no-stream: {e}"))
-                                    })?;
-                                }
-                            }
-                        }
-                    }
-                    Ok(Control::Ready { link_keys, .. }) => {
-                        keys = link_keys
-                            .as_ref()
-                            .map(|k| tcp_links::parse_keys(k))
-                            .unwrap_or_default();
-                        return Ok(());
-                    }
-                    Ok(Control::Error { message }) => {
-                        return Err(relay_err(format!("relay refused: {message}")));
-                    }
-                    Ok(Control::PeerLeft { rank, reason }) => {
-                        return Err(relay_err(format!(
-                            "rank {rank} left before the room was full: {reason}"
-                        )));
-                    }
-                    Ok(_) => {}
-                    Err(e) => {
-                        return Err(relay_err(format!(
-                            "malformed control message from relay: {e}"
-                        )));
-                    }
-                }
-            }
-            Err(relay_err("relay closed the connection while joining"))
-        };
-        match tokio::time::timeout(opts.ready_timeout, wait).await {
+        });
+        let joining = handshake(&mut session, &mut sink, &mut stream, &opts, relay_addr);
+        let joined = match tokio::time::timeout(opts.ready_timeout, joining).await {
             Ok(r) => r?,
-            Err(_) => {
-                return Err(relay_err(format!(
-                    "room {:?} did not fill to {} ranks within {:?}",
-                    opts.room, opts.world, opts.ready_timeout
-                )));
-            }
-        }
-        let (rank, token) = welcome.ok_or_else(|| relay_err("ready before welcome"))?;
-        let (rank, world) = (rank as usize, opts.world as usize);
+            Err(_) => return Err(session.fill_timeout(opts.ready_timeout)),
+        };
+        let (rank, world) = (joined.welcome.rank as usize, opts.world as usize);
         let mailbox = Arc::new(Mailbox::new(rank, world));
         // Peers we have a direct link with (set once the links are up): their clean leave is the
         // link's end, which comes after their last data on it; the relay's notice could overtake
         // that data.
         let linked = Arc::new(Linked::new(world));
-        let data_route = data_stream.as_ref().map(|(_, _, route)| *route);
-        let data = data_stream.map(|(rd, wr, _)| {
+        let data_route = joined.data_stream.as_ref().map(|(_, _, route)| *route);
+        let data = joined.data_stream.map(|(rd, wr, _)| {
             let (tx, writer) = tcp_links::spawn_writer(wr);
             let mb = mailbox.clone();
             let max_message = opts.max_message;
@@ -321,7 +430,6 @@ impl WsTransport {
             });
             (tx, reader, writer)
         });
-
         let (tx, mut rx) = mpsc::channel::<Message>(64);
         let writer = tokio::spawn(async move {
             while let Some(msg) = rx.recv().await {
@@ -331,124 +439,36 @@ impl WsTransport {
             }
             let _ = sink.close().await;
         });
-        let mb = mailbox.clone();
-        let max_message = opts.max_message;
         let (signals, peer_signals) = mpsc::unbounded_channel();
-        let direct_on = opts.direct.is_some();
-        let linked_here = linked.clone();
-        // Weak: the writer must still end when the transport drops its sender.
-        let replies = tx.downgrade();
-        let reader = tokio::spawn(async move {
-            let mut parts = Reassembler::new(max_message);
-            let reason = loop {
-                let msg = match stream.next().await {
-                    None => break "the relay closed the connection".to_string(),
-                    Some(Err(e)) => break format!("connection to the relay failed: {e}"),
-                    Some(Ok(m)) => m,
-                };
-                match msg {
-                    Message::Binary(b) => {
-                        let h = match Header::decode(&b) {
-                            Ok(h) => h,
-                            Err(e) => break format!("the relay sent a bad frame: {e}"),
-                        };
-                        match parts.push(h.src, &h, b.slice(HEADER_LEN..)) {
-                            Ok(Some(m)) => mb.deliver(h.src as usize, h.tag, m),
-                            Ok(None) => {}
-                            Err(e) => break e,
-                        }
-                    }
-                    Message::Text(t) => match serde_json::from_str::<Control>(&t) {
-                        // A clean leave fails only receives from that rank; a lost connection
-                        // fails everything, since any pending collective may depend on it.
-                        Ok(Control::PeerLeft { rank, reason }) => {
-                            peer_left(&mb, &linked_here, rank, &reason)
-                        }
-                        Ok(Control::Error { message }) => break format!("relay error: {message}"),
-                        // A peer's abort, ahead of whatever its data path still holds.
-                        Ok(Control::Abort {
-                            from: Some(from),
-                            reason,
-                        }) => route::peer_aborted(&mb, rank, world, from, reason),
-                        Ok(Control::Signal {
-                            from: Some(from),
-                            data,
-                            ..
-                        }) => {
-                            let kind = tcp_links::peer_kind(&data);
-                            // A rank without direct links answers a peer that offers one, so
-                            // that the peer does not wait for it (only such peers are told).
-                            if !direct_on && matches!(kind, tcp_links::PeerKind::Listening(_)) {
-                                let reply = Control::Signal {
-                                    to: Some(from),
-                                    from: None,
-                                    data: tcp_links::announcement(None),
-                                };
-                                if let Ok(text) = serde_json::to_string(&reply)
-                                    && let Some(tx) = replies.upgrade()
-                                {
-                                    tokio::spawn(async move {
-                                        let _ = tx.send(Message::text(text)).await;
-                                    });
-                                }
-                            }
-                            // Only read while the links are set up; later signals are moot.
-                            let _ = signals.send((from as usize, kind));
-                        }
-                        Ok(_) => {}
-                        Err(e) => break format!("malformed control message from relay: {e}"),
-                    },
-                    Message::Close(_) => break "the relay closed the connection".to_string(),
-                    _ => {}
-                }
-            };
-            mb.abort_local(&reason);
-        });
-        // With direct links: announce where we listen to every peer, then make the links (peers
-        // without them answer, see the reader). Nothing is sent before this ends, so each
-        // direction keeps one route for its whole life.
-        let listener = match opts.direct {
-            Some(addr) => Some(tokio::net::TcpListener::bind(addr).await.map_err(|e| {
-                relay_err(format!("cannot listen for direct links on {addr}: {e}"))
-            })?),
-            None => None,
+        let reader = Reader {
+            session,
+            mb: mailbox.clone(),
+            linked: linked.clone(),
+            rank,
+            world,
+            max_message: opts.max_message,
+            direct_on: opts.direct.is_some(),
+            replies: tx.downgrade(),
+            signals,
         };
-        let here = listener.as_ref().and_then(|l| l.local_addr().ok());
-        let note = tcp_links::announcement(here);
-        for r in (0..world).filter(|&r| r != rank && here.is_some()) {
-            let msg = Control::Signal {
-                to: Some(r as u32),
-                from: None,
-                data: note.clone(),
-            };
-            let text = serde_json::to_string(&msg).map_err(|e| relay_err(e.to_string()))?;
-            tx.send(Message::text(text))
-                .await
-                .map_err(|_| relay_err("the connection to the relay closed while joining"))?;
-        }
-        let links = match listener {
-            Some(l) => {
-                tcp_links::establish(
-                    rank,
-                    world,
-                    &keys,
-                    l,
-                    peer_signals,
-                    mailbox.clone(),
-                    opts.max_message,
-                    opts.direct_timeout,
-                )
-                .await
-            }
-            None => std::collections::HashMap::new(),
-        };
+        let reader = tokio::spawn(reader.run(stream));
+        let links = link_peers(
+            &opts,
+            &tx,
+            rank,
+            world,
+            &joined.keys,
+            peer_signals,
+            &mailbox,
+        )
+        .await?;
         for &r in links.keys() {
             linked.set(r);
         }
         Ok(WsTransport {
             rank,
             world,
-            token,
+            token: joined.welcome.token,
             mailbox,
             out: Some(tx),
             // Fragments fit the relay's frame limit as well as ours (a relay naming a limit
@@ -456,7 +476,12 @@ impl WsTransport {
             // a relay naming none has the default).
             max_payload: opts
                 .max_payload
-                .min(relay_frame.map_or(DEFAULT_FRAME_PAYLOAD, |m| m.max(MIN_FRAME_PAYLOAD)))
+                .min(
+                    joined
+                        .welcome
+                        .max_frame
+                        .map_or(DEFAULT_FRAME_PAYLOAD, |m| m.max(MIN_FRAME_PAYLOAD)),
+                )
                 .max(1),
             send_timeout: opts.send_timeout,
             reader: Some(reader),
@@ -632,8 +657,52 @@ impl Transport for WsTransport {
                     tokio::time::timeout(self.send_timeout, out.send(Message::text(text))).await;
             }
         };
-        futures::join!(control, route::abort_all(self, None, reason));
+        futures::join!(control, session::abort_all(self, None, reason));
     }
+}
+
+/// With direct links (`opts.direct`): announce where we listen to every peer, then make the
+/// links (peers without them answer, see [`Reader::signal`]). Nothing is sent before this ends,
+/// so each direction keeps one route for its whole life.
+async fn link_peers(
+    opts: &JoinOptions,
+    tx: &mpsc::Sender<Message>,
+    rank: usize,
+    world: usize,
+    keys: &tcp_links::LinkKeys,
+    peer_signals: mpsc::UnboundedReceiver<(usize, tcp_links::PeerKind)>,
+    mailbox: &Arc<Mailbox>,
+) -> Result<std::collections::HashMap<usize, tcp_links::Link>> {
+    let Some(addr) = opts.direct else {
+        return Ok(std::collections::HashMap::new());
+    };
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| relay_err(format!("cannot listen for direct links on {addr}: {e}")))?;
+    let here = listener.local_addr().ok();
+    let note = tcp_links::announcement(here);
+    for r in (0..world).filter(|&r| r != rank && here.is_some()) {
+        let msg = Control::Signal {
+            to: Some(r as u32),
+            from: None,
+            data: note.clone(),
+        };
+        let text = serde_json::to_string(&msg).map_err(|e| relay_err(e.to_string()))?;
+        tx.send(Message::text(text))
+            .await
+            .map_err(|_| relay_err("the connection to the relay closed while joining"))?;
+    }
+    Ok(tcp_links::establish(
+        rank,
+        world,
+        keys,
+        listener,
+        peer_signals,
+        mailbox.clone(),
+        opts.max_message,
+        opts.direct_timeout,
+    )
+    .await)
 }
 
 /// Open a data stream to the relay and attach it with `hello`: on the Unix-domain socket at
