@@ -47,7 +47,7 @@
 //!   [`transport::Mailbox`], the in-process transport, (native) the WebSocket transport with
 //!   its direct TCP links between native ranks (`transport::tcp_links`) and (wasm32) the browser's
 //!   (`transport::browser`: WebSocket to the relay, WebRTC data channels, BroadcastChannels).
-//!   Both relay clients share one per-peer routing and abort (`transport::route`). It moves
+//!   Both relay clients drive one protocol without sockets ([`transport::session`]). It moves
 //!   bytes: it imports the wire and the buffer pool, nothing of tensors or collectives.
 //! - [`wire`]: the one wire format (data-frame header, tags, JSON control messages) of relay and
 //!   clients.
