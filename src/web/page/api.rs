@@ -1,8 +1,25 @@
 //! `window.distgrad` (the page's API for tests and scripts) and the controls' handlers.
 
-use super::*;
+use wasm_bindgen::JsCast;
+use wasm_bindgen::prelude::{Closure, JsValue};
+use wasm_bindgen_futures::spawn_local;
+use web_sys::{HtmlElement, HtmlInputElement, HtmlSelectElement};
 
-pub(super) fn promise<F>(fut: F) -> js_sys::Promise
+use crate::collective::{Communicator, ReduceOp};
+use crate::error::{Error, Result};
+use crate::transport::browser::Links;
+use crate::vjp::{self, RankResult};
+
+use super::bus::request;
+use super::dom::{doc, el, show_error, show_notice};
+use super::lessons::{control, on_edit};
+use super::params::enc;
+use super::play::{on_run_click, request_from_form, run_case, show_results};
+use super::programs::{editor, load_example, on_program_file, program_here, request_program};
+use super::room_bench::{bench_all_reduce, recv_from, send_and_leave};
+use super::{Bus, app, state, view};
+
+fn promise<F>(fut: F) -> js_sys::Promise
 where
     F: std::future::Future<Output = Result<String>> + 'static,
 {
@@ -13,11 +30,11 @@ where
     })
 }
 
-pub(super) fn set_fn(obj: &js_sys::Object, name: &str, f: &JsValue) {
+fn set_fn(obj: &js_sys::Object, name: &str, f: &JsValue) {
     let _ = js_sys::Reflect::set(obj, &JsValue::from_str(name), f);
 }
 
-pub(super) fn on(id: &str, event: &str, f: impl Fn(web_sys::Event) + 'static) {
+fn on(id: &str, event: &str, f: impl Fn(web_sys::Event) + 'static) {
     if let Some(e) = el::<HtmlElement>(id) {
         let c = Closure::<dyn Fn(web_sys::Event)>::new(f);
         let _ = e.add_event_listener_with_callback(event, c.as_ref().unchecked_ref());
@@ -39,7 +56,7 @@ fn program_button(check: bool) {
     });
 }
 
-pub(super) fn parse_control(what: &str) -> Result<Bus> {
+fn parse_control(what: &str) -> Result<Bus> {
     Ok(match what {
         "step" => Bus::Step,
         "back" => Bus::Back,
@@ -56,7 +73,7 @@ pub(super) fn parse_control(what: &str) -> Result<Bus> {
 
 /// Load this page for `room` (a new one: `token` None), keeping the other URL parameters (device,
 /// relay, and net unless `net` gives the data path chosen in the lobby).
-pub(super) fn go_to_room(room: &str, world: &str, token: Option<&str>, net: Option<&str>) {
+fn go_to_room(room: &str, world: &str, token: Option<&str>, net: Option<&str>) {
     let Some(w) = web_sys::window() else { return };
     let ok = world
         .parse::<usize>()
@@ -90,15 +107,29 @@ pub(super) fn go_to_room(room: &str, world: &str, token: Option<&str>, net: Opti
 pub(super) fn install_api() {
     let Some(w) = web_sys::window() else { return };
     let api = js_sys::Object::new();
+    install_view_api(&api);
+    install_run_api(&api);
+    install_program_api(&api);
+    install_bench_api(&api);
+    install_leave_api(&api);
+    let _ = js_sys::Reflect::set(&w, &JsValue::from_str("distgrad"), &api);
+    install_room_handlers();
+    install_panel_handlers();
+    install_lesson_keys();
+    fill_run_form();
+}
+
+/// `state`, `lessonTrace`, `startLesson` and `control`: the page's state and the lesson's controls.
+fn install_view_api(api: &js_sys::Object) {
     let f = Closure::<dyn Fn() -> String>::new(|| {
         state(|s| serde_json::to_string(s).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}")))
     });
-    set_fn(&api, "state", f.as_ref());
+    set_fn(api, "state", f.as_ref());
     f.forget();
     let f = Closure::<dyn Fn() -> String>::new(|| {
         view(|v| serde_json::to_string(&v.trace).unwrap_or_else(|_| "null".into()))
     });
-    set_fn(&api, "lessonTrace", f.as_ref());
+    set_fn(api, "lessonTrace", f.as_ref());
     f.forget();
     let f = Closure::<dyn Fn(String) -> js_sys::Promise>::new(|name: String| {
         promise(async move {
@@ -107,7 +138,7 @@ pub(super) fn install_api() {
             Ok("requested".into())
         })
     });
-    set_fn(&api, "startLesson", f.as_ref());
+    set_fn(api, "startLesson", f.as_ref());
     f.forget();
     let f = Closure::<dyn Fn(String) -> js_sys::Promise>::new(|what: String| {
         promise(async move {
@@ -116,8 +147,12 @@ pub(super) fn install_api() {
             Ok("requested".into())
         })
     });
-    set_fn(&api, "control", f.as_ref());
+    set_fn(api, "control", f.as_ref());
     f.forget();
+}
+
+/// `runCase` (this rank's part of a vjp case) and `request` (the Run button).
+fn install_run_api(api: &js_sys::Object) {
     let f = Closure::<dyn Fn(String) -> js_sys::Promise>::new(|json: String| {
         promise(async move {
             let app = app()?;
@@ -142,7 +177,7 @@ pub(super) fn install_api() {
             serde_json::to_string(&r?).map_err(|e| Error::Input(e.to_string()))
         })
     });
-    set_fn(&api, "runCase", f.as_ref());
+    set_fn(api, "runCase", f.as_ref());
     f.forget();
     let f = Closure::<dyn Fn(String, String, u32) -> js_sys::Promise>::new(
         |collective: String, op: String, root: u32| {
@@ -152,8 +187,13 @@ pub(super) fn install_api() {
             })
         },
     );
-    set_fn(&api, "request", f.as_ref());
+    set_fn(api, "request", f.as_ref());
     f.forget();
+}
+
+/// `runProgram` / `checkProgram` (on every tab), `runProgramHere` / `checkProgramHere` (this
+/// rank's part only) and `programResult`.
+fn install_program_api(api: &js_sys::Object) {
     for (name, check) in [("runProgram", false), ("checkProgram", true)] {
         let f = Closure::<dyn Fn(String) -> js_sys::Promise>::new(move |text: String| {
             promise(async move {
@@ -162,7 +202,7 @@ pub(super) fn install_api() {
                 Ok("requested".into())
             })
         });
-        set_fn(&api, name, f.as_ref());
+        set_fn(api, name, f.as_ref());
         f.forget();
     }
     for (name, check) in [("runProgramHere", false), ("checkProgramHere", true)] {
@@ -172,14 +212,19 @@ pub(super) fn install_api() {
                 program_here(&a, &text, check).await
             })
         });
-        set_fn(&api, name, f.as_ref());
+        set_fn(api, name, f.as_ref());
         f.forget();
     }
     let f = Closure::<dyn Fn() -> String>::new(|| {
         state(|s| serde_json::to_string(&s.program_result).unwrap_or_else(|_| "null".into()))
     });
-    set_fn(&api, "programResult", f.as_ref());
+    set_fn(api, "programResult", f.as_ref());
     f.forget();
+}
+
+/// `benchRoom` (on every tab), `benchResult` (its table) and `benchAllReduce` (forward +
+/// backward of one all_reduce).
+fn install_bench_api(api: &js_sys::Object) {
     let f = Closure::<dyn Fn() -> js_sys::Promise>::new(|| {
         promise(async move {
             let a = app()?;
@@ -187,30 +232,36 @@ pub(super) fn install_api() {
             Ok("requested".into())
         })
     });
-    set_fn(&api, "benchRoom", f.as_ref());
+    set_fn(api, "benchRoom", f.as_ref());
     f.forget();
     let f = Closure::<dyn Fn() -> String>::new(|| {
         state(|s| serde_json::to_string(&s.bench_result).unwrap_or_else(|_| "null".into()))
     });
-    set_fn(&api, "benchResult", f.as_ref());
-    f.forget();
-    let f = Closure::<dyn Fn(u32, u32) -> js_sys::Promise>::new(|dst: u32, numel: u32| {
-        promise(send_and_leave(dst as usize, numel as usize))
-    });
-    set_fn(&api, "sendAndLeave", f.as_ref());
-    f.forget();
-    let f = Closure::<dyn Fn(u32, u32) -> js_sys::Promise>::new(|src: u32, numel: u32| {
-        promise(recv_from(src as usize, numel as usize))
-    });
-    set_fn(&api, "recvFrom", f.as_ref());
+    set_fn(api, "benchResult", f.as_ref());
     f.forget();
     let f = Closure::<dyn Fn(u32) -> js_sys::Promise>::new(|numel: u32| {
         promise(bench_all_reduce(numel as usize))
     });
-    set_fn(&api, "benchAllReduce", f.as_ref());
+    set_fn(api, "benchAllReduce", f.as_ref());
     f.forget();
-    let _ = js_sys::Reflect::set(&w, &JsValue::from_str("distgrad"), &api);
+}
 
+/// `sendAndLeave` and `recvFrom`: the transport's leave ordering, tested from the page.
+fn install_leave_api(api: &js_sys::Object) {
+    let f = Closure::<dyn Fn(u32, u32) -> js_sys::Promise>::new(|dst: u32, numel: u32| {
+        promise(send_and_leave(dst as usize, numel as usize))
+    });
+    set_fn(api, "sendAndLeave", f.as_ref());
+    f.forget();
+    let f = Closure::<dyn Fn(u32, u32) -> js_sys::Promise>::new(|src: u32, numel: u32| {
+        promise(recv_from(src as usize, numel as usize))
+    });
+    set_fn(api, "recvFrom", f.as_ref());
+    f.forget();
+}
+
+/// The lobby's forms (create a room, join one) and the share link's copy button.
+fn install_room_handlers() {
     on("create-form", "submit", |e| {
         e.prevent_default();
         let world = el::<HtmlInputElement>("new-world").map_or_else(String::new, |i| i.value());
@@ -229,6 +280,16 @@ pub(super) fn install_api() {
             None,
         );
     });
+    on("copy", "click", |_| {
+        if let Some(i) = el::<HtmlInputElement>("share") {
+            i.select();
+        }
+    });
+}
+
+/// The panels' buttons: free play's Run, the lesson's controls and input edit, the program's
+/// Run / Check / example / file, the room benchmark.
+fn install_panel_handlers() {
     on("run-form", "submit", |e| {
         e.prevent_default();
         on_run_click();
@@ -265,30 +326,31 @@ pub(super) fn install_api() {
             Bus::Play
         })
     });
-    on("copy", "click", |_| {
-        if let Some(i) = el::<HtmlInputElement>("share") {
-            i.select();
+}
+
+/// Arrow keys step through the lesson (unless typing in a field).
+fn install_lesson_keys() {
+    let Some(d) = doc() else { return };
+    let c = Closure::<dyn Fn(web_sys::KeyboardEvent)>::new(|e: web_sys::KeyboardEvent| {
+        let typing = e
+            .target()
+            .and_then(|t| t.dyn_into::<web_sys::Element>().ok())
+            .is_some_and(|t| matches!(t.tag_name().as_str(), "INPUT" | "SELECT" | "TEXTAREA"));
+        if typing || view(|v| v.trace.is_none()) {
+            return;
+        }
+        match e.key().as_str() {
+            "ArrowRight" => control(Bus::Step),
+            "ArrowLeft" => control(Bus::Back),
+            _ => {}
         }
     });
-    // Arrow keys step through the lesson (unless typing in a field).
-    if let Some(d) = doc() {
-        let c = Closure::<dyn Fn(web_sys::KeyboardEvent)>::new(|e: web_sys::KeyboardEvent| {
-            let typing = e
-                .target()
-                .and_then(|t| t.dyn_into::<web_sys::Element>().ok())
-                .is_some_and(|t| matches!(t.tag_name().as_str(), "INPUT" | "SELECT" | "TEXTAREA"));
-            if typing || view(|v| v.trace.is_none()) {
-                return;
-            }
-            match e.key().as_str() {
-                "ArrowRight" => control(Bus::Step),
-                "ArrowLeft" => control(Bus::Back),
-                _ => {}
-            }
-        });
-        let _ = d.add_event_listener_with_callback("keydown", c.as_ref().unchecked_ref());
-        c.forget();
-    }
+    let _ = d.add_event_listener_with_callback("keydown", c.as_ref().unchecked_ref());
+    c.forget();
+}
+
+/// Free play's choices: every collective (all_reduce selected) and every reduce op.
+fn fill_run_form() {
     if let Some(sel) = el::<HtmlSelectElement>("collective") {
         let mut html = String::new();
         for w in vjp::COLLECTIVES {

@@ -1,7 +1,23 @@
 //! The tab-to-tab control bus: rank 0 orders every tab's requests and announces each to every
-//! rank, on reserved group ids ([`BUS_GROUP`], [`TRACE_GROUP`]) that never mix with collectives.
+//! rank, on reserved group ids ([`BUS_GROUP`], [`TRACE_GROUP`](super::TRACE_GROUP)) that never
+//! mix with collectives.
 
-use super::*;
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use bytes::Bytes;
+use wasm_bindgen_futures::spawn_local;
+
+use crate::collective::Communicator;
+use crate::error::{Error, Result};
+use crate::transport::{Channel, Tag, Transport};
+
+use super::dom::{set_html, set_text, show_error, show_notice, sleep};
+use super::lessons::{render_lesson, run_lesson};
+use super::play::run_and_show;
+use super::programs::perform_program;
+use super::room_bench::{bench_room, show_bench};
+use super::{App, BUS_GROUP, Bus, PLAY_EVERY, state, view};
 
 pub(super) fn start_bus(app: &Rc<App>) {
     let (me, world) = match &app.comm {
@@ -92,7 +108,7 @@ pub(super) fn start_bus(app: &Rc<App>) {
 
 /// Receive bus messages from `src` on `channel` (numbered from 0) and hand each to `handle`, in
 /// order, until the transport fails.
-pub(super) fn listen<F, Fut>(app: &Rc<App>, src: usize, channel: Channel, handle: F)
+fn listen<F, Fut>(app: &Rc<App>, src: usize, channel: Channel, handle: F)
 where
     F: Fn(Bus) -> Fut + 'static,
     Fut: std::future::Future<Output = ()>,
@@ -118,7 +134,7 @@ where
 }
 
 /// Rank 0: step forward every [`PLAY_EVERY`] until the last step or a pause.
-pub(super) fn start_playing(app: &Rc<App>) {
+fn start_playing(app: &Rc<App>) {
     if view(|v| std::mem::replace(&mut v.playing, true)) {
         return;
     }
@@ -179,7 +195,7 @@ pub(super) fn next_tag(counter: &RefCell<u64>, group: u32) -> Tag {
 }
 
 /// What every rank does with an announcement.
-pub(super) async fn perform(app: &App, msg: Bus) {
+async fn perform(app: &App, msg: Bus) {
     match msg {
         Bus::Run { case } => run_and_show(app, &case).await,
         Bus::Program { text, check } => perform_program(app, &text, check).await,

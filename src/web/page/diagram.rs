@@ -1,9 +1,11 @@
 //! Drawings: the ranks on a circle with a step's messages as arrows, and the loss plot.
 
-use super::*;
+use crate::lesson::{self, Phase, Trace};
 
-pub(super) const FWD: &str = "#1f6feb";
-pub(super) const BWD: &str = "#d4580a";
+use super::dom::esc;
+
+const FWD: &str = "#1f6feb";
+const BWD: &str = "#d4580a";
 
 /// The ranks on a circle, with the messages of `step` as arrows and each rank's first value.
 pub(super) fn diagram(

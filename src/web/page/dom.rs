@@ -1,7 +1,12 @@
 //! DOM helpers: elements by id, text and HTML, visibility, the clock, the console, escaping,
 //! timers, errors and notices shown on the page.
 
-use super::*;
+use std::time::Duration;
+
+use wasm_bindgen::{JsCast, JsValue};
+use web_sys::{Document, HtmlElement};
+
+use super::{state, view};
 
 pub(super) fn doc() -> Option<Document> {
     web_sys::window()?.document()

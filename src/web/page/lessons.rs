@@ -1,7 +1,23 @@
 //! The lesson view: the list, running a lesson on every tab, exchanging the traces, rendering the
 //! current step, editing a rank's input.
 
-use super::*;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use wasm_bindgen::JsCast;
+use wasm_bindgen_futures::{JsFuture, spawn_local};
+use web_sys::{HtmlElement, HtmlInputElement, HtmlSelectElement};
+
+use crate::collective::{Communicator, P2p};
+use crate::error::{Error, Result};
+use crate::lesson::{self, Lesson, Phase};
+use crate::transport::Transport;
+use crate::transport::browser::BrowserTransport;
+use crate::vjp::TensorJson;
+
+use super::bus::{next_tag, request};
+use super::diagram::{diagram, loss_plot};
+use super::dom::{el, esc, set_hidden, set_html, set_text, show_notice};
+use super::{App, Bus, TRACE_GROUP, app, state, view};
 
 pub(super) async fn fetch_text(path: &str) -> Result<String> {
     let w = web_sys::window().ok_or_else(|| Error::Input("no window".into()))?;
@@ -158,58 +174,8 @@ pub(super) fn render_lesson() {
         };
         let k = v.step.min(trace.steps.len().saturating_sub(1));
         let st = trace.steps.get(k)?;
-        let mut table =
-            String::from("<table class=\"values\"><thead><tr><th scope=\"col\">rank</th>");
-        let names: Vec<String> = st
-            .ranks
-            .first()
-            .map(|vals| vals.iter().map(|n| n.name.clone()).collect())
-            .unwrap_or_default();
-        for n in &names {
-            table.push_str(&format!("<th scope=\"col\">{}</th>", esc(n)));
-        }
-        table.push_str("</tr></thead><tbody>");
-        for (r, vals) in st.ranks.iter().enumerate() {
-            table.push_str(&format!(
-                "<tr{}><th scope=\"row\">{r}{}</th>",
-                if me == Some(r) { " class=\"me\"" } else { "" },
-                if me == Some(r) { " (you)" } else { "" }
-            ));
-            for n in vals {
-                table.push_str(&format!("<td><code>{}</code></td>", esc(&n.show())));
-            }
-            table.push_str("</tr>");
-        }
-        table.push_str("</tbody></table>");
-        let mut note = String::new();
-        if let Some(c) = &st.collective {
-            let what = match st.phase {
-                Phase::Backward => "backward ran",
-                _ => "forward ran",
-            };
-            note = format!("{what}: <strong>{}</strong>", esc(c));
-        }
-        if lesson.trains() {
-            let hashes: Vec<String> = st
-                .ranks
-                .iter()
-                .filter_map(|vals| {
-                    vals.iter()
-                        .find(|n| n.name == "replica hash")
-                        .and_then(|n| n.text.clone())
-                })
-                .collect();
-            let same = hashes.windows(2).all(|w| w[0] == w[1]);
-            note.push_str(&format!(
-                " replica hashes: {} — {}",
-                esc(&hashes.join(", ")),
-                if same {
-                    "all replicas identical ✓"
-                } else {
-                    "REPLICAS DIFFER ✗"
-                }
-            ));
-        }
+        let table = step_table(st, me);
+        let note = step_note(st, lesson);
         let plot = lesson.trains().then(|| loss_plot(trace, k));
         Some((
             format!("{} ", esc(&trace.title)),
@@ -264,8 +230,69 @@ pub(super) fn render_lesson() {
     set_text("play", if playing { "Pause" } else { "Play" });
 }
 
+/// The step's values: a row per rank (this tab's marked), a column per value.
+fn step_table(st: &lesson::Step, me: Option<usize>) -> String {
+    let mut table = String::from("<table class=\"values\"><thead><tr><th scope=\"col\">rank</th>");
+    let names: Vec<String> = st
+        .ranks
+        .first()
+        .map(|vals| vals.iter().map(|n| n.name.clone()).collect())
+        .unwrap_or_default();
+    for n in &names {
+        table.push_str(&format!("<th scope=\"col\">{}</th>", esc(n)));
+    }
+    table.push_str("</tr></thead><tbody>");
+    for (r, vals) in st.ranks.iter().enumerate() {
+        table.push_str(&format!(
+            "<tr{}><th scope=\"row\">{r}{}</th>",
+            if me == Some(r) { " class=\"me\"" } else { "" },
+            if me == Some(r) { " (you)" } else { "" }
+        ));
+        for n in vals {
+            table.push_str(&format!("<td><code>{}</code></td>", esc(&n.show())));
+        }
+        table.push_str("</tr>");
+    }
+    table.push_str("</tbody></table>");
+    table
+}
+
+/// What ran at this step, and for a lesson that trains whether every replica is the same.
+fn step_note(st: &lesson::Step, lesson: &Lesson) -> String {
+    let mut note = String::new();
+    if let Some(c) = &st.collective {
+        let what = match st.phase {
+            Phase::Backward => "backward ran",
+            _ => "forward ran",
+        };
+        note = format!("{what}: <strong>{}</strong>", esc(c));
+    }
+    if lesson.trains() {
+        let hashes: Vec<String> = st
+            .ranks
+            .iter()
+            .filter_map(|vals| {
+                vals.iter()
+                    .find(|n| n.name == "replica hash")
+                    .and_then(|n| n.text.clone())
+            })
+            .collect();
+        let same = hashes.windows(2).all(|w| w[0] == w[1]);
+        note.push_str(&format!(
+            " replica hashes: {} — {}",
+            esc(&hashes.join(", ")),
+            if same {
+                "all replicas identical ✓"
+            } else {
+                "REPLICAS DIFFER ✗"
+            }
+        ));
+    }
+    note
+}
+
 /// "1, 6 | 2, 4": tensors separated by `|`, shaped like the lesson's inputs on `rank`.
-pub(super) fn parse_input(text: &str, rank: usize) -> Result<Vec<TensorJson>> {
+fn parse_input(text: &str, rank: usize) -> Result<Vec<TensorJson>> {
     let like: Vec<TensorJson> = view(|v| {
         v.trace
             .as_ref()

@@ -49,36 +49,31 @@ mod programs;
 mod ranks;
 mod room_bench;
 
-use api::*;
-use bus::*;
-use diagram::*;
-use dom::*;
-use lessons::*;
-use params::*;
-use play::*;
-use programs::*;
-use ranks::*;
-use room_bench::*;
-
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use wasm_bindgen::JsCast;
-use wasm_bindgen::prelude::*;
-use wasm_bindgen_futures::{JsFuture, spawn_local};
-use web_sys::{Document, HtmlElement, HtmlInputElement, HtmlSelectElement};
+use wasm_bindgen::prelude::Closure;
+use wasm_bindgen_futures::spawn_local;
+use web_sys::{HtmlElement, HtmlSelectElement};
 
 use crate::backend::{Choice, Device};
-use crate::collective::{AllReduceAlgo, Communicator, P2p, ReduceOp, SmallAllReduce};
+use crate::collective::P2p;
 use crate::error::{Error, Result};
-use crate::lesson::{self, Lesson, Phase, Trace};
-use crate::transport::browser::{BrowserTransport, LinkKind, Links, NetEvent, PORT_HUB, WebJoin};
-use crate::transport::{Channel, Tag, Transport};
-use crate::vjp::{self, Case, Prepared, RankResult, TensorJson};
-use crate::{Tape, Tensor, dist};
+use crate::lesson::{Lesson, Trace};
+use crate::transport::Transport;
+use crate::transport::browser::{BrowserTransport, Links, PORT_HUB, WebJoin};
+use crate::vjp::{Case, RankResult, TensorJson};
+
+use api::install_api;
+use bus::start_bus;
+use dom::{doc, el, log, now_ms, set_hidden, set_text, show_error};
+use lessons::load_lesson_list;
+use params::{params, relay_url};
+use programs::load_program_list;
+use ranks::{on_net_event, render_ranks};
 
 /// The bus's group id (no communicator group reaches it).
 const BUS_GROUP: u32 = u32::MAX;

@@ -1,6 +1,10 @@
 //! The URL's parameters, the relay's address, share links, and moving to another room.
 
-use super::*;
+use crate::backend::Choice;
+use crate::error::{Error, Result};
+use crate::transport::browser::Links;
+
+use super::Params;
 
 pub(super) fn params() -> Result<Params> {
     let w = web_sys::window().ok_or_else(|| Error::Input("no window".into()))?;
@@ -79,7 +83,7 @@ pub(super) fn relay_url() -> String {
     format!("{}://{host}/ws", if secure { "wss" } else { "ws" })
 }
 
-pub(super) fn page_base() -> String {
+fn page_base() -> String {
     web_sys::window()
         .map(|w| w.location())
         .map(|l| {

@@ -1,6 +1,15 @@
 //! Free play: any collective run forward and backward on every tab, from the form.
 
-use super::*;
+use wasm_bindgen_futures::spawn_local;
+use web_sys::{HtmlInputElement, HtmlSelectElement};
+
+use crate::collective::{Communicator, ReduceOp};
+use crate::error::{Error, Result};
+use crate::vjp::{self, Case, Prepared, RankResult, TensorJson};
+
+use super::bus::request;
+use super::dom::{el, esc, set_html, set_text, show_error, show_notice};
+use super::{App, Bus, app, state};
 
 pub(super) async fn run_case(app: &App, case: &Case) -> Result<RankResult> {
     let _busy = app.busy.lock().await;
@@ -61,7 +70,7 @@ pub(super) async fn run_and_show(app: &App, case: &Case) {
     }
 }
 
-pub(super) fn cell(list: &[TensorJson]) -> String {
+fn cell(list: &[TensorJson]) -> String {
     if list.is_empty() {
         "—".into()
     } else {
@@ -127,7 +136,7 @@ pub(super) fn show_results(case: &Case, results: &[RankResult], only: Option<usi
 }
 
 /// The case the form describes (the built-in example for this world).
-pub(super) async fn form_case(collective: &str, op: &str, root: usize) -> Result<Case> {
+async fn form_case(collective: &str, op: &str, root: usize) -> Result<Case> {
     let world = state(|s| s.world);
     let which = vjp::parse_collective(collective)?;
     let op = ReduceOp::parse(op)?;

@@ -8,17 +8,27 @@
 //! The program's text goes through the bus, so every tab runs the same one whatever its own
 //! editor holds; the tab that asks checks it first, so a mistake is a notice there, not a run.
 
-use super::*;
+use serde::{Deserialize, Serialize};
+use wasm_bindgen_futures::{JsFuture, spawn_local};
+use web_sys::{HtmlInputElement, HtmlSelectElement};
+
+use crate::collective::Communicator;
+use crate::error::{Error, Result};
 use crate::gradcheck::{self, Report};
 use crate::program::{Plan, Program, RankRun};
 
+use super::bus::request;
+use super::dom::{el, esc, now_ms, set_html, set_text, show_error, show_notice};
+use super::lessons::{exchange, fetch_text, fill_select, lesson_name_ok};
+use super::{App, Bus, state};
+
 /// Largest program text the page accepts (a program with explicit values for many ranks).
-pub(super) const MAX_PROGRAM_TEXT: usize = 4 << 20;
+const MAX_PROGRAM_TEXT: usize = 4 << 20;
 
 /// One rank's run as the tabs exchange it and the test API returns it (the shape of `distgrad
 /// run --json`'s entries; numbers that are not finite are `null`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub(super) struct ShownRun {
+struct ShownRun {
     rank: usize,
     loss: Option<f32>,
     weight: f64,
@@ -115,7 +125,7 @@ pub(super) fn on_program_file() {
 }
 
 /// Check a program's text for a world of `world` ranks.
-pub(super) fn plan_text(text: &str, world: usize) -> Result<(Program, Plan)> {
+fn plan_text(text: &str, world: usize) -> Result<(Program, Plan)> {
     if text.len() > MAX_PROGRAM_TEXT {
         return Err(Error::Input(format!(
             "the program is {} bytes; at most {MAX_PROGRAM_TEXT}",

@@ -1,6 +1,13 @@
 //! Network events and the diagram of the room's ranks (who is here, which links, fallbacks).
 
-use super::*;
+use web_sys::HtmlInputElement;
+
+use crate::transport::browser::{LinkKind, NetEvent};
+
+use super::diagram::diagram;
+use super::dom::{el, set_html, set_text, show_error};
+use super::params::share_link;
+use super::{PARAMS, state, view};
 
 pub(super) fn on_net_event(e: NetEvent) {
     match e {

@@ -1,6 +1,18 @@
 //! The benchmark behind `window.distgrad.benchAllReduce`.
 
-use super::*;
+use bytes::Bytes;
+use wasm_bindgen::JsValue;
+
+use crate::backend::Device;
+use crate::collective::{AllReduceAlgo, Communicator, Group, P2p, ReduceOp, SmallAllReduce};
+use crate::error::{Error, Result};
+use crate::transport::browser::BrowserTransport;
+use crate::transport::{Channel, Tag, Transport};
+use crate::{Tape, Tensor, dist};
+
+use super::dom::{esc, now_ms, set_html, set_text};
+use super::lessons::exchange;
+use super::{App, app, state};
 
 pub(super) async fn bench_all_reduce(numel: usize) -> Result<String> {
     let app = app()?;
@@ -113,102 +125,181 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
     let comm = app.comm.as_ref().ok_or_else(|| {
         Error::Input("the room benchmark needs tabs (not single-tab mode)".into())
     })?;
-    let t = comm.transport();
-    let (me, world) = (comm.rank(), comm.world_size());
-    let tag = |k: u64| Tag {
-        group: BENCH_GROUP,
-        seq: run * 1_000_000 + k,
-        channel: Channel::Data,
-    };
     let group = comm.world();
     comm.barrier(&group).await?;
-    // Raw round trips: rank 0 and each peer in turn, 4 bytes each way.
+    let mut raw = Raw {
+        t: comm.transport(),
+        me: comm.rank(),
+        world: comm.world_size(),
+        run,
+        next: 0,
+    };
+    let round_trip_ms = round_trips(&mut raw).await?;
+    let raw_mibs = throughput(&mut raw).await?;
+    comm.barrier(&group).await?;
+    let exchange_ms = raw_exchange(&mut raw).await?;
+    let links = LinkFigures {
+        round_trip_ms,
+        raw_mibs,
+        exchange_ms,
+    };
+    let all_reduce = all_reduce_figures(app, comm, &group).await?;
+    // Rank 0's table goes to every tab.
+    let table = if raw.me == 0 {
+        table(app, raw.world, &links, &all_reduce)
+    } else {
+        serde_json::Value::Null
+    };
+    share_table(app, comm, &table).await
+}
+
+/// What the raw measurements share: the links, this tab's place, and the numbering of their
+/// messages, the same on every tab (`run` keeps benchmarks apart), so each send meets its receive.
+struct Raw<'a> {
+    t: &'a BrowserTransport,
+    me: usize,
+    world: usize,
+    run: u64,
+    /// The number of the next message.
+    next: u64,
+}
+
+impl Raw<'_> {
+    /// Number the next `n` messages: the first one's number.
+    fn reserve(&mut self, n: u64) -> u64 {
+        let k = self.next;
+        self.next += n;
+        k
+    }
+
+    fn tag(&self, k: u64) -> Tag {
+        Tag {
+            group: BENCH_GROUP,
+            seq: self.run * 1_000_000 + k,
+            channel: Channel::Data,
+        }
+    }
+}
+
+/// Raw round trips: rank 0 and each peer in turn, 4 bytes each way. Rank 0's medians per peer
+/// (the other tabs' list is empty).
+async fn round_trips(raw: &mut Raw<'_>) -> Result<Vec<serde_json::Value>> {
+    let (t, me) = (raw.t, raw.me);
     let mut rtt = Vec::new();
-    let mut k = 0;
-    for peer in 1..world {
+    for peer in 1..raw.world {
         let mut times = Vec::with_capacity(BENCH_WARMUP + BENCH_REPS);
         for _ in 0..BENCH_WARMUP + BENCH_REPS {
+            let k = raw.reserve(2);
             let ping = Bytes::from_static(&[1, 2, 3, 4]);
             if me == 0 {
                 let t0 = now_ms();
-                t.send(peer, tag(k), ping).await?;
-                t.recv(peer, tag(k + 1)).await?;
+                t.send(peer, raw.tag(k), ping).await?;
+                t.recv(peer, raw.tag(k + 1)).await?;
                 times.push(now_ms() - t0);
             } else if me == peer {
-                let got = t.recv(0, tag(k)).await?;
-                t.send(0, tag(k + 1), got).await?;
+                let got = t.recv(0, raw.tag(k)).await?;
+                t.send(0, raw.tag(k + 1), got).await?;
             }
-            k += 2;
         }
         if me == 0 {
             rtt.push(serde_json::json!({"peer": peer, "ms": median(timed(times, BENCH_WARMUP))}));
         }
     }
-    // Raw throughput rank 0 → rank 1: the stream, then a 4-byte answer once all arrived.
-    let mut raw_mibs = None;
-    if world > 1 {
-        let chunks = BENCH_STREAM / BENCH_CHUNK;
-        if me == 0 {
-            let chunk = Bytes::from(vec![7u8; BENCH_CHUNK]);
-            let t0 = now_ms();
-            for c in 0..chunks {
-                t.send(1, tag(k + c as u64), chunk.clone()).await?;
-            }
-            t.recv(1, tag(k + chunks as u64)).await?;
-            let s = (now_ms() - t0) / 1000.0;
-            raw_mibs = Some(BENCH_STREAM as f64 / (1 << 20) as f64 / s);
-        } else if me == 1 {
-            for c in 0..chunks {
-                t.recv(0, tag(k + c as u64)).await?;
-            }
-            t.send(0, tag(k + chunks as u64), Bytes::from_static(&[0]))
-                .await?;
-        }
-        k += chunks as u64 + 1;
+    Ok(rtt)
+}
+
+/// Raw throughput rank 0 → rank 1: the stream, then a 1-byte answer once all arrived. Rank 0's
+/// MiB/s (None on the other tabs, and with one rank).
+async fn throughput(raw: &mut Raw<'_>) -> Result<Option<f64>> {
+    if raw.world < 2 {
+        return Ok(None);
     }
-    // Raw exchange: every rank sends 4 bytes to every other and waits for all of theirs (the
-    // messages of a small all_reduce, without the collective around them).
-    comm.barrier(&group).await?;
-    let mut exchange_ms = Vec::with_capacity(BENCH_WARMUP + BENCH_REPS);
+    let t = raw.t;
+    let chunks = BENCH_STREAM / BENCH_CHUNK;
+    let k = raw.reserve(chunks as u64 + 1);
+    if raw.me == 0 {
+        let chunk = Bytes::from(vec![7u8; BENCH_CHUNK]);
+        let t0 = now_ms();
+        for c in 0..chunks {
+            t.send(1, raw.tag(k + c as u64), chunk.clone()).await?;
+        }
+        t.recv(1, raw.tag(k + chunks as u64)).await?;
+        let s = (now_ms() - t0) / 1000.0;
+        return Ok(Some(BENCH_STREAM as f64 / (1 << 20) as f64 / s));
+    }
+    if raw.me == 1 {
+        for c in 0..chunks {
+            t.recv(0, raw.tag(k + c as u64)).await?;
+        }
+        t.send(0, raw.tag(k + chunks as u64), Bytes::from_static(&[0]))
+            .await?;
+    }
+    Ok(None)
+}
+
+/// Raw exchange: every rank sends 4 bytes to every other and waits for all of theirs (the
+/// messages of a small all_reduce, without the collective around them). The median in ms (None
+/// with one rank).
+async fn raw_exchange(raw: &mut Raw<'_>) -> Result<Option<f64>> {
+    let (t, me, world) = (raw.t, raw.me, raw.world);
+    let mut times = Vec::with_capacity(BENCH_WARMUP + BENCH_REPS);
     for _ in 0..BENCH_WARMUP + BENCH_REPS {
+        let k = raw.reserve(1);
+        let tag = raw.tag(k);
         let t0 = now_ms();
         for p in (0..world).filter(|&p| p != me) {
-            t.send(p, tag(k), Bytes::from_static(&[1, 2, 3, 4])).await?;
+            t.send(p, tag, Bytes::from_static(&[1, 2, 3, 4])).await?;
         }
         for p in (0..world).filter(|&p| p != me) {
-            t.recv(p, tag(k)).await?;
+            t.recv(p, tag).await?;
         }
-        exchange_ms.push(now_ms() - t0);
-        k += 1;
+        times.push(now_ms() - t0);
     }
-    let exchange_ms = (world > 1).then(|| median(timed(exchange_ms, BENCH_WARMUP)));
-    // The collectives, each repetition started together: on the tab's device, and on a GPU tab
-    // also on the CPU backend over the same links, so the GPU path's cost is a ratio too. The
-    // devices take turns repetition by repetition, so whatever else the machine does meanwhile
-    // (the browser optimizing the page's code in the background, other tabs) weighs on both rows.
+    Ok((world > 1).then(|| median(timed(times, BENCH_WARMUP))))
+}
+
+/// The raw links' figures beside which the all_reduce rows are read (rank 0's).
+struct LinkFigures {
+    /// `{"peer", "ms"}` per peer of rank 0.
+    round_trip_ms: Vec<serde_json::Value>,
+    raw_mibs: Option<f64>,
+    exchange_ms: Option<f64>,
+}
+
+/// One all_reduce row: elements, device ([`device_label`]), algorithm, median ms.
+type Row = (usize, &'static str, &'static str, f64);
+
+/// The all_reduce rows, and which of their algorithms the room itself uses.
+struct AllReduceFigures {
+    rows: Vec<Row>,
+    /// The small size's algorithm in the room (the other small one is measured as a baseline).
+    room_small: SmallAllReduce,
+    /// The large size's algorithm, as `P2p::all_reduce` chooses it.
+    large_algo: &'static str,
+}
+
+/// The collectives, each repetition started together: on the tab's device, and on a GPU tab
+/// also on the CPU backend over the same links, so the GPU path's cost is a ratio too. The
+/// devices take turns repetition by repetition, so whatever else the machine does meanwhile
+/// (the browser optimizing the page's code in the background, other tabs) weighs on both rows.
+async fn all_reduce_figures(
+    app: &App,
+    comm: &P2p<BrowserTransport>,
+    group: &Group,
+) -> Result<AllReduceFigures> {
     let mut devices = vec![app.device.clone()];
     if !matches!(app.device, Device::Cpu) {
         devices.push(Device::Cpu);
     }
-    // The small size also runs with the other small all_reduce algorithm, in the same turns
-    // (from 3 ranks: two exchange whatever the setting, so there is no other to measure).
     let configured = comm.small_all_reduce();
-    let (room_small, small_algos): (SmallAllReduce, Vec<SmallAllReduce>) = if world > 2 {
-        let others = SmallAllReduce::ALL.into_iter().filter(|&a| a != configured);
-        (
-            configured,
-            std::iter::once(configured).chain(others).collect(),
-        )
-    } else {
-        (SmallAllReduce::Exchange, vec![SmallAllReduce::Exchange])
-    };
+    let (room_small, small_algos) = small_algos(configured, comm.world_size());
     // The large size's algorithm, as `P2p::all_reduce` chooses it.
     let large_algo = match comm.options().all_reduce {
-        AllReduceAlgo::Auto if t.shares_memory() => AllReduceAlgo::Shared.name(),
+        AllReduceAlgo::Auto if comm.transport().shares_memory() => AllReduceAlgo::Shared.name(),
         AllReduceAlgo::Auto => AllReduceAlgo::Ring.name(),
         a => a.name(),
     };
-    let mut collectives = Vec::new();
+    let mut rows = Vec::new();
     for numel in BENCH_SIZES {
         let small = numel == BENCH_SIZES[0];
         let warmup = if small {
@@ -232,30 +323,9 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
                 ))
             })
             .collect::<Result<_>>()?;
-        let mut times = vec![Vec::with_capacity(warmup + BENCH_REPS); runs.len()];
-        let timed_runs = async {
-            for _ in 0..warmup + BENCH_REPS {
-                for ((x, _, algo), times) in runs.iter().zip(&mut times) {
-                    comm.set_small_all_reduce(*algo);
-                    comm.barrier(&group).await?;
-                    let t0 = now_ms();
-                    let tape = Tape::new();
-                    let xv = tape.var(x.clone());
-                    let y = dist::all_reduce(comm, &xv, ReduceOp::Sum, &group).await?;
-                    let loss = y.sum()?;
-                    tape.backward(&loss, comm).await?.wrt(&xv)?;
-                    finished(&loss.value()).await?;
-                    times.push(now_ms() - t0);
-                }
-            }
-            Ok::<(), Error>(())
-        }
-        .await;
-        comm.set_small_all_reduce(configured);
-        timed_runs?;
-        comm.take_calls();
+        let times = time_all_reduces(comm, group, &runs, warmup, configured).await?;
         for ((_, dev, algo), times) in runs.iter().zip(times) {
-            collectives.push((
+            rows.push((
                 numel,
                 device_label(dev),
                 if small { algo.name() } else { large_algo },
@@ -263,65 +333,143 @@ pub(super) async fn bench_room(app: &App, run: u64) -> Result<serde_json::Value>
             ));
         }
     }
-    // Rank 0's table goes to every tab.
-    let mut table = serde_json::Value::Null;
-    if me == 0 {
-        let mean_rtt =
-            rtt.iter().filter_map(|r| r["ms"].as_f64()).sum::<f64>() / rtt.len().max(1) as f64;
-        let rows: Vec<serde_json::Value> = collectives
-            .iter()
-            .map(|&(numel, device, algo, ms)| {
-                let bytes = numel * 4;
-                let cpu_ms = collectives
-                    .iter()
-                    .find(|c| c.0 == numel && c.1 == "cpu" && c.2 == algo)
-                    .map(|c| c.3);
-                // A small row over the exchange's beside it (same size and device).
-                let exchange_algo_ms = collectives
-                    .iter()
-                    .find(|c| {
-                        c.0 == numel && c.1 == device && c.2 == SmallAllReduce::Exchange.name()
-                    })
-                    .map(|c| c.3);
-                // Bus bandwidth of an all_reduce (nccl-tests): 2(n−1)/n of the bytes per rank,
-                // twice (forward and backward).
-                let bus = 2.0 * 2.0 * (world as f64 - 1.0) / world as f64 * bytes as f64;
-                let busbw = bus / (1 << 20) as f64 / (ms / 1000.0);
-                serde_json::json!({
-                    "bytes": bytes,
-                    "device": device,
-                    "algo": algo,
-                    // The algorithm the room uses for this size (the other small one is a baseline).
-                    "room_algo": algo == large_algo || algo == room_small.name(),
-                    "ms": ms,
-                    "of_cpu": cpu_ms.map(|c| ms / c),
-                    "of_exchange_algo": exchange_algo_ms.map(|e| ms / e),
-                    "round_trips": ms / mean_rtt,
-                    // forward and backward: two exchanges' worth of messages
-                    "of_exchange": exchange_ms.map(|e| ms / (2.0 * e)),
-                    "busbw_mibs": busbw,
-                    "of_raw": raw_mibs.map(|r| busbw / r),
-                })
-            })
-            .collect();
-        table = serde_json::json!({
-            "world": world,
-            "links": state(|s| s.links.clone()),
-            "round_trip_ms": rtt,
-            "mean_round_trip_ms": mean_rtt,
-            "exchange_ms": exchange_ms,
-            "raw_mibs_0_to_1": raw_mibs,
-            "device": device_label(&app.device),
-            "timer_step_ms": timer_step_ms(),
-            "cross_origin_isolated": cross_origin_isolated(),
-            "all_reduce_fwd_bwd": rows,
-            "reps": BENCH_REPS,
-            "warmup": BENCH_WARMUP,
-            "warmup_large": BENCH_WARMUP_LARGE,
-        });
+    Ok(AllReduceFigures {
+        rows,
+        room_small,
+        large_algo,
+    })
+}
+
+/// The room's small all_reduce algorithm and the ones the small size runs with, the room's
+/// first: the other one too, in the same turns (from 3 ranks: two exchange whatever the
+/// setting, so there is no other to measure).
+fn small_algos(configured: SmallAllReduce, world: usize) -> (SmallAllReduce, Vec<SmallAllReduce>) {
+    if world > 2 {
+        let others = SmallAllReduce::ALL.into_iter().filter(|&a| a != configured);
+        (
+            configured,
+            std::iter::once(configured).chain(others).collect(),
+        )
+    } else {
+        (SmallAllReduce::Exchange, vec![SmallAllReduce::Exchange])
     }
-    // Sent as text and parsed alike on every tab (rank 0 included), so every tab holds the same
-    // numbers to the last bit.
+}
+
+/// SUM all_reduce forward + backward of each run's tensor with its small algorithm, the runs
+/// taking turns repetition by repetition, every repetition started together: each run's times
+/// in ms, warm-up included. The room's setting (`configured`) is back afterwards, failed or not.
+async fn time_all_reduces(
+    comm: &P2p<BrowserTransport>,
+    group: &Group,
+    runs: &[(Tensor, &Device, SmallAllReduce)],
+    warmup: usize,
+    configured: SmallAllReduce,
+) -> Result<Vec<Vec<f64>>> {
+    let mut times = vec![Vec::with_capacity(warmup + BENCH_REPS); runs.len()];
+    let timed_runs = async {
+        for _ in 0..warmup + BENCH_REPS {
+            for ((x, _, algo), times) in runs.iter().zip(&mut times) {
+                comm.set_small_all_reduce(*algo);
+                comm.barrier(group).await?;
+                let t0 = now_ms();
+                let tape = Tape::new();
+                let xv = tape.var(x.clone());
+                let y = dist::all_reduce(comm, &xv, ReduceOp::Sum, group).await?;
+                let loss = y.sum()?;
+                tape.backward(&loss, comm).await?.wrt(&xv)?;
+                finished(&loss.value()).await?;
+                times.push(now_ms() - t0);
+            }
+        }
+        Ok::<(), Error>(())
+    }
+    .await;
+    comm.set_small_all_reduce(configured);
+    timed_runs?;
+    comm.take_calls();
+    Ok(times)
+}
+
+/// Rank 0's table: the links' figures, and each all_reduce row beside them.
+fn table(
+    app: &App,
+    world: usize,
+    links: &LinkFigures,
+    all_reduce: &AllReduceFigures,
+) -> serde_json::Value {
+    let rtt = &links.round_trip_ms;
+    let mean_rtt =
+        rtt.iter().filter_map(|r| r["ms"].as_f64()).sum::<f64>() / rtt.len().max(1) as f64;
+    let rows: Vec<serde_json::Value> = all_reduce
+        .rows
+        .iter()
+        .map(|&row| row_json(row, world, mean_rtt, links, all_reduce))
+        .collect();
+    serde_json::json!({
+        "world": world,
+        "links": state(|s| s.links.clone()),
+        "round_trip_ms": rtt,
+        "mean_round_trip_ms": mean_rtt,
+        "exchange_ms": links.exchange_ms,
+        "raw_mibs_0_to_1": links.raw_mibs,
+        "device": device_label(&app.device),
+        "timer_step_ms": timer_step_ms(),
+        "cross_origin_isolated": cross_origin_isolated(),
+        "all_reduce_fwd_bwd": rows,
+        "reps": BENCH_REPS,
+        "warmup": BENCH_WARMUP,
+        "warmup_large": BENCH_WARMUP_LARGE,
+    })
+}
+
+/// One all_reduce row of the table: its time, and as multiples of the CPU's, of the exchange
+/// algorithm's, of the raw round trip (`mean_rtt`) and exchange, and of the raw throughput.
+fn row_json(
+    (numel, device, algo, ms): Row,
+    world: usize,
+    mean_rtt: f64,
+    links: &LinkFigures,
+    all_reduce: &AllReduceFigures,
+) -> serde_json::Value {
+    let rows = &all_reduce.rows;
+    let bytes = numel * 4;
+    let cpu_ms = rows
+        .iter()
+        .find(|c| c.0 == numel && c.1 == "cpu" && c.2 == algo)
+        .map(|c| c.3);
+    // A small row over the exchange's beside it (same size and device).
+    let exchange_algo_ms = rows
+        .iter()
+        .find(|c| c.0 == numel && c.1 == device && c.2 == SmallAllReduce::Exchange.name())
+        .map(|c| c.3);
+    // Bus bandwidth of an all_reduce (nccl-tests): 2(n−1)/n of the bytes per rank,
+    // twice (forward and backward).
+    let bus = 2.0 * 2.0 * (world as f64 - 1.0) / world as f64 * bytes as f64;
+    let busbw = bus / (1 << 20) as f64 / (ms / 1000.0);
+    serde_json::json!({
+        "bytes": bytes,
+        "device": device,
+        "algo": algo,
+        // The algorithm the room uses for this size (the other small one is a baseline).
+        "room_algo": algo == all_reduce.large_algo || algo == all_reduce.room_small.name(),
+        "ms": ms,
+        "of_cpu": cpu_ms.map(|c| ms / c),
+        "of_exchange_algo": exchange_algo_ms.map(|e| ms / e),
+        "round_trips": ms / mean_rtt,
+        // forward and backward: two exchanges' worth of messages
+        "of_exchange": links.exchange_ms.map(|e| ms / (2.0 * e)),
+        "busbw_mibs": busbw,
+        "of_raw": links.raw_mibs.map(|r| busbw / r),
+    })
+}
+
+/// Rank 0's table on every tab: sent as text and parsed alike on every tab (rank 0 included),
+/// so every tab holds the same numbers to the last bit.
+async fn share_table(
+    app: &App,
+    comm: &P2p<BrowserTransport>,
+    table: &serde_json::Value,
+) -> Result<serde_json::Value> {
     let all = exchange(app, comm, table.to_string()).await?;
     let text = all
         .into_iter()
