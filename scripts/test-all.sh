@@ -60,6 +60,8 @@ bin="$CARGO_TARGET_DIR/debug/distgrad"
 out="$CARGO_TARGET_DIR/browser-test-output"
 # WebGPU (SwiftShader) tabs, asked for with device=gpu: the page's own choice takes the CPU over a
 # software adapter (the last run checks that).
+say "the page's budget: release .wasm under 2 MB (checked), the first lesson's time in single-tab mode (printed)"
+node tests/browser/startup.mjs --bin "$bin" --dist dist
 node tests/browser/e2e.mjs --bin "$bin" --dist dist --net relay --device gpu --out "$out"
 # Tabs of one browser over BroadcastChannels, without the port hub (ports=0: what a browser without
 # SharedWorker does; no network between them; the native worker of the mixed-group check keeps the

@@ -78,7 +78,7 @@ where
     futures::future::join_all(ranks).await
 }
 
-/// How ranks started by [`run_over_relay_via`] send their data.
+/// How ranks started by `run_over_relay_via` (native) send their data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RelayRoute {
     /// Through the relay, on each rank's WebSocket (as browsers do).
@@ -89,7 +89,7 @@ pub enum RelayRoute {
     /// Through the relay, on data streams over TCP (as members on other hosts attach).
     StreamTcp,
     /// Over direct TCP links between the ranks, the relay only introducing them
-    /// ([`crate::transport::tcp_links`]).
+    /// (`transport::tcp_links`, native).
     Direct,
 }
 

@@ -1,6 +1,6 @@
 //! Programs: a small JSON description of what every rank computes — named inputs, a sequence of
 //! local ops and collectives, a loss — that runs on any communicator ([`run_rank`]), in-process
-//! ([`run_local`]), and whose gradients [`mod@crate::gradcheck`] checks across the ranks.
+//! (`run_local`, natively), and whose gradients [`mod@crate::gradcheck`] checks across the ranks.
 //!
 //! ```text
 //! {"world": 3,

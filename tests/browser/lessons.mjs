@@ -220,11 +220,15 @@ async function main() {
     watch(sim, 'single tab', errors);
     await sim.goto(`${base}?sim=${WORLD}&device=gpu`);
     await waitFor([sim], (s) => s.phase === 'ready', 30000, 'single-tab mode');
-    let simRuns = 0;
-    for (const { name } of index) {
-      await sim.selectOption('#lesson', name);
-      await sim.click('#lesson-start');
-      simRuns++;
+    // Single-tab mode opens the first lesson by itself.
+    await waitFor([sim], (s) => s.lesson === index[0].name && s.lesson_runs === 1, 30000, 'single-tab: the first lesson opens');
+    let simRuns = 1;
+    for (const [i, { name }] of index.entries()) {
+      if (i > 0) {
+        await sim.selectOption('#lesson', name);
+        await sim.click('#lesson-start');
+        simRuns++;
+      }
       await waitFor([sim], (s) => s.lesson === name && s.lesson_runs === simRuns, 30000, `single-tab ${name}`);
       const t = await traceOf(sim);
       const d = diffTrace(t, expected[name], false);
@@ -233,6 +237,14 @@ async function main() {
     }
     await sim.screenshot({ path: join(OUT, 'single-tab.png') });
     log(`single-tab mode (?sim=${WORLD}&device=gpu): all ${index.length} lessons == distgrad run`);
+
+    // A link to a lesson step (what a teacher shares): that lesson opens at that step.
+    await sim.goto(`${base}?sim=${WORLD}&lesson=all_reduce_max&step=2`);
+    const [linked] = await waitFor([sim], (s) => s.lesson === 'all_reduce_max' && s.lesson_runs === 1 && s.lesson_step === 2, 30000, 'linked lesson step');
+    const stepText = await sim.textContent('#lesson-step');
+    if (!/^Step 2 of /.test(stepText)) fail(`a link to step 2 shows "${stepText}"`);
+    await checkShown(sim, await traceOf(sim), 2, 'linked lesson step');
+    log(`?lesson=all_reduce_max&step=2 opens it at step 2 ("${stepText.slice(0, 40)}"), first lesson on screen ${linked.first_lesson_ms.toFixed(0)} ms after navigation`);
 
     // ---- no WebGPU: a browser without an adapter runs on the labelled CPU fallback ----
     const plain = await chromium.launch({
@@ -244,10 +256,10 @@ async function main() {
       const p = await plain.newPage({ viewport: { width: 1280, height: 800 } });
       watch(p, 'no-WebGPU tab', errors);
       await p.goto(`${base}?sim=${WORLD}`);
-      const [s] = await waitFor([p], (x) => x.phase === 'ready', 30000, 'no-WebGPU page');
+      const [s] = await waitFor([p], (x) => x.phase === 'ready' && x.lesson_runs === 1, 30000, 'no-WebGPU page (its first lesson open)');
       const shown = await p.textContent('#device');
       if (!/CPU fallback/.test(s.device) || !/CPU fallback/.test(shown)) fail(`without WebGPU the page should say "CPU fallback": ${shown}`);
-      let n = 0;
+      let n = 1;
       for (const name of ['all_reduce_max', 'data_parallel', 'tensor_parallel']) {
         await p.selectOption('#lesson', name);
         await p.click('#lesson-start');

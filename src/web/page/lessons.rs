@@ -16,7 +16,7 @@ use crate::vjp::TensorJson;
 
 use super::bus::{next_tag, request};
 use super::diagram::{diagram, loss_plot};
-use super::dom::{el, esc, set_hidden, set_html, set_text, show_notice};
+use super::dom::{el, esc, now_ms, set_hidden, set_html, set_text, show_notice};
 use super::{App, Bus, TRACE_GROUP, app, state, view};
 
 pub(super) async fn fetch_text(path: &str) -> Result<String> {
@@ -120,6 +120,10 @@ pub(super) async fn run_lesson(app: &App, name: &str) -> Result<()> {
     set_hidden("lesson-view", false);
     set_text("phase", "ready");
     render_lesson();
+    let shown = now_ms();
+    state(|s| {
+        s.first_lesson_ms.get_or_insert(shown);
+    });
     Ok(())
 }
 

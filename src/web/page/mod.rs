@@ -70,7 +70,7 @@ use crate::vjp::{Case, RankResult, TensorJson};
 use api::install_api;
 use bus::start_bus;
 use dom::{doc, el, log, now_ms, set_hidden, set_text, show_error};
-use lessons::load_lesson_list;
+use lessons::{control, load_lesson_list};
 use params::{params, relay_url};
 use programs::load_program_list;
 use ranks::{on_net_event, render_ranks};
@@ -105,6 +105,8 @@ struct PageState {
     error: Option<String>,
     /// milliseconds from navigation start to "ready"
     ready_ms: Option<f64>,
+    /// milliseconds from navigation start to the first lesson on screen
+    first_lesson_ms: Option<f64>,
     /// collective runs completed on this tab
     runs: usize,
     /// the last run's result on this rank (all ranks' in single-tab mode: rank 0's here)
@@ -229,6 +231,11 @@ struct Params {
     relay: Option<String>,
     /// An example program to load (`program=NAME`, from `www/programs/`).
     program: Option<String>,
+    /// A lesson to open once the room is ready (`lesson=NAME`; single-tab mode opens the first
+    /// lesson without it), at step `step=K`: a link to a lesson step.
+    lesson: Option<String>,
+    /// The step of `lesson` to show (`step=K`).
+    step: Option<usize>,
 }
 
 /// Entry point of the web app (called by the binary's `main` on wasm32).
@@ -288,11 +295,16 @@ async fn run() -> Result<()> {
     let p = params()?;
     PARAMS.with(|x| *x.borrow_mut() = Some(p.clone()));
     view(|v| v.inputs = vec![None; p.world]);
-    load_lesson_list().await;
-    load_program_list(p.program.clone()).await;
+    // The lists and (in single-tab mode) the compute backend are asked for at once: the first
+    // lesson is on screen sooner.
+    let lists = async {
+        futures::join!(load_lesson_list(), load_program_list(p.program.clone()));
+    };
     if let Some(n) = p.sim {
-        return run_simulated_page(&p, n).await;
+        let ((), device) = futures::join!(lists, choose_device(p.device));
+        return run_simulated_page(n, device?);
     }
+    lists.await;
     let Some(room) = p.room.clone() else {
         // No room yet: the lobby creates one (or joins one by name and token).
         if let Some(sel) = el::<HtmlSelectElement>("new-net") {
@@ -353,7 +365,7 @@ async fn run() -> Result<()> {
     Ok(())
 }
 
-async fn run_simulated_page(p: &Params, n: usize) -> Result<()> {
+fn run_simulated_page(n: usize, device: Device) -> Result<()> {
     state(|s| {
         s.sim = true;
         s.world = n;
@@ -370,7 +382,6 @@ async fn run_simulated_page(p: &Params, n: usize) -> Result<()> {
     if let Some(b) = doc().and_then(|d| d.body()) {
         let _ = b.class_list().add_1("sim");
     }
-    let device = choose_device(p.device).await?;
     render_ranks();
     let app = Rc::new(App {
         comm: None,
@@ -421,4 +432,28 @@ fn ready(app: Rc<App>, what: &str) {
         }
     }
     log(&format!("distgrad: {what}"));
+    open_linked_lesson(&app);
+}
+
+/// Open the lesson the link names (`lesson=NAME&step=K`), or in single-tab mode the first lesson:
+/// asked once, by rank 0, so that every tab shows it.
+fn open_linked_lesson(app: &App) {
+    let (lesson, step) = PARAMS.with(|p| {
+        p.borrow()
+            .as_ref()
+            .map_or((None, None), |p| (p.lesson.clone(), p.step))
+    });
+    let first = || el::<HtmlSelectElement>("lesson").map(|s| s.value());
+    let name = match (lesson, &app.comm) {
+        (Some(name), _) => Some(name),
+        (None, None) => first().filter(|n| !n.is_empty()),
+        (None, Some(_)) => None,
+    };
+    let leader = app.comm.as_ref().is_none_or(|c| c.transport().rank() == 0);
+    if let (Some(name), true) = (name, leader) {
+        control(Bus::Lesson { name });
+        if let Some(step) = step {
+            control(Bus::Goto { step });
+        }
+    }
 }

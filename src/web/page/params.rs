@@ -68,6 +68,18 @@ pub(super) fn params() -> Result<Params> {
         device,
         relay: q.get("relay"),
         program: q.get("program").filter(|n| !n.is_empty()),
+        lesson: match q.get("lesson").filter(|n| !n.is_empty()) {
+            Some(n) if super::lessons::lesson_name_ok(&n) => Some(n),
+            Some(n) => return Err(Error::Input(format!("lesson={n:?}: not a lesson name"))),
+            None => None,
+        },
+        step: match q.get("step") {
+            None => None,
+            Some(s) => Some(
+                s.parse::<usize>()
+                    .map_err(|_| Error::Input(format!("step={s:?}: expected a number")))?,
+            ),
+        },
     })
 }
 
