@@ -15,93 +15,130 @@ pub(super) async fn run<T: Transport>(
     steps: usize,
     lr: f32,
 ) -> Result<Vec<RankStep>> {
-    let me = comm.rank();
-    let n = comm.world_size();
-    let program = plan.program();
-    let mut inputs: Vec<Tensor> = plan.inputs(me).to_vec();
-    // The trainable inputs: with gradient, held by every rank, starting equal everywhere.
-    let trainable: Vec<usize> = (0..program.inputs.len())
-        .filter(|&i| program.inputs[i].grad)
-        .collect();
-    if trainable.is_empty() {
-        return Err(lesson.error("training needs an input with gradient (a parameter)".into()));
+    let t = Trainer::new(lesson, plan, lr)?;
+    let mut inputs: Vec<Tensor> = plan.inputs(comm.rank()).to_vec();
+    let mut out = vec![t.start(comm.rank(), &inputs)?];
+    for k in 1..=steps {
+        out.push(t.step(comm, k, &mut inputs).await?);
     }
-    for &i in &trainable {
-        let first = plan.inputs(0)[i].try_to_vec()?;
-        for r in 0..n {
-            if !plan.holds(r, i) || plan.inputs(r)[i].try_to_vec()? != first {
-                return Err(lesson.error(format!(
-                    "parameter {:?} must start equal on every rank (give it a \"value\" or make \
-                     it \"replicated\"; data without gradient may differ per rank)",
-                    program.inputs[i].name
-                )));
+    Ok(out)
+}
+
+/// A training run's fixed parts: what is trained and how fast.
+struct Trainer<'a> {
+    lesson: &'a Lesson,
+    plan: &'a Plan,
+    /// The trainable inputs (with gradient), by index in the program.
+    trainable: Vec<usize>,
+    lr: f32,
+}
+
+impl<'a> Trainer<'a> {
+    /// The parameters: the inputs with gradient, held by every rank and equal everywhere (else
+    /// the replicas would start apart).
+    fn new(lesson: &'a Lesson, plan: &'a Plan, lr: f32) -> Result<Self> {
+        let inputs = &plan.program().inputs;
+        let trainable: Vec<usize> = (0..inputs.len()).filter(|&i| inputs[i].grad).collect();
+        if trainable.is_empty() {
+            return Err(lesson.error("training needs an input with gradient (a parameter)".into()));
+        }
+        for &i in &trainable {
+            let first = plan.inputs(0)[i].try_to_vec()?;
+            for r in 0..plan.world() {
+                if !plan.holds(r, i) || plan.inputs(r)[i].try_to_vec()? != first {
+                    return Err(lesson.error(format!(
+                        "parameter {:?} must start equal on every rank (give it a \"value\" or \
+                         make it \"replicated\"; data without gradient may differ per rank)",
+                        inputs[i].name
+                    )));
+                }
             }
         }
+        Ok(Trainer {
+            lesson,
+            plan,
+            trainable,
+            lr,
+        })
     }
-    let names: Vec<&str> = trainable
-        .iter()
-        .map(|&i| program.inputs[i].name.as_str())
-        .collect();
-    let params = |inputs: &[Tensor]| -> Result<Vec<f32>> {
+
+    /// The parameters' names.
+    fn names(&self) -> String {
+        let inputs = &self.plan.program().inputs;
+        let names: Vec<&str> = self
+            .trainable
+            .iter()
+            .map(|&i| inputs[i].name.as_str())
+            .collect();
+        names.join(", ")
+    }
+
+    /// The parameters as shown, and the hash of all of them (equal on every rank).
+    fn shown(&self, inputs: &[Tensor]) -> Result<Vec<Named>> {
+        let program = self.plan.program();
+        let mut v = Vec::with_capacity(self.trainable.len() + 1);
         let mut all = Vec::new();
-        for &i in &trainable {
-            all.extend(inputs[i].try_to_vec()?);
-        }
-        Ok(all)
-    };
-    let shown = |inputs: &[Tensor]| -> Result<Vec<Named>> {
-        let mut v = Vec::with_capacity(trainable.len() + 1);
-        for &i in &trainable {
+        for &i in &self.trainable {
             v.push(Named::tensors(
                 &program.inputs[i].name,
                 vec![TensorJson::from_tensor(&inputs[i])?],
             ));
+            all.extend(inputs[i].try_to_vec()?);
         }
-        v.push(Named::text(
-            "replica hash",
-            crate::train::param_hash(&params(inputs)?),
-        ));
+        v.push(Named::text("replica hash", crate::train::param_hash(&all)));
         Ok(v)
-    };
-    let data: Vec<&str> = program
-        .inputs
-        .iter()
-        .filter(|i| !i.grad)
-        .map(|i| i.name.as_str())
-        .collect();
-    let mut out = vec![step(
-        format!(
-            "rank {me}: parameters {} (the same on every rank){}",
-            names.join(", "),
-            if data.is_empty() {
-                String::new()
-            } else {
-                format!("; its own data {}", data.join(", "))
-            }
-        ),
-        Phase::Input,
-        Vec::new(),
-        shown(&inputs)?,
-    )];
-    let all = arrows(Kind::AllReduce, n, 0, &[]);
-    let group = comm.world();
-    let device = comm.options().device.clone();
-    for k in 1..=steps {
-        let run = run_rank(comm, plan, Some(&inputs), true).await?;
+    }
+
+    /// The first step: the parameters, and which inputs are this rank's own data.
+    fn start(&self, me: usize, inputs: &[Tensor]) -> Result<RankStep> {
+        let data: Vec<&str> = self
+            .plan
+            .program()
+            .inputs
+            .iter()
+            .filter(|i| !i.grad)
+            .map(|i| i.name.as_str())
+            .collect();
+        let own = if data.is_empty() {
+            String::new()
+        } else {
+            format!("; its own data {}", data.join(", "))
+        };
+        Ok(step(
+            format!(
+                "rank {me}: parameters {} (the same on every rank){own}",
+                self.names()
+            ),
+            Phase::Input,
+            Vec::new(),
+            self.shown(inputs)?,
+        ))
+    }
+
+    /// Training step `k`: forward and backward on this rank's data, the parameters' gradients
+    /// averaged over the ranks in one bucket, every rank's `p -= lr · g`.
+    async fn step<T: Transport>(
+        &self,
+        comm: &P2p<T>,
+        k: usize,
+        inputs: &mut [Tensor],
+    ) -> Result<RankStep> {
+        let run = run_rank(comm, self.plan, Some(inputs), true).await?;
         let loss = run.loss.ok_or_else(|| {
-            lesson.error(format!(
-                "rank {me} has no loss `{}` to train on",
-                program.loss
+            self.lesson.error(format!(
+                "rank {} has no loss `{}` to train on",
+                comm.rank(),
+                self.plan.program().loss
             ))
         })?;
-        // One bucket: every parameter's gradient, averaged over the ranks at once.
         let mut g = Vec::new();
-        for &i in &trainable {
+        for &i in &self.trainable {
             match &run.grads[i] {
                 Some(x) => g.extend_from_slice(x),
                 None => g.extend(std::iter::repeat_n(0.0, inputs[i].numel())),
             }
         }
+        let (group, device) = (comm.world(), comm.options().device.clone());
         let len = g.len();
         let g = Tensor::from_vec(g, &[len])?.to_device(&device)?;
         let g = comm
@@ -112,18 +149,7 @@ pub(super) async fn run<T: Transport>(
         let local = Tensor::from_vec(vec![loss], &[1])?.to_device(&device)?;
         let group_loss = comm.all_reduce(&local, ReduceOp::Avg, &group).await?;
         comm.take_calls();
-        let mut at = 0;
-        for &i in &trainable {
-            let p = inputs[i].try_to_vec()?;
-            let shape = inputs[i].shape().to_vec();
-            let next: Vec<f32> = p
-                .iter()
-                .zip(&g[at..at + p.len()])
-                .map(|(w, d)| w - lr * d)
-                .collect();
-            at += p.len();
-            inputs[i] = Tensor::from_vec(next, &shape)?;
-        }
+        self.update(inputs, &g)?;
         let mut values = vec![
             Named::tensors(
                 "loss",
@@ -131,16 +157,32 @@ pub(super) async fn run<T: Transport>(
             ),
             Named::tensors("group loss", vec![read(&group_loss).await?]),
         ];
-        values.extend(shown(&inputs)?);
-        out.push(step(
+        values.extend(self.shown(inputs)?);
+        Ok(step(
             format!(
-                "step {k}: gradients on each rank's data, all_reduce(AVG) of them, {} -= {lr}·g",
-                names.join(", ")
+                "step {k}: gradients on each rank's data, all_reduce(AVG) of them, {} -= {}·g",
+                self.names(),
+                self.lr
             ),
             Phase::Train,
-            all.clone(),
+            arrows(Kind::AllReduce, comm.world_size(), 0, &[]),
             values,
-        ));
+        ))
     }
-    Ok(out)
+
+    /// `p -= lr · g` for every parameter, `g` their gradients one after the other.
+    fn update(&self, inputs: &mut [Tensor], g: &[f32]) -> Result<()> {
+        let mut at = 0;
+        for &i in &self.trainable {
+            let p = inputs[i].try_to_vec()?;
+            let next: Vec<f32> = p
+                .iter()
+                .zip(&g[at..at + p.len()])
+                .map(|(w, d)| w - self.lr * d)
+                .collect();
+            at += p.len();
+            inputs[i] = Tensor::from_vec(next, inputs[i].shape())?;
+        }
+        Ok(())
+    }
 }
