@@ -12,14 +12,19 @@ use crate::collective::Communicator;
 use crate::error::{Error, Result};
 use crate::transport::{Channel, Tag, Transport};
 
-use super::dom::{set_html, set_text, show_error, show_notice, sleep};
-use super::lessons::{render_lesson, run_lesson};
-use super::play::run_and_show;
-use super::programs::perform_program;
-use super::room_bench::{bench_room, show_bench};
-use super::{App, BUS_GROUP, Bus, PLAY_EVERY, state, view};
+use super::dom::{show_error, show_notice};
+use super::{App, BUS_GROUP, Bus};
 
-pub(super) fn start_bus(app: &Rc<App>) {
+/// Rank 0's look at a request before it announces it: the announcement every tab performs, or
+/// `None` where rank 0 handled it alone (the page's `dispatch::announce`).
+pub(super) type Announce = fn(&Rc<App>, Bus) -> Option<Bus>;
+
+/// What every tab does with an announcement (the page's `dispatch::perform`).
+pub(super) type Perform = for<'a> fn(&'a App, Bus) -> futures::future::LocalBoxFuture<'a, ()>;
+
+/// Start the bus on this tab: rank 0 takes every tab's requests in one order, passes each through
+/// `announce` and tells every rank; every rank hands what it is told to `perform`.
+pub(super) fn start_bus(app: &Rc<App>, announce: Announce, perform: Perform) {
     let (me, world) = match &app.comm {
         Some(c) => (c.rank(), c.world_size()),
         None => (0, app.world),
@@ -50,35 +55,8 @@ pub(super) fn start_bus(app: &Rc<App>) {
         use futures::StreamExt;
         let mut seq = 0;
         while let Some(msg) = rx.next().await {
-            // Controls become an absolute step, so every tab shows the same one.
-            let msg = match msg {
-                Bus::Step | Bus::Back | Bus::Reset => {
-                    let (step, len) =
-                        view(|v| (v.step, v.trace.as_ref().map_or(0, |t| t.steps.len())));
-                    if len == 0 {
-                        continue;
-                    }
-                    let k = match msg {
-                        Bus::Step => (step + 1).min(len - 1),
-                        Bus::Back => step.saturating_sub(1),
-                        _ => 0,
-                    };
-                    if matches!(msg, Bus::Reset) {
-                        view(|v| v.playing = false);
-                    }
-                    Bus::Goto { step: k }
-                }
-                Bus::Play => {
-                    start_playing(&a);
-                    continue;
-                }
-                Bus::Pause => {
-                    view(|v| v.playing = false);
-                    state(|s| s.playing = false);
-                    render_lesson();
-                    continue;
-                }
-                other => other,
+            let Some(msg) = announce(&a, msg) else {
+                continue;
             };
             if let Some(comm) = &a.comm {
                 let Ok(text) = serde_json::to_vec(&msg) else {
@@ -133,37 +111,6 @@ where
     });
 }
 
-/// Rank 0: step forward every [`PLAY_EVERY`] until the last step or a pause.
-fn start_playing(app: &Rc<App>) {
-    if view(|v| std::mem::replace(&mut v.playing, true)) {
-        return;
-    }
-    state(|s| s.playing = true);
-    render_lesson();
-    let a = app.clone();
-    spawn_local(async move {
-        loop {
-            sleep(PLAY_EVERY).await;
-            let (playing, step, len) = view(|v| {
-                (
-                    v.playing,
-                    v.step,
-                    v.trace.as_ref().map_or(0, |t| t.steps.len()),
-                )
-            });
-            if !playing || step + 1 >= len {
-                view(|v| v.playing = false);
-                state(|s| s.playing = false);
-                render_lesson();
-                return;
-            }
-            if request(&a, Bus::Step).await.is_err() {
-                return;
-            }
-        }
-    });
-}
-
 /// Send a request to rank 0 (or handle it here on rank 0 and in single-tab mode).
 pub(super) async fn request(app: &App, msg: Bus) -> Result<()> {
     let me = app.comm.as_ref().map_or(0, |c| c.rank());
@@ -191,40 +138,5 @@ pub(super) fn next_tag(counter: &RefCell<u64>, group: u32) -> Tag {
         group,
         seq,
         channel: Channel::Data,
-    }
-}
-
-/// What every rank does with an announcement.
-async fn perform(app: &App, msg: Bus) {
-    match msg {
-        Bus::Run { case } => run_and_show(app, &case).await,
-        Bus::Program { text, check } => perform_program(app, &text, check).await,
-        Bus::Bench {} => {
-            set_text("phase", "measuring the links and all_reduce on every tab");
-            set_html("bench-result", "<p>Measuring…</p>");
-            let _busy = app.busy.lock().await;
-            let run = state(|s| s.bench_runs) as u64;
-            match bench_room(app, run).await {
-                Ok(v) => {
-                    show_bench(&v);
-                    state(|s| {
-                        s.bench_runs += 1;
-                        s.bench_result = Some(v);
-                    });
-                    set_text("phase", "ready");
-                }
-                Err(e) => show_error(&format!("the room benchmark failed: {e}")),
-            }
-        }
-        Bus::Lesson { name } => {
-            if let Err(e) = run_lesson(app, &name).await {
-                show_error(&format!("lesson {name}: {e}"));
-            }
-        }
-        Bus::Goto { step } => {
-            view(|v| v.step = step);
-            render_lesson();
-        }
-        Bus::Step | Bus::Back | Bus::Reset | Bus::Play | Bus::Pause => {}
     }
 }

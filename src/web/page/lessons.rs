@@ -1,6 +1,8 @@
 //! The lesson view: the list, running a lesson on every tab, exchanging the traces, rendering the
 //! current step, editing a rank's input.
 
+use std::rc::Rc;
+
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use wasm_bindgen::JsCast;
@@ -16,8 +18,8 @@ use crate::vjp::TensorJson;
 
 use super::bus::{next_tag, request};
 use super::diagram::{diagram, loss_plot};
-use super::dom::{el, esc, now_ms, set_hidden, set_html, set_text, show_notice};
-use super::{App, Bus, TRACE_GROUP, app, state, view};
+use super::dom::{el, esc, now_ms, set_hidden, set_html, set_text, show_notice, sleep};
+use super::{App, Bus, PLAY_EVERY, TRACE_GROUP, app, state, view};
 
 pub(super) async fn fetch_text(path: &str) -> Result<String> {
     let w = web_sys::window().ok_or_else(|| Error::Input("no window".into()))?;
@@ -377,6 +379,37 @@ pub(super) fn control(msg: Bus) {
         };
         if let Err(e) = r {
             show_notice(&e.to_string());
+        }
+    });
+}
+
+/// Rank 0: step forward every [`PLAY_EVERY`] until the last step or a pause.
+pub(super) fn start_playing(app: &Rc<App>) {
+    if view(|v| std::mem::replace(&mut v.playing, true)) {
+        return;
+    }
+    state(|s| s.playing = true);
+    render_lesson();
+    let a = app.clone();
+    spawn_local(async move {
+        loop {
+            sleep(PLAY_EVERY).await;
+            let (playing, step, len) = view(|v| {
+                (
+                    v.playing,
+                    v.step,
+                    v.trace.as_ref().map_or(0, |t| t.steps.len()),
+                )
+            });
+            if !playing || step + 1 >= len {
+                view(|v| v.playing = false);
+                state(|s| s.playing = false);
+                render_lesson();
+                return;
+            }
+            if request(&a, Bus::Step).await.is_err() {
+                return;
+            }
         }
     });
 }

@@ -34,13 +34,15 @@
 //! One file per concern: the page's state, start and the types every part shares are here;
 //! `dom.rs` (DOM helpers), `params.rs` (URL parameters, share links), `ranks.rs` (network events,
 //! the ranks diagram), `bus.rs` (the control bus between tabs), `play.rs` (free play),
-//! `lessons.rs` (the lesson view), `programs.rs` (programs and the gradient check),
+//! `dispatch.rs` (what each bus message does in the views), `lessons.rs` (the lesson view),
+//! `programs.rs` (programs and the gradient check),
 //! `diagram.rs` (SVG drawings, the loss plot), `room_bench.rs`,
 //! `api.rs` (`window.distgrad` and the handlers).
 
 mod api;
 mod bus;
 mod diagram;
+mod dispatch;
 mod dom;
 mod lessons;
 mod params;
@@ -398,7 +400,7 @@ fn run_simulated_page(n: usize, device: Device) -> Result<()> {
 
 fn ready(app: Rc<App>, what: &str) {
     APP.with(|a| *a.borrow_mut() = Some(app.clone()));
-    start_bus(&app);
+    start_bus(&app, dispatch::announce, dispatch::perform);
     // A tab that goes away says goodbye on its links after its last data, so its peers know
     // they have everything (rather than racing the relay's notice).
     if let (Some(w), Some(_)) = (web_sys::window(), app.comm.as_ref()) {
