@@ -57,7 +57,8 @@
 //!   transport.
 //! - [`in_process`]: run N ranks in one process: as threads (`run_local`) or interleaved on one task
 //!   ([`in_process::run_interleaved`], also in a browser page), or as threads over a relay.
-//! - `web` (wasm32): the rank page, one file per concern under `web/page/` (state, DOM helpers,
+//! - [`web`]: the views' markup ([`web::markup`], plain Rust, tested natively) and (wasm32) the
+//!   rank page, one file per concern under `web/page/` (state, DOM helpers,
 //!   URL parameters, the tabs' control bus, ranks, free play, lessons, diagram, bench, test API).
 //! - [`program`]: THE one description of work — named inputs, local ops and collectives (each a
 //!   [`collective::Spec`]), a loss — in JSON, checked before they run ([`program::Plan`]), run on
@@ -120,7 +121,6 @@ pub mod tls;
 pub mod train;
 pub mod transport;
 pub mod vjp;
-#[cfg(target_arch = "wasm32")]
 pub mod web;
 pub mod wire;
 

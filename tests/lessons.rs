@@ -907,3 +907,34 @@ fn files_are_recognised_by_their_declared_format() {
         "the short form of kind \"collective\"",
     );
 }
+
+/// The lesson step view's markup, read natively (the page puts the same on screen): a row per
+/// rank with its values, this tab's marked, the dual that ran, and for training the replicas'
+/// hashes compared.
+#[test]
+fn the_step_view_shows_every_rank_and_what_ran() {
+    use distgrad::web::lesson_view::{step_note, step_table};
+    let t = simulate(&load("all_reduce_max"), 3);
+    let back = t
+        .steps
+        .iter()
+        .find(|s| s.phase == Phase::Backward)
+        .expect("a backward step");
+    let table = step_table(back, Some(1)).into_string();
+    // all_reduce(MAX) of [r+1, 2(3-r)]: the maxima are on rank 2 (element 0) and rank 0
+    // (element 1); each gets the summed cotangent [1+1+1, 1+2+3].
+    for row in [
+        r#"<tr><th scope="row">0</th><td><code>[0, 6]</code></td></tr>"#,
+        r#"<tr class="me"><th scope="row">1 (you)</th><td><code>[0, 0]</code></td></tr>"#,
+        r#"<tr><th scope="row">2</th><td><code>[3, 0]</code></td></tr>"#,
+    ] {
+        assert!(table.contains(row), "{row} not in {table}");
+    }
+    assert_eq!(
+        step_note(back, false).into_string(),
+        "backward ran: <strong>all_reduce(op=sum)</strong>"
+    );
+    let t = simulate(&load("data_parallel"), 2);
+    let note = step_note(t.steps.last().expect("a step"), true).into_string();
+    assert!(note.contains("all replicas identical ✓"), "{note}");
+}

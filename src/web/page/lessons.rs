@@ -11,10 +11,11 @@ use web_sys::{HtmlElement, HtmlInputElement, HtmlSelectElement};
 
 use crate::collective::{Communicator, P2p};
 use crate::error::{Error, Result};
-use crate::lesson::{self, Lesson, Phase};
+use crate::lesson;
 use crate::transport::Transport;
 use crate::transport::browser::BrowserTransport;
 use crate::vjp::TensorJson;
+use crate::web::lesson_view::{step_note, step_table};
 
 use super::bus::{next_tag, request};
 use super::diagram::{diagram, loss_plot};
@@ -180,8 +181,8 @@ pub(super) fn render_lesson() {
         };
         let k = v.step.min(trace.steps.len().saturating_sub(1));
         let st = trace.steps.get(k)?;
-        let table = step_table(st, me);
-        let note = step_note(st, lesson);
+        let table = step_table(st, me).into_string();
+        let note = step_note(st, lesson.trains()).into_string();
         let plot = lesson.trains().then(|| loss_plot(trace, k));
         Some((
             format!("{} ", esc(&trace.title)),
@@ -234,67 +235,6 @@ pub(super) fn render_lesson() {
         }
     }
     set_text("play", if playing { "Pause" } else { "Play" });
-}
-
-/// The step's values: a row per rank (this tab's marked), a column per value.
-fn step_table(st: &lesson::Step, me: Option<usize>) -> String {
-    let mut table = String::from("<table class=\"values\"><thead><tr><th scope=\"col\">rank</th>");
-    let names: Vec<String> = st
-        .ranks
-        .first()
-        .map(|vals| vals.iter().map(|n| n.name.clone()).collect())
-        .unwrap_or_default();
-    for n in &names {
-        table.push_str(&format!("<th scope=\"col\">{}</th>", esc(n)));
-    }
-    table.push_str("</tr></thead><tbody>");
-    for (r, vals) in st.ranks.iter().enumerate() {
-        table.push_str(&format!(
-            "<tr{}><th scope=\"row\">{r}{}</th>",
-            if me == Some(r) { " class=\"me\"" } else { "" },
-            if me == Some(r) { " (you)" } else { "" }
-        ));
-        for n in vals {
-            table.push_str(&format!("<td><code>{}</code></td>", esc(&n.show())));
-        }
-        table.push_str("</tr>");
-    }
-    table.push_str("</tbody></table>");
-    table
-}
-
-/// What ran at this step, and for a lesson that trains whether every replica is the same.
-fn step_note(st: &lesson::Step, lesson: &Lesson) -> String {
-    let mut note = String::new();
-    if let Some(c) = &st.collective {
-        let what = match st.phase {
-            Phase::Backward => "backward ran",
-            _ => "forward ran",
-        };
-        note = format!("{what}: <strong>{}</strong>", esc(c));
-    }
-    if lesson.trains() {
-        let hashes: Vec<String> = st
-            .ranks
-            .iter()
-            .filter_map(|vals| {
-                vals.iter()
-                    .find(|n| n.name == "replica hash")
-                    .and_then(|n| n.text.clone())
-            })
-            .collect();
-        let same = hashes.windows(2).all(|w| w[0] == w[1]);
-        note.push_str(&format!(
-            " replica hashes: {} — {}",
-            esc(&hashes.join(", ")),
-            if same {
-                "all replicas identical ✓"
-            } else {
-                "REPLICAS DIFFER ✗"
-            }
-        ));
-    }
-    note
 }
 
 /// "1, 6 | 2, 4": tensors separated by `|`, shaped like the lesson's inputs on `rank`.
