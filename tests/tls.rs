@@ -199,7 +199,7 @@ fn ice_servers_reach_the_members_and_bad_lists_are_refused() {
             ice_servers: Some(bad.clone()),
             ..RelayConfig::default()
         };
-        let e = cfg.check().unwrap_err();
+        let e = cfg.check().unwrap_err().to_string();
         assert!(e.contains(why), "{bad}: {e}");
     }
 }

@@ -48,10 +48,10 @@ use crate::wire::{
     MIN_FRAME_PAYLOAD, secret_eq,
 };
 
-mod refusal;
+mod errors;
 mod stream;
 
-pub use refusal::Refusal;
+pub use errors::{ConfigError, Refusal};
 use stream::StreamOut;
 
 /// Limits and options of a relay.
@@ -111,46 +111,46 @@ pub struct RelayConfig {
 
 impl RelayConfig {
     /// Whether these limits can work; otherwise what is wrong (every join or frame would fail).
-    pub fn check(&self) -> std::result::Result<(), String> {
+    pub fn check(&self) -> std::result::Result<(), ConfigError> {
         if !(MIN_FRAME_PAYLOAD..=MAX_FRAME_PAYLOAD).contains(&self.max_frame) {
-            return Err(format!(
-                "max_frame {} is outside {MIN_FRAME_PAYLOAD}..={MAX_FRAME_PAYLOAD} bytes",
-                self.max_frame
-            ));
+            return Err(ConfigError::MaxFrame {
+                max_frame: self.max_frame,
+                min: MIN_FRAME_PAYLOAD,
+                max: MAX_FRAME_PAYLOAD,
+            });
         }
         if self.max_members == 0 || self.max_rooms == 0 {
-            return Err(format!(
-                "max_members ({}) and max_rooms ({}) must be at least 1",
-                self.max_members, self.max_rooms
-            ));
+            return Err(ConfigError::Capacity {
+                members: self.max_members,
+                rooms: self.max_rooms,
+            });
         }
         if self.max_pending_bytes < self.max_frame + HEADER_LEN {
-            return Err(format!(
-                "max_pending_bytes {} cannot hold one frame of max_frame {} plus its {HEADER_LEN}-byte header",
-                self.max_pending_bytes, self.max_frame
-            ));
+            return Err(ConfigError::Pending {
+                pending: self.max_pending_bytes,
+                max_frame: self.max_frame,
+                header: HEADER_LEN,
+            });
         }
         if self.idle_timeout.is_zero()
             || self.join_timeout.is_zero()
             || self.room_fill_timeout.is_zero()
         {
-            return Err(
-                "idle_timeout, join_timeout and room_fill_timeout must be above zero".into(),
-            );
+            return Err(ConfigError::ZeroTimeout);
         }
         if self.max_conns_per_addr == 0 || self.max_waiting_rooms_per_addr == 0 {
-            return Err(format!(
-                "max_conns_per_addr ({}) and max_waiting_rooms_per_addr ({}) must be at least 1",
-                self.max_conns_per_addr, self.max_waiting_rooms_per_addr
-            ));
+            return Err(ConfigError::PerAddress {
+                conns: self.max_conns_per_addr,
+                rooms: self.max_waiting_rooms_per_addr,
+            });
         }
         if let Some(ice) = &self.ice_servers {
-            check_ice_servers(ice)?;
+            check_ice_servers(ice).map_err(ConfigError::IceServers)?;
         }
         if let Some(d) = &self.static_dir
             && !d.is_dir()
         {
-            return Err(format!("static_dir {} is not a folder", d.display()));
+            return Err(ConfigError::StaticDir(d.clone()));
         }
         Ok(())
     }

@@ -314,7 +314,7 @@ impl Shared {
     fn on_control(&self, text: &str) {
         let event = self.session.borrow_mut().on_text(text);
         match event {
-            Err(why) => self.fail(&why),
+            Err(why) => self.fail(&why.to_string()),
             Ok(Event::Welcome(w)) => {
                 self.rank.set(Some(w.rank as usize));
                 *self.ice_servers.borrow_mut() = w.ice_servers.as_ref().map(|v| v.to_string());

@@ -98,6 +98,30 @@ pub enum Event {
     },
 }
 
+/// Why a session with the relay ended (its message is the reason every pending receive fails
+/// with).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SessionEnd {
+    /// The relay sent text that is not a control message.
+    #[error("malformed control message from relay: {0}")]
+    Malformed(String),
+    /// The room was announced ready before this member was welcomed.
+    #[error("ready before welcome")]
+    ReadyBeforeWelcome,
+    /// The relay refused the join (its reason).
+    #[error("relay refused: {0}")]
+    Refused(String),
+    /// The relay failed the member once the room ran (its reason).
+    #[error("relay error: {0}")]
+    Failed(String),
+    /// A message the relay does not send at this point.
+    #[error("unexpected control message {0}")]
+    Unexpected(String),
+    /// A message after the session ended.
+    #[error("the session with the relay is over")]
+    Over,
+}
+
 /// Where a session is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -142,16 +166,16 @@ impl Session {
     }
 
     /// What the relay's control message `text` means; `Err`: the session is over, and why.
-    pub fn on_text(&mut self, text: &str) -> Result<Event, String> {
+    pub fn on_text(&mut self, text: &str) -> Result<Event, SessionEnd> {
         let msg = serde_json::from_str::<Control>(text)
-            .map_err(|e| self.end(format!("malformed control message from relay: {e}")))?;
+            .map_err(|e| self.end(SessionEnd::Malformed(e.to_string())))?;
         self.on_control(msg)
     }
 
     /// [`Session::on_text`] of a parsed message.
-    pub fn on_control(&mut self, msg: Control) -> Result<Event, String> {
+    pub fn on_control(&mut self, msg: Control) -> Result<Event, SessionEnd> {
         if self.phase == Phase::Ended {
-            return Err("the session with the relay is over".into());
+            return Err(SessionEnd::Over);
         }
         let joining = self.phase == Phase::Joining;
         match msg {
@@ -179,7 +203,7 @@ impl Session {
             }
             Control::Members { members } => Ok(Event::Members(members)),
             Control::Ready { .. } if self.welcome.is_none() => {
-                Err(self.end("ready before welcome".into()))
+                Err(self.end(SessionEnd::ReadyBeforeWelcome))
             }
             Control::Ready { members, link_keys } if joining => {
                 self.phase = Phase::Ready;
@@ -195,15 +219,13 @@ impl Session {
                 data,
                 ..
             } => Ok(Event::Signal { from, data }),
-            Control::Error { message } if joining => {
-                Err(self.end(format!("relay refused: {message}")))
-            }
-            Control::Error { message } => Err(self.end(format!("relay error: {message}"))),
-            other => Err(self.end(format!("unexpected control message {other:?}"))),
+            Control::Error { message } if joining => Err(self.end(SessionEnd::Refused(message))),
+            Control::Error { message } => Err(self.end(SessionEnd::Failed(message))),
+            other => Err(self.end(SessionEnd::Unexpected(format!("{other:?}")))),
         }
     }
 
-    fn end(&mut self, reason: String) -> String {
+    fn end(&mut self, reason: SessionEnd) -> SessionEnd {
         self.phase = Phase::Ended;
         reason
     }
@@ -381,9 +403,15 @@ mod tests {
             })
         );
         // A second welcome or ready is not the protocol.
-        assert!(s.on_text(&welcome(1)).unwrap_err().contains("unexpected"));
+        assert!(matches!(
+            s.on_text(&welcome(1)),
+            Err(SessionEnd::Unexpected(_))
+        ));
         // Once over, it stays over.
-        assert!(s.on_text(r#"{"type": "members", "members": []}"#).is_err());
+        assert_eq!(
+            s.on_text(r#"{"type": "members", "members": []}"#),
+            Err(SessionEnd::Over)
+        );
     }
 
     #[test]
@@ -391,12 +419,12 @@ mod tests {
         let mut s = session();
         assert_eq!(
             s.on_text(r#"{"type": "ready", "members": [0]}"#),
-            Err("ready before welcome".into())
+            Err(SessionEnd::ReadyBeforeWelcome)
         );
         let mut s = session();
         assert_eq!(
             s.on_text(r#"{"type": "error", "message": "wrong token for room \"r\""}"#),
-            Err("relay refused: wrong token for room \"r\"".into())
+            Err(SessionEnd::Refused("wrong token for room \"r\"".into()))
         );
         let mut s = session();
         s.on_text(&welcome(0)).unwrap();
@@ -404,18 +432,20 @@ mod tests {
             .unwrap();
         assert_eq!(
             s.on_text(r#"{"type": "error", "message": "idle"}"#),
-            Err("relay error: idle".into())
+            Err(SessionEnd::Failed("idle".into()))
         );
         let mut s = session();
         assert!(
             s.on_text("{not json")
                 .unwrap_err()
+                .to_string()
                 .starts_with("malformed control message from relay")
         );
         let mut s = session();
         assert!(
             s.on_text(r#"{"type": "join", "room": "r", "world": 3}"#)
                 .unwrap_err()
+                .to_string()
                 .contains("unexpected control message")
         );
         let e = session().fill_timeout(Duration::from_secs(2)).to_string();

@@ -253,7 +253,7 @@ async fn handshake(
     while let Some(msg) = stream.next().await {
         let msg = msg.map_err(|e| relay_err(format!("while joining: {e}")))?;
         let Message::Text(t) = msg else { continue };
-        match session.on_text(&t).map_err(relay_err)? {
+        match session.on_text(&t).map_err(|e| relay_err(e.to_string()))? {
             Event::Welcome(w) => {
                 if let Some(OnWelcome(f)) = &opts.on_welcome {
                     f(w.rank, &w.token, &w.members);
@@ -362,7 +362,7 @@ impl Reader {
     }
 
     fn control(&mut self, text: &str) -> std::result::Result<(), String> {
-        match self.session.on_text(text)? {
+        match self.session.on_text(text).map_err(|e| e.to_string())? {
             Event::PeerLeft { rank, reason } => peer_left(&self.mb, &self.linked, rank, &reason),
             Event::PeerAborted { from, reason } => {
                 session::peer_aborted(&self.mb, self.rank, self.world, from, reason)

@@ -1,6 +1,7 @@
-//! [`Refusal`]: why the relay turns a connection or a join away, with what it checked (the
-//! room, the world, the rank, the address and its count). Its message is what the client is
-//! told (a JSON `error`, then the close reason).
+//! The relay's errors: [`Refusal`], why it turns a connection or a join away, with what it
+//! checked (the room, the world, the rank, the address and its count; its message is what the
+//! client is told: a JSON `error`, then the close reason), and [`ConfigError`], why a
+//! [`super::RelayConfig`] cannot work.
 
 use std::net::IpAddr;
 use std::time::Duration;
@@ -118,4 +119,58 @@ pub enum Refusal {
         /// The room.
         room: String,
     },
+}
+
+/// Why a relay's configuration cannot work (every join or frame would fail).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    /// The frame limit is outside what the protocol allows.
+    #[error("max_frame {max_frame} is outside {min}..={max} bytes")]
+    MaxFrame {
+        /// The limit given.
+        max_frame: usize,
+        /// The protocol's smallest.
+        min: usize,
+        /// The protocol's largest.
+        max: usize,
+    },
+    /// No member or no room would fit.
+    #[error("max_members ({members}) and max_rooms ({rooms}) must be at least 1")]
+    Capacity {
+        /// `max_members`.
+        members: u32,
+        /// `max_rooms`.
+        rooms: usize,
+    },
+    /// A member's queue could not hold one frame.
+    #[error(
+        "max_pending_bytes {pending} cannot hold one frame of max_frame {max_frame} plus its {header}-byte header"
+    )]
+    Pending {
+        /// `max_pending_bytes`.
+        pending: usize,
+        /// `max_frame`.
+        max_frame: usize,
+        /// The frame header's length.
+        header: usize,
+    },
+    /// A timeout of zero.
+    #[error("idle_timeout, join_timeout and room_fill_timeout must be above zero")]
+    ZeroTimeout,
+    /// No connection or no waiting room per address would be allowed.
+    #[error(
+        "max_conns_per_addr ({conns}) and max_waiting_rooms_per_addr ({rooms}) must be at least 1"
+    )]
+    PerAddress {
+        /// `max_conns_per_addr`.
+        conns: usize,
+        /// `max_waiting_rooms_per_addr`.
+        rooms: usize,
+    },
+    /// The ICE servers are not a WebRTC `iceServers` array.
+    #[error("{0}")]
+    IceServers(String),
+    /// The folder of static files does not exist.
+    #[error("static_dir {0} is not a folder")]
+    StaticDir(std::path::PathBuf),
 }
