@@ -211,6 +211,15 @@ pub enum ProgramError {
         /// The name as written.
         name: String,
     },
+    /// A value, or all of a program's values or arithmetic together, beyond the program's caps
+    /// (`program::MAX_NUMEL`, `MAX_ELEMENTS`, `MAX_ARITHMETIC`).
+    #[error("{what}: {detail}")]
+    TooLarge {
+        /// Where: the input, or the step as written with the rank and the value.
+        what: String,
+        /// Which cap, with its size.
+        detail: String,
+    },
     /// Two inputs of one name.
     #[error("input {name:?} is declared twice")]
     DuplicateInput {

@@ -136,6 +136,23 @@ pub use in_process::LocalComm;
 pub use in_process::run_local;
 pub use tensor::Tensor;
 
+/// Read `data` as a program or lesson file and check what it runs at worlds 1 to 4, as a tab does
+/// with what a member of its room sends: nothing may panic, and checking makes no inputs. The
+/// fuzz target `programs` calls this.
+pub fn fuzz_programs(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let Ok(work) = lesson::Work::parse(text) else {
+        return;
+    };
+    for world in 1..=4 {
+        if let Ok(p) = work.program_for(world) {
+            let _ = p.plan(Some(world));
+        }
+    }
+}
+
 /// Feed `data` to every decoder of bytes that arrive from the network: the wire's (frame header,
 /// control JSON, stream hello) and the collectives' (call signature, whole-tensor message). The
 /// fuzz target calls this; none of them may panic.

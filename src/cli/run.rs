@@ -150,7 +150,7 @@ pub fn print_runs(
                     || "-".to_string(),
                     |g| {
                         distgrad::vjp::fmt_t(&distgrad::vjp::TensorJson {
-                            shape: plan.inputs(r)[i].shape().to_vec(),
+                            shape: plan.shape(r, names[i]).unwrap_or_default().to_vec(),
                             data: g.iter().map(|&x| (!x.is_nan()).then_some(x)).collect(),
                         })
                     },

@@ -42,17 +42,12 @@ impl<'a> Trainer<'a> {
         if trainable.is_empty() {
             return Err(lesson.error("training needs an input with gradient (a parameter)".into()));
         }
-        for &i in &trainable {
-            let first = plan.inputs(0)[i].try_to_vec()?;
-            for r in 0..plan.world() {
-                if !plan.holds(r, i) || plan.inputs(r)[i].try_to_vec()? != first {
-                    return Err(lesson.error(format!(
-                        "parameter {:?} must start equal on every rank (give it a \"value\" or \
-                         make it \"replicated\"; data without gradient may differ per rank)",
-                        inputs[i].name
-                    )));
-                }
-            }
+        if let Some(&i) = trainable.iter().find(|&&i| !plan.same_on_every_rank(i)) {
+            return Err(lesson.error(format!(
+                "parameter {:?} must start equal on every rank (give it a \"value\" or make it \
+                 \"replicated\"; data without gradient may differ per rank)",
+                inputs[i].name
+            )));
         }
         Ok(Trainer {
             lesson,

@@ -10,9 +10,11 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use super::inputs::{input_values, ranks_of};
+use super::inputs::{InputPlan, ranks_of};
 use super::shapes::{collective_shapes, group_specs, lists_outputs, local_shape};
-use super::{Input, LocalOp, MAX_WORLD, Program, Step, StepKind};
+use super::{
+    Input, LocalOp, MAX_ARITHMETIC, MAX_ELEMENTS, MAX_NUMEL, MAX_WORLD, Program, Step, StepKind,
+};
 use crate::collective::{Kind, Spec};
 use crate::error::{Error, ProgramError, Result};
 use crate::tensor::Tensor;
@@ -25,10 +27,10 @@ pub struct Plan {
     /// Distinct groups (global ranks), in order of first use; every rank creates them in this order.
     pub(super) groups: Vec<Vec<usize>>,
     pub(super) steps: Vec<Planned>,
-    /// Per rank, per input (an empty placeholder where the rank does not hold it).
-    pub(super) inputs: Vec<Vec<Tensor>>,
-    /// Per rank, per input: whether the rank holds it.
-    pub(super) held: Vec<Vec<bool>>,
+    /// Per input: who holds it, with which shape, and how its values are made.
+    pub(super) inputs: Vec<InputPlan>,
+    /// Per rank, its inputs once that rank asked for them ([`Plan::inputs`]).
+    pub(super) built: Vec<std::sync::OnceLock<Vec<Tensor>>>,
     /// Per rank, the shape of every value it binds.
     pub(super) shapes: Vec<HashMap<String, Vec<usize>>>,
 }
@@ -66,18 +68,33 @@ impl Plan {
     }
 
     /// The inputs of global rank `rank`, in the program's order (an empty tensor of shape `[0]`
-    /// for an input the rank does not hold: [`Plan::holds`]).
+    /// for an input the rank does not hold: [`Plan::holds`]). Made when a rank first asks: a tab
+    /// makes its own rank's inputs, not every rank's.
     pub fn inputs(&self, rank: usize) -> &[Tensor] {
-        self.inputs.get(rank).map_or(&[], Vec::as_slice)
+        let Some(built) = self.built.get(rank) else {
+            return &[];
+        };
+        built.get_or_init(|| {
+            self.inputs
+                .iter()
+                .map(|i| i.tensor(rank).unwrap_or_else(|| Tensor::vector(&[])))
+                .collect()
+        })
     }
 
     /// Whether global rank `rank` holds input `input` (the index in the program's order).
     pub fn holds(&self, rank: usize, input: usize) -> bool {
-        self.held
-            .get(rank)
-            .and_then(|h| h.get(input))
-            .copied()
-            .unwrap_or(false)
+        self.inputs
+            .get(input)
+            .is_some_and(|i| i.holder(rank).is_some())
+    }
+
+    /// Whether input `input` is held by every rank with the same values everywhere (a parameter
+    /// that data-parallel training keeps equal on every rank).
+    pub fn same_on_every_rank(&self, input: usize) -> bool {
+        self.inputs
+            .get(input)
+            .is_some_and(|i| i.same_everywhere(self.world))
     }
 
     /// Names of the inputs.
@@ -244,8 +261,11 @@ struct Checker<'p> {
     steps: Vec<Planned>,
     sent: Messages,
     received: Messages,
-    inputs: Vec<Vec<Tensor>>,
-    held: Vec<Vec<bool>>,
+    inputs: Vec<InputPlan>,
+    /// Elements of every value bound so far, all ranks together ([`MAX_ELEMENTS`]).
+    elements: usize,
+    /// Arithmetic of the local steps so far, all ranks together ([`MAX_ARITHMETIC`]).
+    arithmetic: u64,
 }
 
 /// The group rank of global rank `g` in `members` (a member).
@@ -266,8 +286,9 @@ impl<'p> Checker<'p> {
             steps: Vec::with_capacity(program.steps.len()),
             sent: BTreeMap::new(),
             received: BTreeMap::new(),
-            inputs: vec![Vec::new(); world],
-            held: vec![Vec::new(); world],
+            inputs: Vec::with_capacity(program.inputs.len()),
+            elements: 0,
+            arithmetic: 0,
         }
     }
 
@@ -281,24 +302,46 @@ impl<'p> Checker<'p> {
             .into());
         }
         self.origin.insert(inp.name.clone(), "an input".into());
+        let plan = InputPlan::check(i, inp, self.world)?;
         let all: Vec<usize> = (0..self.world).collect();
-        for (r, t) in input_values(i, inp, self.world)?.into_iter().enumerate() {
-            let Some(t) = t else {
-                // Not held here: a placeholder keeps the per-rank lists aligned.
-                self.inputs[r].push(Tensor::from_vec(Vec::new(), &[0])?);
-                self.held[r].push(false);
-                continue;
-            };
+        for &r in plan.holders() {
+            let shape = plan.shape(r).unwrap_or_default().to_vec();
+            self.count_elements(&shape, || format!("input {:?}", inp.name))?;
             let state = &mut self.ranks[r];
-            state.shapes.insert(inp.name.clone(), t.shape().to_vec());
+            state.shapes.insert(inp.name.clone(), shape);
             if self.replicated && inp.replicated {
                 state.invariant.insert(inp.name.clone(), all.clone());
             }
             if !inp.grad {
                 state.constant.insert(inp.name.clone());
             }
-            self.inputs[r].push(t);
-            self.held[r].push(true);
+        }
+        self.inputs.push(plan);
+        Ok(())
+    }
+
+    /// Count a value of `shape` against the program's element budget ([`MAX_ELEMENTS`], all
+    /// ranks together; one value at most [`MAX_NUMEL`]); `what` names it for the message.
+    fn count_elements(&mut self, shape: &[usize], what: impl Fn() -> String) -> Result<()> {
+        let n = crate::tensor::checked_numel(shape).filter(|&n| n <= MAX_NUMEL);
+        let Some(n) = n else {
+            return Err(ProgramError::TooLarge {
+                what: what(),
+                detail: format!("shape {shape:?} has more than {MAX_NUMEL} elements"),
+            }
+            .into());
+        };
+        self.elements = self.elements.saturating_add(n);
+        if self.elements > MAX_ELEMENTS {
+            return Err(ProgramError::TooLarge {
+                what: what(),
+                detail: format!(
+                    "the program's values come to more than {MAX_ELEMENTS} elements ({} MiB of \
+                     f32) on all ranks together",
+                    MAX_ELEMENTS >> 18
+                ),
+            }
+            .into());
         }
         Ok(())
     }
@@ -334,6 +377,13 @@ impl<'p> Checker<'p> {
 
     /// Bind `name` on rank `r` (once per rank; different ranks may bind it in different steps).
     fn bind(&mut self, at: At, r: usize, name: String, shape: Vec<usize>) -> Result<()> {
+        self.count_elements(&shape, || {
+            format!(
+                "{} ({}): `{name}` on rank {r}",
+                at.origin,
+                at.step.describe()
+            )
+        })?;
         if self.ranks[r].shapes.contains_key(&name) {
             let o = self.origin.get(&name).map_or("an input", String::as_str);
             return Err(at.err(format!("`{name}` is already defined on this rank ({o})")));
@@ -391,7 +441,9 @@ impl<'p> Checker<'p> {
                 .collect::<Result<Vec<_>>>()?;
             let refs: Vec<&Vec<usize>> = shapes.iter().collect();
             let shape = local_shape(op, &refs).map_err(|d| at.err(format!("rank {r}: {d}")))?;
+            let cost_of = shape.clone();
             self.bind(at, r, out.clone(), shape)?;
+            self.count_arithmetic(at, r, op, &refs, &cost_of)?;
             let state = &mut self.ranks[r];
             if s.inputs.iter().all(|n| state.constant.contains(n)) {
                 state.constant.insert(out.clone());
@@ -406,6 +458,43 @@ impl<'p> Checker<'p> {
             inputs: s.inputs.clone(),
             out: s.out.clone(),
         });
+        Ok(())
+    }
+
+    /// Count a local op's arithmetic on rank `r` against the program's budget
+    /// ([`MAX_ARITHMETIC`], all ranks together): a matmul `m·k·n` multiply-adds, any other op one
+    /// per element it reads or writes.
+    fn count_arithmetic(
+        &mut self,
+        at: At,
+        r: usize,
+        op: &LocalOp,
+        ins: &[&Vec<usize>],
+        out: &[usize],
+    ) -> Result<()> {
+        let numel = |s: &[usize]| s.iter().fold(1u64, |a, &d| a.saturating_mul(d as u64));
+        let cost = match (op, ins) {
+            (LocalOp::Matmul {}, [a, b]) if a.len() == 2 && b.len() == 2 => {
+                numel(&[a[0], a[1], b[1]])
+            }
+            _ => ins
+                .iter()
+                .map(|s| numel(s))
+                .chain([numel(out)])
+                .fold(0u64, u64::saturating_add),
+        };
+        self.arithmetic = self.arithmetic.saturating_add(cost);
+        if self.arithmetic > MAX_ARITHMETIC {
+            return Err(ProgramError::TooLarge {
+                what: format!("{} ({}) on rank {r}", at.origin, at.step.describe()),
+                detail: format!(
+                    "the program's local steps come to more than {MAX_ARITHMETIC} operations \
+                     (about 2^{}) on all ranks together",
+                    MAX_ARITHMETIC.ilog2()
+                ),
+            }
+            .into());
+        }
         Ok(())
     }
 
@@ -746,8 +835,10 @@ impl<'p> Checker<'p> {
             world: self.world,
             groups: self.groups,
             steps: self.steps,
+            built: (0..self.world)
+                .map(|_| std::sync::OnceLock::new())
+                .collect(),
             inputs: self.inputs,
-            held: self.held,
             shapes: self.ranks.into_iter().map(|s| s.shapes).collect(),
         }
     }

@@ -1,63 +1,220 @@
-//! A program's inputs made into each rank's tensors: who holds an input (`"ranks"`), with which
-//! shape (`"shape"` / `"shapes"`), and its values (`"values"` per rank, one `"value"` plus
-//! `r · "per_rank"`, or generated from `"seed"` in `"range"`), every field checked against the
-//! others first.
+//! A program's inputs: who holds an input (`"ranks"`), with which shape (`"shape"` /
+//! `"shapes"`), and its values (`"values"` per rank, one `"value"` plus `r · "per_rank"`, or
+//! generated from `"seed"` in `"range"`), every field checked against the others when the program
+//! is checked ([`InputPlan::check`]); a rank's tensors are made only when that rank asks
+//! ([`InputPlan::tensor`]), so a tab builds its own inputs, not every rank's.
 
 use super::{Input, MAX_NUMEL};
-use crate::error::{ProgramError, Result};
+use crate::error::{Error, ProgramError, Result};
 use crate::tensor::Tensor;
 
-/// Each rank's value of input `index` of a program for `world` ranks (`None` on ranks that do
-/// not hold it).
-pub(super) fn input_values(index: usize, inp: &Input, world: usize) -> Result<Vec<Option<Tensor>>> {
-    let fail = |detail: String| -> crate::error::Error {
+/// One input, checked: who holds it, with which shape, and how its values are made.
+#[derive(Debug, Clone)]
+pub(super) struct InputPlan {
+    /// The global ranks that hold it, in the order of its per-rank lists.
+    holders: Vec<usize>,
+    /// The shape on each holder.
+    shapes: Vec<Vec<usize>>,
+    values: Values,
+}
+
+/// Where an input's values come from.
+#[derive(Debug, Clone)]
+enum Values {
+    /// `"values"`: one list per holder.
+    PerRank(Vec<Vec<f32>>),
+    /// `"value"` on every holder, plus `r · per_rank` on rank `r`.
+    Shared {
+        value: Vec<f32>,
+        per_rank: Option<Vec<f32>>,
+    },
+    /// Generated from a seed in a range, per rank or the same everywhere.
+    Generated {
+        seed: u64,
+        range: (f32, f32),
+        replicated: bool,
+    },
+}
+
+impl InputPlan {
+    /// Check input `index` of a program for `world` ranks (see the module docs).
+    pub(super) fn check(index: usize, inp: &Input, world: usize) -> Result<InputPlan> {
+        let fail = |detail: String| -> Error {
+            ProgramError::Input {
+                name: inp.name.clone(),
+                rank: None,
+                detail,
+            }
+            .into()
+        };
+        let holders = holders(inp, world).map_err(fail)?;
+        let shapes = shapes(inp, holders.len()).map_err(fail)?;
+        if inp.replicated && (inp.ranks.is_some() || inp.shapes.is_some()) {
+            return Err(fail(
+                "a replicated input is the same on every rank; it takes neither \"ranks\" nor \"shapes\""
+                    .into(),
+            ));
+        }
+        for shape in &shapes {
+            if crate::tensor::checked_numel(shape).is_none_or(|n| n > MAX_NUMEL) {
+                return Err(fail(format!(
+                    "shape {shape:?} has more than {MAX_NUMEL} elements"
+                )));
+            }
+        }
+        check_fields(inp).map_err(fail)?;
+        let plan = InputPlan {
+            holders,
+            shapes,
+            values: Values::Generated {
+                seed: 0,
+                range: (0.0, 0.0),
+                replicated: false,
+            },
+        };
+        let values = if let Some(vs) = &inp.values {
+            plan.check_per_rank(inp, vs, world)?
+        } else if let Some(v) = &inp.value {
+            plan.check_shared(inp, v)?
+        } else {
+            generated_values(inp, index).map_err(fail)?
+        };
+        Ok(InputPlan { values, ..plan })
+    }
+
+    /// Which holder `rank` is (its place in the per-rank lists), if it holds the input.
+    pub(super) fn holder(&self, rank: usize) -> Option<usize> {
+        self.holders.iter().position(|&r| r == rank)
+    }
+
+    /// The global ranks that hold it.
+    pub(super) fn holders(&self) -> &[usize] {
+        &self.holders
+    }
+
+    /// Its shape on `rank`, if `rank` holds it.
+    pub(super) fn shape(&self, rank: usize) -> Option<&[usize]> {
+        self.holder(rank).map(|k| self.shapes[k].as_slice())
+    }
+
+    /// Its tensor on `rank`, made now (`None` where `rank` does not hold it).
+    pub(super) fn tensor(&self, rank: usize) -> Option<Tensor> {
+        let k = self.holder(rank)?;
+        let shape = &self.shapes[k];
+        let n: usize = shape.iter().product();
+        let v = match &self.values {
+            Values::PerRank(vs) => vs[k].clone(),
+            Values::Shared { value, per_rank } => shared_at(value, per_rank.as_deref(), rank),
+            Values::Generated {
+                seed,
+                range,
+                replicated,
+            } => generated(*seed, (!replicated).then_some(rank), n, *range),
+        };
+        // The check made sure the count fits the shape.
+        Tensor::from_vec(v, shape).ok()
+    }
+
+    /// Whether every one of `world` ranks holds it with the same values (a parameter that data
+    /// parallel training keeps equal everywhere).
+    pub(super) fn same_everywhere(&self, world: usize) -> bool {
+        if self.holders.len() != world || self.shapes.windows(2).any(|w| w[0] != w[1]) {
+            return false;
+        }
+        match &self.values {
+            Values::PerRank(vs) => vs.windows(2).all(|w| w[0] == w[1]),
+            Values::Shared { per_rank, .. } => per_rank
+                .as_ref()
+                .is_none_or(|d| world == 1 || d.iter().all(|&x| x == 0.0)),
+            Values::Generated { replicated, .. } => *replicated || world == 1,
+        }
+    }
+
+    /// An error about this input (on `rank`, where it is one rank's values).
+    fn fail(inp: &Input, rank: Option<usize>, detail: String) -> Error {
         ProgramError::Input {
             name: inp.name.clone(),
-            rank: None,
+            rank,
             detail,
         }
         .into()
-    };
-    let holders = holders(inp, world).map_err(fail)?;
-    let shapes = shapes(inp, holders.len()).map_err(fail)?;
-    if inp.replicated && (inp.ranks.is_some() || inp.shapes.is_some()) {
-        return Err(fail(
-            "a replicated input is the same on every rank; it takes neither \"ranks\" nor \"shapes\""
-                .into(),
-        ));
     }
-    let numels = shapes
-        .iter()
-        .map(|shape| {
-            crate::tensor::checked_numel(shape)
-                .filter(|&n| n <= MAX_NUMEL)
-                .ok_or_else(|| {
-                    fail(format!(
-                        "shape {shape:?} has more than {MAX_NUMEL} elements"
-                    ))
-                })
+
+    /// `v` as the values of holder `k`: the right count, every one finite; `rank` where a
+    /// message names the rank.
+    fn check_values(&self, inp: &Input, v: &[f32], k: usize, rank: Option<usize>) -> Result<()> {
+        let n: usize = self.shapes[k].iter().product();
+        if v.len() != n {
+            let detail = format!(
+                "shape {:?} needs {n} values, got {}",
+                self.shapes[k],
+                v.len()
+            );
+            return Err(Self::fail(inp, rank, detail));
+        }
+        if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+            return Err(Self::fail(inp, rank, format!("value {i} is not finite")));
+        }
+        Ok(())
+    }
+
+    /// `"values"`: one list per holder.
+    fn check_per_rank(&self, inp: &Input, vs: &[Vec<f32>], world: usize) -> Result<Values> {
+        if vs.len() != self.holders.len() {
+            let whom = if inp.ranks.is_some() {
+                format!("rank of \"ranks\" ({})", self.holders.len())
+            } else {
+                format!("rank ({world})")
+            };
+            let detail = format!("\"values\" needs one list per {whom}, got {}", vs.len());
+            return Err(Self::fail(inp, None, detail));
+        }
+        for (k, v) in vs.iter().enumerate() {
+            self.check_values(inp, v, k, Some(self.holders[k]))?;
+        }
+        Ok(Values::PerRank(vs.to_vec()))
+    }
+
+    /// `"value"` on every holder, plus `r · "per_rank"` on rank `r`: every rank's values
+    /// checked (finite), none kept.
+    fn check_shared(&self, inp: &Input, v: &[f32]) -> Result<Values> {
+        for (k, &r) in self.holders.iter().enumerate() {
+            self.check_values(inp, v, k, inp.shapes.is_some().then_some(r))?;
+        }
+        let Some(d) = &inp.per_rank else {
+            return Ok(Values::Shared {
+                value: v.to_vec(),
+                per_rank: None,
+            });
+        };
+        if d.len() != v.len() || d.iter().any(|x| !x.is_finite()) {
+            let detail = format!(
+                "\"per_rank\" needs {} finite values (one per value), got {}",
+                v.len(),
+                d.len()
+            );
+            return Err(Self::fail(inp, None, detail));
+        }
+        for (k, &r) in self.holders.iter().enumerate() {
+            self.check_values(inp, &shared_at(v, Some(d), r), k, Some(r))?;
+        }
+        Ok(Values::Shared {
+            value: v.to_vec(),
+            per_rank: Some(d.clone()),
         })
-        .collect::<Result<Vec<usize>>>()?;
-    check_fields(inp).map_err(fail)?;
-    let slots = Slots {
-        inp,
-        holders: &holders,
-        shapes: &shapes,
-        numels: &numels,
-        world,
-    };
-    let held = if let Some(vs) = &inp.values {
-        slots.per_rank(vs)?
-    } else if let Some(v) = &inp.value {
-        slots.shared_value(v)?
-    } else {
-        slots.generated(index).map_err(fail)?
-    };
-    let mut out = vec![None; world];
-    for ((v, shape), &r) in held.into_iter().zip(&shapes).zip(&holders) {
-        out[r] = Some(Tensor::from_vec(v, shape).map_err(|e| fail(e.to_string()))?);
     }
-    Ok(out)
+}
+
+/// `value + rank · per_rank`.
+fn shared_at(value: &[f32], per_rank: Option<&[f32]>, rank: usize) -> Vec<f32> {
+    match per_rank {
+        Some(d) => value
+            .iter()
+            .zip(d)
+            .map(|(a, b)| a + rank as f32 * b)
+            .collect(),
+        None => value.to_vec(),
+    }
 }
 
 /// Which ranks of `ranks` are named, checked: distinct, below `world`, not none (else why not,
@@ -132,102 +289,17 @@ fn check_fields(inp: &Input) -> std::result::Result<(), String> {
     Ok(())
 }
 
-/// One input's holders, with their shapes and sizes: where its values go.
-struct Slots<'a> {
-    inp: &'a Input,
-    holders: &'a [usize],
-    shapes: &'a [Vec<usize>],
-    numels: &'a [usize],
-    world: usize,
-}
-
-impl Slots<'_> {
-    /// An error about this input (on `rank`, where it is one rank's values).
-    fn fail(&self, rank: Option<usize>, detail: String) -> ProgramError {
-        ProgramError::Input {
-            name: self.inp.name.clone(),
-            rank,
-            detail,
-        }
+/// Values generated from `"seed"` (default: the input's index) in `"range"`.
+fn generated_values(inp: &Input, index: usize) -> std::result::Result<Values, String> {
+    let range = inp.range.unwrap_or((-1.0, 1.0));
+    if !(range.0.is_finite() && range.1.is_finite() && range.0 <= range.1) {
+        return Err(format!("range {range:?} must be finite and ordered"));
     }
-
-    /// `v` as the values of holder `k`: the right count, every one finite; `rank` where a
-    /// message names the rank.
-    fn check(&self, v: &[f32], k: usize, rank: Option<usize>) -> Result<()> {
-        if v.len() != self.numels[k] {
-            let detail = format!(
-                "shape {:?} needs {} values, got {}",
-                self.shapes[k],
-                self.numels[k],
-                v.len()
-            );
-            return Err(self.fail(rank, detail).into());
-        }
-        if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-            return Err(self.fail(rank, format!("value {i} is not finite")).into());
-        }
-        Ok(())
-    }
-
-    /// `"values"`: one list per holder.
-    fn per_rank(&self, vs: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
-        if vs.len() != self.holders.len() {
-            let whom = if self.inp.ranks.is_some() {
-                format!("rank of \"ranks\" ({})", self.holders.len())
-            } else {
-                format!("rank ({})", self.world)
-            };
-            let detail = format!("\"values\" needs one list per {whom}, got {}", vs.len());
-            return Err(self.fail(None, detail).into());
-        }
-        for (k, v) in vs.iter().enumerate() {
-            self.check(v, k, Some(self.holders[k]))?;
-        }
-        Ok(vs.to_vec())
-    }
-
-    /// `"value"` on every holder, plus `r · "per_rank"` on rank `r`.
-    fn shared_value(&self, v: &[f32]) -> Result<Vec<Vec<f32>>> {
-        for (k, &r) in self.holders.iter().enumerate() {
-            self.check(v, k, self.inp.shapes.is_some().then_some(r))?;
-        }
-        let Some(d) = &self.inp.per_rank else {
-            return Ok(vec![v.to_vec(); self.holders.len()]);
-        };
-        if d.len() != v.len() || d.iter().any(|x| !x.is_finite()) {
-            let detail = format!(
-                "\"per_rank\" needs {} finite values (one per value), got {}",
-                v.len(),
-                d.len()
-            );
-            return Err(self.fail(None, detail).into());
-        }
-        let mut out = Vec::with_capacity(self.holders.len());
-        for (k, &r) in self.holders.iter().enumerate() {
-            let at: Vec<f32> = v.iter().zip(d).map(|(a, b)| a + r as f32 * b).collect();
-            self.check(&at, k, Some(r))?;
-            out.push(at);
-        }
-        Ok(out)
-    }
-
-    /// Values generated from `"seed"` (default: the input's index) in `"range"`.
-    fn generated(&self, index: usize) -> std::result::Result<Vec<Vec<f32>>, String> {
-        let range = self.inp.range.unwrap_or((-1.0, 1.0));
-        if !(range.0.is_finite() && range.1.is_finite() && range.0 <= range.1) {
-            return Err(format!("range {range:?} must be finite and ordered"));
-        }
-        let seed = self.inp.seed.unwrap_or(index as u64);
-        Ok(self
-            .holders
-            .iter()
-            .enumerate()
-            .map(|(k, &r)| {
-                let rank = (!self.inp.replicated).then_some(r);
-                generated(seed, rank, self.numels[k], range)
-            })
-            .collect())
-    }
+    Ok(Values::Generated {
+        seed: inp.seed.unwrap_or(index as u64),
+        range,
+        replicated: inp.replicated,
+    })
 }
 
 /// Seeded values for rank `rank` (the same on every rank if `rank` is `None`).

@@ -84,8 +84,19 @@ pub use traced::{StepView, TracedRun, trace_rank};
 /// (ranks are threads, tabs or processes).
 pub const MAX_WORLD: usize = 64;
 
-/// Largest tensor a program may declare (elements), so a typo cannot exhaust memory.
+/// Largest tensor a program may declare or make (elements, 256 MiB of f32), so a typo cannot
+/// exhaust memory.
 pub const MAX_NUMEL: usize = 1 << 26;
+
+/// Most elements all the values of a program may come to, every rank's inputs and results
+/// together (1 GiB of f32; the tape keeps as much again for the gradients): what ranks simulated
+/// in one tab hold at once.
+pub const MAX_ELEMENTS: usize = 1 << 28;
+
+/// Most arithmetic a program's local steps may ask for in one run, all ranks together: a matmul
+/// counts `m·k·n` multiply-adds, any other op one per element it reads or writes (2^34, some
+/// seconds to minutes on one CPU core).
+pub const MAX_ARITHMETIC: u64 = 1 << 34;
 
 /// A program: see the module docs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

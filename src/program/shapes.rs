@@ -12,6 +12,11 @@ pub fn lists_outputs(kind: Kind) -> bool {
     matches!(kind, Kind::Gather | Kind::AllGather | Kind::AllToAll)
 }
 
+/// The sum of `xs`, `None` on overflow.
+fn checked_sum(xs: &[usize]) -> Option<usize> {
+    xs.iter().try_fold(0usize, |a, &x| a.checked_add(x))
+}
+
 /// Output shape of a local op, or why not.
 pub(super) fn local_shape(
     op: &LocalOp,
@@ -71,7 +76,9 @@ pub(super) fn local_shape(
                 if a.len() != first.len() {
                     return Err(format!("concat of {first:?} and {s:?}"));
                 }
-                o[*dim] += a[*dim];
+                o[*dim] = o[*dim]
+                    .checked_add(a[*dim])
+                    .ok_or_else(|| format!("concat along {dim}: the sizes overflow"))?;
                 a[*dim] = first[*dim];
                 if &a != first {
                     return Err(format!(
@@ -187,7 +194,8 @@ pub(super) fn collective_shapes(
                     return Err("internal: mixed calls".into());
                 };
                 let x = &ins[r][0];
-                let rows: usize = in_splits.iter().sum();
+                let rows = checked_sum(in_splits)
+                    .ok_or_else(|| format!("{}: in_splits {in_splits:?} overflow", who(r)))?;
                 if x.first() != Some(&rows) {
                     return Err(format!(
                         "{} sends in_splits {in_splits:?} ({rows} rows) of a tensor of shape {x:?}",
@@ -217,7 +225,9 @@ pub(super) fn collective_shapes(
                         ));
                     }
                 }
-                let mut s = vec![out_splits.iter().sum()];
+                let rows = checked_sum(out_splits)
+                    .ok_or_else(|| format!("{}: out_splits {out_splits:?} overflow", who(me)))?;
+                let mut s = vec![rows];
                 s.extend_from_slice(&rest[me].1);
                 outs.push(vec![s]);
             }

@@ -1,16 +1,16 @@
 //! What the page does with the bus's messages ([`super::bus`] carries them and knows nothing of
 //! the views): rank 0 turns the lesson controls into an absolute step (so every tab shows the same
-//! one) and plays or pauses ([`announce`]); every tab runs what is announced in its view
-//! ([`perform`]).
+//! one), plays or pauses, and checks a program before any tab hears of it ([`announce`]); every
+//! tab runs what is announced in its view ([`perform`]).
 
 use std::rc::Rc;
 
 use futures::future::LocalBoxFuture;
 
-use super::dom::{set_html, set_text, show_error};
+use super::dom::{set_html, set_text, show_error, show_notice};
 use super::lessons::{render_lesson, run_lesson, start_playing};
 use super::play::run_and_show;
-use super::programs::perform_program;
+use super::programs::{perform_program, plan_text};
 use super::room_bench::{bench_room, show_bench};
 use super::{App, Bus, state, view};
 
@@ -43,6 +43,15 @@ pub(super) fn announce(app: &Rc<App>, msg: Bus) -> Option<Bus> {
             render_lesson();
             None
         }
+        // A program goes to every tab only once rank 0 has checked it (a member's own check is
+        // the member's word).
+        Bus::Program { ref text, .. } => match plan_text(text, app.world) {
+            Ok(_) => Some(msg),
+            Err(e) => {
+                show_notice(&format!("a program asked for by a tab was not run: {e}"));
+                None
+            }
+        },
         other => Some(other),
     }
 }

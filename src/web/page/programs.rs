@@ -125,7 +125,7 @@ pub(super) fn on_program_file() {
 }
 
 /// Check a program's text for a world of `world` ranks.
-fn plan_text(text: &str, world: usize) -> Result<(Program, Plan)> {
+pub(super) fn plan_text(text: &str, world: usize) -> Result<(Program, Plan)> {
     if text.len() > MAX_PROGRAM_TEXT {
         return Err(Error::Input(format!(
             "the program is {} bytes; at most {MAX_PROGRAM_TEXT}",
