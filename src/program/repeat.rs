@@ -68,6 +68,63 @@ const NUMERIC_KEYS: [&str; 12] = [
     "len",
 ];
 
+/// What is wrong with a `"for"` block or an expression in one; the checker says where it is
+/// ([`crate::error::ProgramError::Block`]).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BlockError {
+    /// The block as written: a missing or unknown field, a bad variable name.
+    #[error("{0}")]
+    Form(String),
+    /// An expression or condition that cannot be evaluated.
+    #[error("in `{expr}`: {detail}")]
+    Expr {
+        /// The expression as written.
+        expr: String,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// A name whose `{expr}` parts cannot be filled in.
+    #[error("`{name}`: {detail}")]
+    Name {
+        /// The name as written.
+        name: String,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// A number too large, or not an integer.
+    #[error("{0} is not an integer of at most 2^40 in size")]
+    NotInteger(String),
+    /// A value where a number or an expression goes.
+    #[error("{0} is neither an integer nor an expression")]
+    NotNumber(String),
+    /// A rank, size or index below 0.
+    #[error("`{expr}` is {value}, below 0")]
+    Negative {
+        /// The expression as written.
+        expr: String,
+        /// Its value.
+        value: i64,
+    },
+    /// The expansion grows beyond its budget.
+    #[error(
+        "the program grows beyond {MAX_EXPANDED_STEPS} steps and block repetitions (or {} MiB of steps) once its blocks are expanded",
+        MAX_EXPANDED_BYTES >> 20
+    )]
+    TooLarge,
+}
+
+impl From<&str> for BlockError {
+    fn from(s: &str) -> Self {
+        BlockError::Form(s.to_string())
+    }
+}
+
+impl From<String> for BlockError {
+    fn from(s: String) -> Self {
+        BlockError::Form(s)
+    }
+}
+
 /// Keys whose strings are names, where `{expr}` is replaced.
 const NAME_KEYS: [&str; 2] = ["in", "out"];
 
@@ -75,15 +132,15 @@ impl Block {
     /// Parse a block from a step's JSON object (which has `"for"`).
     pub(super) fn from_map(
         mut map: serde_json::Map<String, Value>,
-    ) -> std::result::Result<Block, String> {
+    ) -> std::result::Result<Block, BlockError> {
         let var = match map.remove("for") {
             Some(Value::String(v)) => v,
             _ => return Err("\"for\" names the block's variable, a string".into()),
         };
         if !is_ident(&var) || var == "world" || var == "last" {
-            return Err(format!(
+            return Err(BlockError::Form(format!(
                 "\"for\": `{var}` is not a variable name (letters, digits, _; not world or last)"
-            ));
+            )));
         }
         let from = map
             .remove("from")
@@ -94,15 +151,15 @@ impl Block {
         let steps = match map.remove("steps") {
             Some(Value::Array(a)) => a,
             _ => {
-                return Err(format!(
+                return Err(BlockError::Form(format!(
                     "the \"for\" block over `{var}` needs \"steps\", a list of steps"
-                ));
+                )));
             }
         };
         if let Some(k) = map.keys().next() {
-            return Err(format!(
+            return Err(BlockError::Form(format!(
                 "unknown field `{k}` in the \"for\" block over `{var}` (it takes for, from, to, steps)"
-            ));
+            )));
         }
         Ok(Block {
             var,
@@ -135,13 +192,9 @@ struct Budget {
 }
 
 impl Budget {
-    fn charge(&mut self, visits: usize, bytes: usize) -> std::result::Result<(), String> {
+    fn charge(&mut self, visits: usize, bytes: usize) -> std::result::Result<(), BlockError> {
         if visits > self.visits || bytes > self.bytes {
-            return Err(format!(
-                "the program grows beyond {MAX_EXPANDED_STEPS} steps and block repetitions \
-                 (or {} MiB of steps) once its blocks are expanded",
-                MAX_EXPANDED_BYTES >> 20
-            ));
+            return Err(BlockError::TooLarge);
         }
         self.visits -= visits;
         self.bytes -= bytes;
@@ -185,21 +238,21 @@ fn expand_block(
     budget: &mut Budget,
 ) -> Result<()> {
     let here = format!("{at} (for {})", b.var);
-    let block = |at: &str, detail: String| -> Error {
+    let block = |at: &str, detail: &dyn std::fmt::Display| -> Error {
         ProgramError::Block {
             at: at.to_string(),
-            detail,
+            detail: detail.to_string(),
         }
         .into()
     };
     let bound = |v: &Value, what: &str| -> Result<i64> {
-        number(v, env).map_err(|e| block(&here, format!("\"{what}\": {e}")))
+        number(v, env).map_err(|e| block(&here, &format!("\"{what}\": {e}")))
     };
     let (from, to) = (bound(&b.from, "from")?, bound(&b.to, "to")?);
     if env.contains_key(&b.var) {
         return Err(block(
             &here,
-            format!("`{}` is already a variable of an enclosing block", b.var),
+            &format!("`{}` is already a variable of an enclosing block", b.var),
         ));
     }
     // Each step's size as written, charged for every copy made of it.
@@ -211,10 +264,10 @@ fn expand_block(
     let mut env = env.clone();
     for v in from..=to {
         env.insert(b.var.clone(), v);
-        budget.charge(1, 0).map_err(|e| block(&here, e))?;
+        budget.charge(1, 0).map_err(|e| block(&here, &e))?;
         for (k, item) in b.steps.iter().enumerate() {
             let at = format!("{here}, its step {k} with {} = {v}", b.var);
-            let fail = |e: String| block(&at, e);
+            let fail = |e: BlockError| block(&at, &e);
             budget.charge(1, 0).map_err(fail)?;
             let Value::Object(map) = item else {
                 return Err(fail("a step is a JSON object".into()));
@@ -239,13 +292,13 @@ fn expand_block(
             map.remove("if");
             for (key, value) in map.iter_mut() {
                 if NUMERIC_KEYS.contains(&key.as_str()) {
-                    numbers_in(value, &env).map_err(|e| fail(format!("\"{key}\": {e}")))?;
+                    numbers_in(value, &env).map_err(|e| block(&at, &format!("\"{key}\": {e}")))?;
                 } else if NAME_KEYS.contains(&key.as_str()) {
-                    names_in(value, &env).map_err(|e| fail(format!("\"{key}\": {e}")))?;
+                    names_in(value, &env).map_err(|e| block(&at, &format!("\"{key}\": {e}")))?;
                 }
             }
             let step: Step =
-                serde_json::from_value(Value::Object(map)).map_err(|e| fail(e.to_string()))?;
+                serde_json::from_value(Value::Object(map)).map_err(|e| block(&at, &e))?;
             out.push((step, at));
         }
     }
@@ -253,25 +306,28 @@ fn expand_block(
 }
 
 /// An integer from a number or an expression string.
-fn number(v: &Value, env: &HashMap<String, i64>) -> std::result::Result<i64, String> {
+fn number(v: &Value, env: &HashMap<String, i64>) -> std::result::Result<i64, BlockError> {
     match v {
         Value::Number(n) => n
             .as_i64()
             .filter(|v| v.unsigned_abs() <= MAX_VALUE as u64)
-            .ok_or_else(|| format!("{n} is not an integer of at most 2^40 in size")),
+            .ok_or_else(|| BlockError::NotInteger(n.to_string())),
         Value::String(s) => Parser::new(s, env).expr_all(),
-        other => Err(format!("{other} is neither an integer nor an expression")),
+        other => Err(BlockError::NotNumber(other.to_string())),
     }
 }
 
 /// Replace every expression string in a numeric field (nested lists too) by its value; values
 /// used as ranks, sizes or indices must not be negative.
-fn numbers_in(v: &mut Value, env: &HashMap<String, i64>) -> std::result::Result<(), String> {
+fn numbers_in(v: &mut Value, env: &HashMap<String, i64>) -> std::result::Result<(), BlockError> {
     match v {
         Value::String(s) => {
             let n = Parser::new(s, env).expr_all()?;
             if n < 0 {
-                return Err(format!("`{s}` is {n}, below 0"));
+                return Err(BlockError::Negative {
+                    expr: s.clone(),
+                    value: n,
+                });
             }
             *v = Value::from(n);
         }
@@ -286,7 +342,7 @@ fn numbers_in(v: &mut Value, env: &HashMap<String, i64>) -> std::result::Result<
 }
 
 /// Replace `{expr}` in every name (a string or a list of strings) by its value.
-fn names_in(v: &mut Value, env: &HashMap<String, i64>) -> std::result::Result<(), String> {
+fn names_in(v: &mut Value, env: &HashMap<String, i64>) -> std::result::Result<(), BlockError> {
     match v {
         Value::String(s) => *s = substitute(s, env)?,
         Value::Array(a) => {
@@ -299,23 +355,27 @@ fn names_in(v: &mut Value, env: &HashMap<String, i64>) -> std::result::Result<()
     Ok(())
 }
 
-fn substitute(s: &str, env: &HashMap<String, i64>) -> std::result::Result<String, String> {
+fn substitute(s: &str, env: &HashMap<String, i64>) -> std::result::Result<String, BlockError> {
+    let name = |detail: String| BlockError::Name {
+        name: s.to_string(),
+        detail,
+    };
     let mut out = String::new();
     let mut rest = s;
     while let Some(open) = rest.find('{') {
         out.push_str(&rest[..open]);
         let close = rest[open..]
             .find('}')
-            .ok_or_else(|| format!("`{s}`: a `{{` without its `}}`"))?;
+            .ok_or_else(|| name("a `{` without its `}`".into()))?;
         let inner = &rest[open + 1..open + close];
         let n = Parser::new(inner, env)
             .expr_all()
-            .map_err(|e| format!("`{s}`: {e}"))?;
+            .map_err(|e| name(e.to_string()))?;
         out.push_str(&n.to_string());
         rest = &rest[open + close + 1..];
     }
     if rest.contains('}') {
-        return Err(format!("`{s}`: a `}}` without its `{{`"));
+        return Err(name("a `}` without its `{`".into()));
     }
     out.push_str(rest);
     Ok(out)
@@ -418,8 +478,11 @@ impl<'a> Parser<'a> {
         }
     }
 
-    fn fail<T>(&self, why: impl std::fmt::Display) -> std::result::Result<T, String> {
-        Err(format!("in `{}`: {why}", self.text))
+    fn fail<T>(&self, why: impl std::fmt::Display) -> std::result::Result<T, BlockError> {
+        Err(BlockError::Expr {
+            expr: self.text.to_string(),
+            detail: why.to_string(),
+        })
     }
 
     fn peek(&self) -> Option<&Tok> {
@@ -435,7 +498,7 @@ impl<'a> Parser<'a> {
         }
     }
 
-    fn finish<T>(&self, v: T) -> std::result::Result<T, String> {
+    fn finish<T>(&self, v: T) -> std::result::Result<T, BlockError> {
         match self.peek() {
             None => Ok(v),
             Some(t) => self.fail(format!("unexpected {t} after the end")),
@@ -443,7 +506,7 @@ impl<'a> Parser<'a> {
     }
 
     /// The whole text as an integer expression.
-    fn expr_all(mut self) -> std::result::Result<i64, String> {
+    fn expr_all(mut self) -> std::result::Result<i64, BlockError> {
         if let Some(e) = &self.error {
             return self.fail(e);
         }
@@ -452,7 +515,7 @@ impl<'a> Parser<'a> {
     }
 
     /// The whole text as a condition.
-    fn condition_all(mut self) -> std::result::Result<bool, String> {
+    fn condition_all(mut self) -> std::result::Result<bool, BlockError> {
         if let Some(e) = &self.error {
             return self.fail(e);
         }
@@ -460,7 +523,7 @@ impl<'a> Parser<'a> {
         self.finish(v)
     }
 
-    fn or(&mut self) -> std::result::Result<bool, String> {
+    fn or(&mut self) -> std::result::Result<bool, BlockError> {
         let mut v = self.and()?;
         while self.eat("||") {
             let r = self.and()?;
@@ -469,7 +532,7 @@ impl<'a> Parser<'a> {
         Ok(v)
     }
 
-    fn and(&mut self) -> std::result::Result<bool, String> {
+    fn and(&mut self) -> std::result::Result<bool, BlockError> {
         let mut v = self.compare()?;
         while self.eat("&&") {
             let r = self.compare()?;
@@ -478,7 +541,7 @@ impl<'a> Parser<'a> {
         Ok(v)
     }
 
-    fn compare(&mut self) -> std::result::Result<bool, String> {
+    fn compare(&mut self) -> std::result::Result<bool, BlockError> {
         let a = self.expr()?;
         for op in ["<=", ">=", "==", "!=", "<", ">"] {
             if self.eat(op) {
@@ -499,7 +562,7 @@ impl<'a> Parser<'a> {
         )
     }
 
-    fn expr(&mut self) -> std::result::Result<i64, String> {
+    fn expr(&mut self) -> std::result::Result<i64, BlockError> {
         let mut v = self.term()?;
         loop {
             if self.eat("+") {
@@ -514,7 +577,7 @@ impl<'a> Parser<'a> {
         }
     }
 
-    fn term(&mut self) -> std::result::Result<i64, String> {
+    fn term(&mut self) -> std::result::Result<i64, BlockError> {
         let mut v = self.factor()?;
         while self.eat("*") {
             let f = self.factor()?;
@@ -523,14 +586,14 @@ impl<'a> Parser<'a> {
         Ok(v)
     }
 
-    fn checked(&self, v: Option<i64>) -> std::result::Result<i64, String> {
+    fn checked(&self, v: Option<i64>) -> std::result::Result<i64, BlockError> {
         match v {
             Some(v) if v.unsigned_abs() <= MAX_VALUE as u64 => Ok(v),
             _ => self.fail("the value is too large"),
         }
     }
 
-    fn factor(&mut self) -> std::result::Result<i64, String> {
+    fn factor(&mut self) -> std::result::Result<i64, BlockError> {
         let mut negate = false;
         while self.eat("-") {
             negate = !negate;
@@ -539,7 +602,7 @@ impl<'a> Parser<'a> {
         Ok(if negate { -v } else { v })
     }
 
-    fn atom(&mut self) -> std::result::Result<i64, String> {
+    fn atom(&mut self) -> std::result::Result<i64, BlockError> {
         if self.eat("(") {
             let v = self.expr()?;
             if !self.eat(")") {
