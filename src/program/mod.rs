@@ -122,8 +122,8 @@ pub struct Program {
 }
 
 /// What a JSON file of work holds, as its `"format"` field declares: a program, or a lesson (a
-/// program with its narrative and how the page shows it, [`crate::lesson`]). Every command that
-/// takes a program takes a lesson too (`crate::lesson::Work` reads either).
+/// program with its narrative and how the page shows it: the `lesson` module, above this one).
+/// Every command that takes a program takes a lesson too (`lesson::Work` reads either).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Format {
@@ -520,7 +520,7 @@ impl Serialize for Step {
 
 impl Program {
     /// Parse a program from JSON text (errors say where). A file whose `"format"` says it is a
-    /// lesson is refused here: `crate::lesson::Work::parse` reads either.
+    /// lesson is refused here: `lesson::Work::parse` reads either.
     pub fn parse(json: &str) -> Result<Program> {
         let p: Program = serde_json::from_str(json).map_err(|e| ProgramError::Json {
             reader: "program",
