@@ -190,6 +190,20 @@ fn expand_parts(p: &Program, world: usize, origins: &[String]) -> Result<Program
     Ok(out)
 }
 
+/// A local op's arithmetic: a matmul `m·k·n` multiply-adds, any other op one per element it
+/// reads or writes (saturating: a cost past `u64` is past any budget).
+fn arithmetic(op: &LocalOp, ins: &[&Vec<usize>], out: &[usize]) -> u64 {
+    let numel = |s: &[usize]| s.iter().fold(1u64, |a, &d| a.saturating_mul(d as u64));
+    match (op, ins) {
+        (LocalOp::Matmul {}, [a, b]) if a.len() == 2 && b.len() == 2 => numel(&[a[0], a[1], b[1]]),
+        _ => ins
+            .iter()
+            .map(|s| numel(s))
+            .chain([numel(out)])
+            .fold(0u64, u64::saturating_add),
+    }
+}
+
 /// Check `p` for `world` ranks and make its [`Plan`].
 pub(super) fn plan(p: &Program, world: usize) -> Result<Plan> {
     if world == 0 || world > MAX_WORLD {
@@ -441,9 +455,9 @@ impl<'p> Checker<'p> {
                 .collect::<Result<Vec<_>>>()?;
             let refs: Vec<&Vec<usize>> = shapes.iter().collect();
             let shape = local_shape(op, &refs).map_err(|d| at.err(format!("rank {r}: {d}")))?;
-            let cost_of = shape.clone();
+            let cost = arithmetic(op, &refs, &shape);
             self.bind(at, r, out.clone(), shape)?;
-            self.count_arithmetic(at, r, op, &refs, &cost_of)?;
+            self.count_arithmetic(at, r, cost)?;
             let state = &mut self.ranks[r];
             if s.inputs.iter().all(|n| state.constant.contains(n)) {
                 state.constant.insert(out.clone());
@@ -461,28 +475,9 @@ impl<'p> Checker<'p> {
         Ok(())
     }
 
-    /// Count a local op's arithmetic on rank `r` against the program's budget
-    /// ([`MAX_ARITHMETIC`], all ranks together): a matmul `m·k·n` multiply-adds, any other op one
-    /// per element it reads or writes.
-    fn count_arithmetic(
-        &mut self,
-        at: At,
-        r: usize,
-        op: &LocalOp,
-        ins: &[&Vec<usize>],
-        out: &[usize],
-    ) -> Result<()> {
-        let numel = |s: &[usize]| s.iter().fold(1u64, |a, &d| a.saturating_mul(d as u64));
-        let cost = match (op, ins) {
-            (LocalOp::Matmul {}, [a, b]) if a.len() == 2 && b.len() == 2 => {
-                numel(&[a[0], a[1], b[1]])
-            }
-            _ => ins
-                .iter()
-                .map(|s| numel(s))
-                .chain([numel(out)])
-                .fold(0u64, u64::saturating_add),
-        };
+    /// Count a local op's arithmetic on rank `r` ([`arithmetic`]) against the program's budget
+    /// ([`MAX_ARITHMETIC`], all ranks together).
+    fn count_arithmetic(&mut self, at: At, r: usize, cost: u64) -> Result<()> {
         self.arithmetic = self.arithmetic.saturating_add(cost);
         if self.arithmetic > MAX_ARITHMETIC {
             return Err(ProgramError::TooLarge {

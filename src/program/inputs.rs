@@ -63,23 +63,23 @@ impl InputPlan {
             }
         }
         check_fields(inp).map_err(fail)?;
-        let plan = InputPlan {
-            holders,
-            shapes,
-            values: Values::Generated {
-                seed: 0,
-                range: (0.0, 0.0),
-                replicated: false,
-            },
+        let slots = Slots {
+            inp,
+            holders: &holders,
+            shapes: &shapes,
         };
         let values = if let Some(vs) = &inp.values {
-            plan.check_per_rank(inp, vs, world)?
+            slots.per_rank(vs, world)?
         } else if let Some(v) = &inp.value {
-            plan.check_shared(inp, v)?
+            slots.shared(v)?
         } else {
             generated_values(inp, index).map_err(fail)?
         };
-        Ok(InputPlan { values, ..plan })
+        Ok(InputPlan {
+            holders,
+            shapes,
+            values,
+        })
     }
 
     /// Which holder `rank` is (its place in the per-rank lists), if it holds the input.
@@ -129,11 +129,20 @@ impl InputPlan {
             Values::Generated { replicated, .. } => *replicated || world == 1,
         }
     }
+}
 
+/// One input's holders and shapes, whose values are being checked.
+struct Slots<'a> {
+    inp: &'a Input,
+    holders: &'a [usize],
+    shapes: &'a [Vec<usize>],
+}
+
+impl Slots<'_> {
     /// An error about this input (on `rank`, where it is one rank's values).
-    fn fail(inp: &Input, rank: Option<usize>, detail: String) -> Error {
+    fn fail(&self, rank: Option<usize>, detail: String) -> Error {
         ProgramError::Input {
-            name: inp.name.clone(),
+            name: self.inp.name.clone(),
             rank,
             detail,
         }
@@ -142,7 +151,7 @@ impl InputPlan {
 
     /// `v` as the values of holder `k`: the right count, every one finite; `rank` where a
     /// message names the rank.
-    fn check_values(&self, inp: &Input, v: &[f32], k: usize, rank: Option<usize>) -> Result<()> {
+    fn check_values(&self, v: &[f32], k: usize, rank: Option<usize>) -> Result<()> {
         let n: usize = self.shapes[k].iter().product();
         if v.len() != n {
             let detail = format!(
@@ -150,38 +159,38 @@ impl InputPlan {
                 self.shapes[k],
                 v.len()
             );
-            return Err(Self::fail(inp, rank, detail));
+            return Err(self.fail(rank, detail));
         }
         if let Some(i) = v.iter().position(|x| !x.is_finite()) {
-            return Err(Self::fail(inp, rank, format!("value {i} is not finite")));
+            return Err(self.fail(rank, format!("value {i} is not finite")));
         }
         Ok(())
     }
 
     /// `"values"`: one list per holder.
-    fn check_per_rank(&self, inp: &Input, vs: &[Vec<f32>], world: usize) -> Result<Values> {
+    fn per_rank(&self, vs: &[Vec<f32>], world: usize) -> Result<Values> {
         if vs.len() != self.holders.len() {
-            let whom = if inp.ranks.is_some() {
+            let whom = if self.inp.ranks.is_some() {
                 format!("rank of \"ranks\" ({})", self.holders.len())
             } else {
                 format!("rank ({world})")
             };
             let detail = format!("\"values\" needs one list per {whom}, got {}", vs.len());
-            return Err(Self::fail(inp, None, detail));
+            return Err(self.fail(None, detail));
         }
         for (k, v) in vs.iter().enumerate() {
-            self.check_values(inp, v, k, Some(self.holders[k]))?;
+            self.check_values(v, k, Some(self.holders[k]))?;
         }
         Ok(Values::PerRank(vs.to_vec()))
     }
 
     /// `"value"` on every holder, plus `r · "per_rank"` on rank `r`: every rank's values
     /// checked (finite), none kept.
-    fn check_shared(&self, inp: &Input, v: &[f32]) -> Result<Values> {
+    fn shared(&self, v: &[f32]) -> Result<Values> {
         for (k, &r) in self.holders.iter().enumerate() {
-            self.check_values(inp, v, k, inp.shapes.is_some().then_some(r))?;
+            self.check_values(v, k, self.inp.shapes.is_some().then_some(r))?;
         }
-        let Some(d) = &inp.per_rank else {
+        let Some(d) = &self.inp.per_rank else {
             return Ok(Values::Shared {
                 value: v.to_vec(),
                 per_rank: None,
@@ -193,10 +202,10 @@ impl InputPlan {
                 v.len(),
                 d.len()
             );
-            return Err(Self::fail(inp, None, detail));
+            return Err(self.fail(None, detail));
         }
         for (k, &r) in self.holders.iter().enumerate() {
-            self.check_values(inp, &shared_at(v, Some(d), r), k, Some(r))?;
+            self.check_values(&shared_at(v, Some(d), r), k, Some(r))?;
         }
         Ok(Values::Shared {
             value: v.to_vec(),
