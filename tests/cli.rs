@@ -726,3 +726,163 @@ fn a_bare_run_is_a_demo_that_says_what_it_ran() {
         assert!(stdout.contains(want), "{want:?} in {stdout}");
     }
 }
+
+/// A program: one all_reduce(SUM) of `numel` elements, then loss = sum(s²).
+fn all_reduce_program(world: usize, numel: usize) -> String {
+    json!({
+        "format": "program", "world": world,
+        "inputs": [{"name": "x", "shape": [numel]}],
+        "steps": [
+            {"collective": "all_reduce", "op": "sum", "in": ["x"], "out": "s"},
+            {"op": "square", "in": ["s"], "out": "q"},
+            {"op": "sum", "in": ["q"], "out": "loss"}
+        ],
+        "loss": "loss"
+    })
+    .to_string()
+}
+
+#[test]
+fn run_events_prints_the_algorithm_round_by_round() {
+    // Ring all_reduce of 8 elements (32 B) on 4 ranks: 2(n-1) = 6 rounds, each rank sends
+    // 2(n-1)/n · 32 = 48 B; its dual (all_reduce SUM) the same in backward.
+    let prog = all_reduce_program(4, 8);
+    let v = ok_json(
+        &["run", "-", "--events", "--json", "--algorithm", "ring"],
+        Some(&prog),
+    );
+    assert_eq!(v["world"], 4);
+    assert_eq!(v["algorithm"], "ring");
+    let calls = v["calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 2, "{v}");
+    for (c, phase) in calls.iter().zip(["forward", "backward"]) {
+        assert_eq!(c["phase"], phase);
+        assert_eq!(c["collective"], "all_reduce(op=sum)");
+        assert_eq!(c["algorithm"], "ring");
+        let ranks = c["ranks"].as_array().unwrap();
+        assert_eq!(ranks.len(), 4);
+        for r in ranks {
+            let sent: u64 = r["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["action"] == "send")
+                .map(|e| e["bytes"].as_u64().unwrap())
+                .sum();
+            assert_eq!(sent, 48, "{r}");
+            let rounds = r["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["action"] == "send")
+                .map(|e| e["round"].as_u64().unwrap())
+                .max();
+            assert_eq!(rounds, Some(5));
+        }
+    }
+    let out = distgrad(
+        &["run", "-", "--events", "--algorithm", "ring"],
+        Some(&prog),
+    );
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("all_reduce(op=sum) [8] over ranks [0, 1, 2, 3]: ring, 6 rounds"));
+    // Round 0: rank 0 sends its chunk 0 to rank 1, which folds it into its own.
+    assert!(text.contains("round 0: 0→1 chunk 0/4 [0..2) 8 B"), "{text}");
+    assert!(text.contains("fold: rank 0 chunk 3/4 [6..8)   rank 1 chunk 0/4 [0..2)"));
+    assert!(text.contains("backward (each collective's dual)"));
+
+    // The same program where the ring cannot run says why.
+    let small = all_reduce_program(4, 2);
+    let out = distgrad(
+        &["run", "-", "--events", "--algorithm", "ring"],
+        Some(&small),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("exchange (the ring needs at least one element per rank (2 < 4))"),
+        "{text}"
+    );
+
+    // The star at 5 ranks: 2(n-1) = 8 messages in 2 rounds, all through rank 0.
+    let v = ok_json(
+        &[
+            "run",
+            "-",
+            "--events",
+            "--json",
+            "--algorithm",
+            "star",
+            "--world",
+            "5",
+        ],
+        Some(&all_reduce_program(5, 3)),
+    );
+    let sends: Vec<(u64, u64)> = v["calls"][0]["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| {
+            let rank = r["rank"].as_u64().unwrap();
+            r["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["action"] == "send")
+                .map(move |e| (rank, e["peer"].as_u64().unwrap()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(sends.len(), 8, "{sends:?}");
+    assert!(sends.iter().all(|&(a, b)| a == 0 || b == 0), "{sends:?}");
+}
+
+#[test]
+fn run_events_refuses_what_cannot_be_chosen() {
+    let prog = all_reduce_program(3, 3);
+    for (args, says) in [
+        (
+            vec!["run", "-", "--events", "--algorithm", "tree"],
+            "the tree algorithm is not chosen",
+        ),
+        (
+            vec!["run", "-", "--events", "--algorithm", "butterfly"],
+            "unknown algorithm \"butterfly\"",
+        ),
+        (vec!["run", "-", "--algorithm", "ring"], "--events"),
+    ] {
+        let out = distgrad(&args, Some(&prog));
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn run_events_of_a_pipeline_pairs_each_send_with_its_recv() {
+    let v = ok_json(
+        &[
+            "run",
+            "www/programs/pipeline_send_recv.json",
+            "--events",
+            "--json",
+        ],
+        None,
+    );
+    let calls = v["calls"].as_array().unwrap();
+    assert!(!calls.is_empty());
+    for c in calls {
+        assert_eq!(c["algorithm"], "point_to_point");
+        // One call across ranks: the sender's record and the receiver's.
+        let ranks = c["ranks"].as_array().unwrap();
+        assert_eq!(ranks.len(), 2, "{c}");
+        let actions: Vec<&str> = ranks
+            .iter()
+            .map(|r| r["events"][0]["action"].as_str().unwrap())
+            .collect();
+        assert!(
+            actions.contains(&"send") && actions.contains(&"recv"),
+            "{c}"
+        );
+    }
+}

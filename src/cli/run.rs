@@ -26,6 +26,19 @@ pub struct RunArgs {
     /// `distgrad run -` and `distgrad gradcheck -` take it.
     #[arg(long, conflicts_with = "json")]
     print_program: bool,
+    /// Print, instead of the values, what every rank did in each collective call forward and
+    /// backward: each message round by round (sender→receiver, the chunk it carried, bytes),
+    /// each local fold and copy, and each rank's totals (with --json: every rank's records).
+    #[arg(long, conflicts_with = "print_program")]
+    events: bool,
+    /// With --events: the algorithm of the collectives that have a choice (all_reduce,
+    /// all_gather, reduce_scatter), whatever the size: ring, pairwise, shared, exchange or star.
+    #[arg(long, requires = "events", value_parser = parse_algorithm)]
+    algorithm: Option<distgrad::collective::events::Algorithm>,
+}
+
+fn parse_algorithm(s: &str) -> Result<distgrad::collective::events::Algorithm, String> {
+    distgrad::collective::events::Algorithm::parse(s).map_err(|e| e.to_string())
 }
 
 /// Run `distgrad run`.
@@ -41,6 +54,26 @@ pub fn run(a: RunArgs) -> distgrad::Result<()> {
         return print_program(&work.program_for(world)?, world, &what);
     }
     let device = a.device.open()?;
+    if a.events {
+        let plan = work.program_for(world)?.plan(Some(world))?;
+        let opts = distgrad::CommOptions {
+            device,
+            ..distgrad::CommOptions::recorded()
+        };
+        let events = futures::executor::block_on(distgrad::lesson::algorithm::run_simulated(
+            &plan,
+            opts,
+            a.algorithm,
+        ))?;
+        if a.json {
+            let text = serde_json::to_string(&events)
+                .map_err(|e| distgrad::Error::Input(e.to_string()))?;
+            println!("{text}");
+        } else {
+            print!("{}", distgrad::lesson::algorithm::render(&events));
+        }
+        return Ok(());
+    }
     let lesson = match work {
         Work::Program(program) => return run_program(&program, world, a.json, &device),
         Work::Lesson(lesson) => lesson,

@@ -25,6 +25,7 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use futures::future::{Either, select};
 use futures::pin_mut;
 
+use super::events::{Action, Algorithm, CallRecord, Chunk, Recorder};
 use super::sig::CallSig;
 use super::{Group, ReduceOp};
 use crate::error::{Error, Result};
@@ -81,21 +82,38 @@ pub(crate) struct Call<'a, T: Transport> {
     /// A star's root: the signature goes with the first message to the successor, not on its
     /// own before the root's first wait ([`Call::star`]).
     hold: Cell<bool>,
+    /// What this rank does in the call, when the communicator records events.
+    rec: Option<Recorder>,
 }
 
 impl<'a, T: Transport> Call<'a, T> {
     /// Call number `seq` of `group` with signature `sig`, this rank being group rank `me`; every
-    /// wait bounded by `timeout`.
+    /// wait bounded by `timeout`; what it does recorded when `record` (its data taking
+    /// `algorithm`).
     pub(super) fn new(
         transport: &'a T,
         timeout: Duration,
         group: &'a Group,
-        me: usize,
-        seq: u64,
+        (me, seq): (usize, u64),
         sig: CallSig,
+        record: Option<Algorithm>,
     ) -> Self {
         let n = group.size();
         let sig_bytes = sig.encode();
+        let rec = record.map(|algorithm| {
+            Recorder::new(CallRecord {
+                rank: group.global(me),
+                group_rank: me,
+                group: group.id(),
+                members: group.ranks().to_vec(),
+                call: seq,
+                collective: sig.short(),
+                shape: sig.shape.clone(),
+                algorithm,
+                events: Vec::new(),
+                total_us: 0.0,
+            })
+        });
         Call {
             transport,
             timeout,
@@ -110,6 +128,54 @@ impl<'a, T: Transport> Call<'a, T> {
             inline: std::cell::RefCell::new(None),
             pred_silent: Cell::new(false),
             hold: Cell::new(false),
+            rec,
+        }
+    }
+
+    /// The round, and the chunks sent and received, of the messages that follow (recorded with
+    /// them when events are on).
+    pub(super) fn at(&self, round: usize, sent: Option<Chunk>, received: Option<Chunk>) {
+        if let Some(r) = &self.rec {
+            r.at(round as u32, sent, received);
+        }
+    }
+
+    /// Record a local step (`Reduce`, `Copy`) on `chunk`.
+    pub(super) fn local(&self, action: Action, chunk: Chunk) {
+        if let Some(r) = &self.rec {
+            r.local(action, chunk);
+        }
+    }
+
+    /// The messages that follow are the confirmation round's.
+    pub(super) fn confirming(&self) {
+        if let Some(r) = &self.rec {
+            r.confirming();
+        }
+    }
+
+    /// The last message received came as `chunk` (known once it came: a tensor that travels
+    /// with its shape).
+    pub(super) fn received_as(&self, chunk: Chunk) {
+        if let Some(r) = &self.rec {
+            r.received_as(chunk);
+        }
+    }
+
+    /// This rank's record of the call, if events are recorded.
+    pub(super) fn take_record(&mut self) -> Option<CallRecord> {
+        self.rec.take().map(Recorder::finish)
+    }
+
+    fn sent(&self, dst: usize, payload: usize, wire: usize, messages: u32) {
+        if let Some(r) = &self.rec {
+            r.message(
+                Action::Send,
+                self.group.global(dst),
+                payload,
+                wire,
+                messages,
+            );
         }
     }
 
@@ -129,8 +195,20 @@ impl<'a, T: Transport> Call<'a, T> {
             len
         });
         b.put_slice(&self.sig_bytes);
+        let inline = first.is_some();
         if let Some(p) = first {
             b.put_slice(&p);
+        }
+        if inline {
+            self.sent(self.succ(), extra, b.len(), 1);
+        } else if let Some(r) = &self.rec {
+            r.message(
+                Action::Announce,
+                self.group.global(self.succ()),
+                0,
+                b.len(),
+                1,
+            );
         }
         let to = self.group.global(self.succ());
         self.transport
@@ -325,6 +403,7 @@ impl<'a, T: Transport> Call<'a, T> {
         }
         self.announce().await?;
         if dst == self.succ() {
+            self.sent(dst, payload.len(), payload.len(), 1);
             return t.send(to, tag, payload).await;
         }
         let split = payload.len() >= SPLIT_BYTES;
@@ -334,6 +413,13 @@ impl<'a, T: Transport> Call<'a, T> {
         let flag = if split { SPLIT_FLAG } else { 0 };
         b.put_u32_le(self.sig_bytes.len() as u32 | flag);
         b.put_slice(&self.sig_bytes);
+        let head = 4 + self.sig_bytes.len();
+        self.sent(
+            dst,
+            payload.len(),
+            head + payload.len(),
+            1 + u32::from(split),
+        );
         if split {
             t.send(to, tag, b.freeze()).await?;
             t.send(to, tag, payload).await
@@ -345,6 +431,14 @@ impl<'a, T: Transport> Call<'a, T> {
 
     /// The next data message from group rank `src`, its sender's call verified to agree with ours.
     pub async fn recv(&self, src: usize) -> Result<Bytes> {
+        let got = self.recv_verified(src).await?;
+        if let Some(r) = &self.rec {
+            r.message(Action::Recv, self.group.global(src), got.len(), 0, 0);
+        }
+        Ok(got)
+    }
+
+    async fn recv_verified(&self, src: usize) -> Result<Bytes> {
         let t = self.transport;
         self.announce_before_wait().await?;
         if src == self.pred() {

@@ -8,6 +8,7 @@
 use bytes::Bytes;
 
 use super::call::{Call, decode_tensor, encode_tensor_async};
+use super::events::{Action, Chunk};
 use super::{ReduceOp, chunk_bounds};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -32,7 +33,8 @@ pub(crate) async fn all_reduce<T: Transport>(
     x: &Tensor,
     op: ReduceOp,
 ) -> Result<Tensor> {
-    let parts = exchange_all(call, x).await?;
+    let parts = exchange_all(call, x, false).await?;
+    call.local(Action::Reduce, Chunk::whole(x.numel()));
     Tensor::from_vec(fold(call, x.cpu()?, &parts, op), x.shape())
 }
 
@@ -51,8 +53,11 @@ pub(crate) async fn all_reduce_star<T: Transport>(
     const ROOT: usize = 0;
     call.star(ROOT);
     let xb = bytes_of(x, 0, x.numel()).await?;
+    let whole = Some(Chunk::whole(x.numel()));
+    call.at(0, whole, whole);
     if call.me != ROOT {
         call.send(ROOT, xb.clone()).await?;
+        call.at(1, None, whole);
         let b = call.recv_exact(ROOT, xb.len()).await?;
         return Tensor::from_shared_le_bytes(b, x.shape());
     }
@@ -62,8 +67,10 @@ pub(crate) async fn all_reduce_star<T: Transport>(
             *p = Some(call.recv_exact(j, xb.len()).await?);
         }
     }
+    call.local(Action::Reduce, Chunk::whole(x.numel()));
     // The folded values are sent and kept as they are: one buffer, no copy.
     let ob = crate::pool::f32_bytes(fold(call, x.cpu()?, &parts, op));
+    call.at(1, whole, None);
     // The successor first: its message carries the root's signature (see `Call::star`).
     for k in 1..call.n {
         call.send((ROOT + k) % call.n, ob.clone()).await?;
@@ -89,9 +96,11 @@ pub(crate) async fn all_reduce_pairwise<T: Transport>(
 ) -> Result<Tensor> {
     let (n, me) = (call.n, call.me);
     let chunks = chunk_bounds(x.numel(), n);
+    let part = |j: usize| Some(Chunk::part(j, n, chunks[j].0, chunks[j].1));
     for k in 1..n {
         let j = (me + k) % n;
         let (s, l) = chunks[j];
+        call.at(0, part(j), part(me));
         call.send(j, bytes_of(x, s, l).await?).await?;
     }
     let (s, l) = chunks[me];
@@ -101,29 +110,37 @@ pub(crate) async fn all_reduce_pairwise<T: Transport>(
             *p = Some(call.recv_exact(j, l * 4).await?);
         }
     }
+    call.local(Action::Reduce, Chunk::part(me, n, s, l));
     let mut mine = Partial::fold_parts(x, s, l, &parts, op.combine())?;
     drop(parts);
     mine.finish(op.final_scale(call.n))?;
     let mine = mine.into_bytes().await?;
+    let all = Some(Chunk::whole(x.numel()));
     let whole = if shared && me != 0 {
+        call.at(1, part(me), None);
         call.send(0, mine).await?;
+        call.at(2, None, all);
         call.recv_exact(0, x.numel() * 4).await?
     } else {
         if !shared {
+            call.at(1, part(me), None);
             for k in 1..n {
                 call.send((me + k) % n, mine.clone()).await?;
             }
         }
         let mut out = crate::pool::take(x.numel());
-        for (j, &(_, l)) in chunks.iter().enumerate() {
+        for (j, &(s, l)) in chunks.iter().enumerate() {
+            call.at(1, None, part(j));
             if j == me {
                 crate::pool::extend_from_le_bytes(&mut out, &mine);
             } else {
                 crate::pool::extend_from_le_bytes(&mut out, &call.recv_exact(j, l * 4).await?);
             }
+            call.local(Action::Copy, Chunk::part(j, n, s, l));
         }
         let whole = crate::pool::f32_bytes(out);
         if shared {
+            call.at(2, all, None);
             for k in 1..n {
                 call.send(k, whole.clone()).await?;
             }
@@ -134,14 +151,29 @@ pub(crate) async fn all_reduce_pairwise<T: Transport>(
 }
 
 /// Send `x` to every other rank, receive every other rank's equal-size tensor (`None` at our index).
-async fn exchange_all<T: Transport>(call: &Call<'_, T>, x: &Tensor) -> Result<Vec<Option<Bytes>>> {
+/// (Recorded as chunks of tensor 0, or with `listed` as the sender's tensor of a list: an
+/// all_gather's.)
+async fn exchange_all<T: Transport>(
+    call: &Call<'_, T>,
+    x: &Tensor,
+    listed: bool,
+) -> Result<Vec<Option<Bytes>>> {
     let xb = bytes_of(x, 0, x.numel()).await?;
+    let whole = |j: usize| {
+        Some(if listed {
+            Chunk::entry(j, x.numel())
+        } else {
+            Chunk::whole(x.numel())
+        })
+    };
+    call.at(0, whole(call.me), None);
     for k in 1..call.n {
         call.send((call.me + k) % call.n, xb.clone()).await?;
     }
     let mut parts = vec![None; call.n];
     for (j, p) in parts.iter_mut().enumerate() {
         if j != call.me {
+            call.at(0, None, whole(j));
             *p = Some(call.recv_exact(j, xb.len()).await?);
         }
     }
@@ -153,7 +185,7 @@ pub(crate) async fn all_gather<T: Transport>(
     call: &Call<'_, T>,
     x: &Tensor,
 ) -> Result<Vec<Tensor>> {
-    let parts = exchange_all(call, x).await?;
+    let parts = exchange_all(call, x, true).await?;
     parts
         .iter()
         .map(|p| match p {
@@ -169,17 +201,21 @@ pub(crate) async fn reduce_scatter<T: Transport>(
     xs: &[Tensor],
     op: ReduceOp,
 ) -> Result<Tensor> {
+    let numel = xs[call.me].numel();
     for k in 1..call.n {
         let j = (call.me + k) % call.n;
+        call.at(0, Some(Chunk::entry(j, numel)), None);
         call.send(j, xs[j].to_le_bytes()?).await?;
     }
-    let want = xs[call.me].numel() * 4;
+    let mine = Chunk::entry(call.me, numel);
+    call.at(0, None, Some(mine));
     let mut parts = vec![None; call.n];
     for (j, p) in parts.iter_mut().enumerate() {
         if j != call.me {
-            *p = Some(call.recv_exact(j, want).await?);
+            *p = Some(call.recv_exact(j, numel * 4).await?);
         }
     }
+    call.local(Action::Reduce, mine);
     Tensor::from_vec(
         fold(call, xs[call.me].cpu()?, &parts, op),
         xs[call.me].shape(),
@@ -193,6 +229,7 @@ pub(crate) async fn gather<T: Transport>(
     root: usize,
 ) -> Result<Option<Vec<Tensor>>> {
     if call.me != root {
+        call.at(0, Some(Chunk::entry(call.me, x.numel())), None);
         call.send(root, bytes_of(x, 0, x.numel()).await?).await?;
         return Ok(None);
     }
@@ -201,6 +238,7 @@ pub(crate) async fn gather<T: Transport>(
         if j == root {
             out.push(x.clone());
         } else {
+            call.at(0, None, Some(Chunk::entry(j, x.numel())));
             let b = call.recv_exact(j, x.numel() * 4).await?;
             out.push(Tensor::from_shared_le_bytes(b, x.shape())?);
         }
@@ -219,12 +257,15 @@ pub(crate) async fn scatter<T: Transport>(
             xs.ok_or_else(|| Error::invalid("scatter", "the root must pass the list to scatter"))?;
         for k in 1..call.n {
             let j = (root + k) % call.n;
+            call.at(0, Some(Chunk::entry(j, xs[j].numel())), None);
             call.send(j, encode_tensor_async(&xs[j]).await?).await?;
         }
         return Ok(xs[root].clone());
     }
     let b = call.recv(root).await?;
-    decode_tensor(b).ok_or_else(|| call.protocol(root, "malformed tensor"))
+    let t = decode_tensor(b).ok_or_else(|| call.protocol(root, "malformed tensor"))?;
+    call.received_as(Chunk::entry(call.me, t.numel()));
+    Ok(t)
 }
 
 /// List all_to_all: `xs[j]` goes to rank `j`; output `i` comes from rank `i`. Shapes may differ.
@@ -234,6 +275,7 @@ pub(crate) async fn all_to_all<T: Transport>(
 ) -> Result<Vec<Tensor>> {
     for k in 1..call.n {
         let j = (call.me + k) % call.n;
+        call.at(0, Some(Chunk::entry(j, xs[j].numel())), None);
         call.send(j, encode_tensor_async(&xs[j]).await?).await?;
     }
     let mut out = Vec::with_capacity(call.n);
@@ -241,8 +283,11 @@ pub(crate) async fn all_to_all<T: Transport>(
         if i == call.me {
             out.push(x.clone());
         } else {
+            // The sender's list entry for this rank (its size is only known once it has come).
             let b = call.recv(i).await?;
-            out.push(decode_tensor(b).ok_or_else(|| call.protocol(i, "malformed tensor"))?);
+            let t = decode_tensor(b).ok_or_else(|| call.protocol(i, "malformed tensor"))?;
+            call.received_as(Chunk::entry(call.me, t.numel()));
+            out.push(t);
         }
     }
     Ok(out)
@@ -267,12 +312,19 @@ pub(crate) async fn all_to_all_single<T: Transport>(
     // on a GPU only the pieces sent are read back).
     for k in 1..call.n {
         let j = (call.me + k) % call.n;
+        // Named as all_to_all names its list: the piece for rank j.
+        call.at(0, Some(Chunk::entry(j, in_splits[j] * row)), None);
         call.send(j, bytes_of(x, starts[j] * row, in_splits[j] * row).await?)
             .await?;
     }
     let mut parts = Vec::with_capacity(call.n);
     for (i, &rows) in out_splits.iter().enumerate() {
         let shape: Vec<usize> = std::iter::once(rows).chain(rest.iter().copied()).collect();
+        call.at(
+            0,
+            None,
+            Some(Chunk::entry(call.me, rows.saturating_mul(row))),
+        );
         if i == call.me {
             if in_splits[i] != rows {
                 return Err(Error::invalid(
@@ -309,6 +361,8 @@ pub(crate) async fn permute<T: Transport>(
     pairs: &[(usize, usize)],
 ) -> Result<Tensor> {
     let me = call.me;
+    let whole = Some(Chunk::whole(x.numel()));
+    call.at(0, whole, whole);
     if let Some(&(_, d)) = pairs.iter().find(|(s, d)| *s == me && *d != me) {
         call.send(d, bytes_of(x, 0, x.numel()).await?).await?;
     }
@@ -322,11 +376,15 @@ pub(crate) async fn permute<T: Transport>(
     }
 }
 
-/// Dissemination barrier: in round `k` send to `me + 2^k`, receive from `me - 2^k`.
-pub(crate) async fn barrier<T: Transport>(call: &Call<'_, T>) -> Result<()> {
+/// Dissemination barrier: in round `k` send to `me + 2^k`, receive from `me - 2^k` (recorded as
+/// rounds `first + k`).
+pub(crate) async fn barrier<T: Transport>(call: &Call<'_, T>, first: usize) -> Result<()> {
     let n = call.n;
     let mut d = 1;
+    let mut round = first;
     while d < n {
+        call.at(round, None, None);
+        round += 1;
         call.send((call.me + d) % n, Bytes::new()).await?;
         call.recv_exact((call.me + n - d) % n, 0).await?;
         d <<= 1;

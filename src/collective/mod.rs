@@ -9,6 +9,7 @@
 
 pub mod call;
 pub mod direct;
+pub mod events;
 pub mod p2p;
 pub mod ring;
 pub mod sig;

@@ -18,6 +18,7 @@ use std::time::Duration;
 use bytes::{Buf, BufMut, BytesMut};
 
 use super::call::{Call, decode_tensor, encode_tensor_async, with_timeout};
+use super::events::{Action, Algorithm, CallRecord, Recorder};
 use super::sig::{CallSig, Kind};
 use super::{Communicator, Group, ReduceOp, Spec, direct, list_shape, ring, tree};
 use crate::backend::Device;
@@ -142,6 +143,17 @@ impl Route {
         if ring { Route::Ring } else { Route::Exchange }
     }
 
+    /// The algorithm recorded for it.
+    fn algorithm(self) -> Algorithm {
+        match self {
+            Route::Exchange => Algorithm::Exchange,
+            Route::Ring => Algorithm::Ring,
+            Route::Pairwise => Algorithm::Pairwise,
+            Route::Shared => Algorithm::Shared,
+            Route::Star => Algorithm::Star,
+        }
+    }
+
     /// The code in the signature.
     fn code(self) -> u64 {
         match self {
@@ -177,6 +189,9 @@ pub struct CommOptions {
     pub confirm: bool,
     /// Record every call's signature (see [`P2p::take_calls`]); used by `distgrad vjp` to show duals.
     pub record_calls: bool,
+    /// Record what this rank does in every call: each message, local reduction and copy, with
+    /// its round, chunk and time (see [`P2p::take_events`]). Off, calls record nothing.
+    pub record_events: bool,
     /// Where tensors that arrive without an input of this rank's to follow are placed: `recv`'s
     /// result and `scatter`'s on non-root ranks. Other outputs live on their inputs' device.
     pub device: Device,
@@ -198,6 +213,7 @@ impl Default for CommOptions {
             segment_bytes: 256 * 1024,
             confirm: true,
             record_calls: false,
+            record_events: false,
             device: Device::Cpu,
             fold_on_device: true,
         }
@@ -225,6 +241,35 @@ impl CommOptions {
         }
     }
 
+    /// These options with every all_reduce, all_gather and reduce_scatter taking `algorithm`,
+    /// whatever the size (where the collective has it: an all_reduce of fewer elements than
+    /// ranks cannot take the ring or pairwise and takes the exchange): `ring`, `pairwise`,
+    /// `shared`, `exchange` or `star`, so the teaching views can show each on small tensors.
+    /// The others (the tree of rooted collectives, direct, point-to-point) are the collective's
+    /// own and cannot be chosen. Every rank of a group must choose the same.
+    pub fn with_algorithm(self, algorithm: Algorithm) -> Result<Self> {
+        let (ring_threshold, all_reduce, small_all_reduce) = match algorithm {
+            Algorithm::Ring => (0, AllReduceAlgo::Ring, self.small_all_reduce),
+            Algorithm::Pairwise => (0, AllReduceAlgo::Pairwise, self.small_all_reduce),
+            Algorithm::Shared => (0, AllReduceAlgo::Shared, self.small_all_reduce),
+            Algorithm::Exchange => (usize::MAX, self.all_reduce, SmallAllReduce::Exchange),
+            Algorithm::Star => (usize::MAX, self.all_reduce, SmallAllReduce::Star),
+            Algorithm::Tree | Algorithm::Direct | Algorithm::PointToPoint => {
+                return Err(Error::Input(format!(
+                    "the {} algorithm is not chosen: the collectives that take it always do \
+                     (choose ring, pairwise, shared, exchange or star)",
+                    algorithm.name()
+                )));
+            }
+        };
+        Ok(CommOptions {
+            ring_threshold,
+            all_reduce,
+            small_all_reduce,
+            ..self
+        })
+    }
+
     /// [`CommOptions::recorded`] for the ranks of a relay room, browser tabs and the native
     /// workers that join them alike (every rank of a group must choose the same algorithms):
     /// small all_reduces go through group rank 0 and back ([`SmallAllReduce::Star`]), where every
@@ -246,6 +291,7 @@ pub struct P2p<T: Transport> {
     seqs: RefCell<HashMap<u32, u64>>,
     p2p_seqs: RefCell<HashMap<(u32, usize, usize), u64>>,
     calls: RefCell<Vec<(u32, CallSig)>>,
+    events: RefCell<Vec<CallRecord>>,
     aborted: Cell<bool>,
     /// [`CommOptions::small_all_reduce`], changeable between calls ([`P2p::set_small_all_reduce`]).
     small: Cell<SmallAllReduce>,
@@ -260,6 +306,7 @@ impl<T: Transport> P2p<T> {
             seqs: RefCell::default(),
             p2p_seqs: RefCell::default(),
             calls: RefCell::default(),
+            events: RefCell::default(),
             aborted: Cell::new(false),
             small: Cell::new(opts.small_all_reduce),
             opts,
@@ -297,9 +344,20 @@ impl<T: Transport> P2p<T> {
         std::mem::take(&mut self.calls.borrow_mut())
     }
 
-    /// Start a collective on `group`: number it (its signature goes to the ring successor with the
-    /// call's first message).
-    pub(crate) async fn begin<'a>(&'a self, group: &'a Group, sig: CallSig) -> Result<Call<'a, T>> {
+    /// What this rank did in each call since the last `take_events`, in order, if recording is
+    /// on ([`CommOptions::record_events`]); a call that failed keeps what it did until then.
+    pub fn take_events(&self) -> Vec<CallRecord> {
+        std::mem::take(&mut self.events.borrow_mut())
+    }
+
+    /// Start a collective on `group` whose data takes `algorithm`: number it (its signature goes
+    /// to the ring successor with the call's first message).
+    pub(crate) async fn begin<'a>(
+        &'a self,
+        group: &'a Group,
+        sig: CallSig,
+        algorithm: Algorithm,
+    ) -> Result<Call<'a, T>> {
         let me = group.require_member(sig.kind.name())?;
         let seq = {
             let mut seqs = self.seqs.borrow_mut();
@@ -315,18 +373,23 @@ impl<T: Transport> P2p<T> {
             &self.transport,
             self.opts.timeout,
             group,
-            me,
-            seq,
+            (me, seq),
             sig,
+            self.opts.record_events.then_some(algorithm),
         ))
     }
 
     /// End a call: on success make sure the predecessor's signature was checked (where the call
-    /// checks it: see `Call::star`).
-    pub(crate) async fn finish<R>(&self, call: Call<'_, T>, r: Result<R>) -> Result<R> {
-        let v = r?;
-        call.check_pred().await?;
-        Ok(v)
+    /// checks it: see `Call::star`); keep its record.
+    pub(crate) async fn finish<R>(&self, mut call: Call<'_, T>, r: Result<R>) -> Result<R> {
+        let r = match r {
+            Ok(v) => call.check_pred().await.map(|()| v),
+            Err(e) => Err(e),
+        };
+        if let Some(rec) = call.take_record() {
+            self.events.borrow_mut().push(rec);
+        }
+        r
     }
 
     /// Run one collective; if it fails in any way (bad argument, mismatch, timeout, lost peer), abort
@@ -340,10 +403,18 @@ impl<T: Transport> P2p<T> {
 
     /// For collectives whose data does not reach every rank from every other rank: confirm agreement.
     /// (With two ranks each checks the other's signature anyway: `min_n` = 3 skips that case.)
-    async fn agree<R>(&self, call: &Call<'_, T>, r: Result<R>, min_n: usize) -> Result<R> {
+    /// The confirmation's rounds are recorded after the algorithm's `rounds`.
+    async fn agree<R>(
+        &self,
+        call: &Call<'_, T>,
+        r: Result<R>,
+        min_n: usize,
+        rounds: usize,
+    ) -> Result<R> {
         match r {
             Ok(v) if self.opts.confirm && call.n >= min_n => {
-                direct::barrier(call).await.map(|()| v)
+                call.confirming();
+                direct::barrier(call, rounds).await.map(|()| v)
             }
             r => r,
         }
@@ -367,6 +438,34 @@ impl<T: Transport> P2p<T> {
     /// Whether a reduction of a tensor on `dev` folds there (see [`CommOptions::fold_on_device`]).
     fn folds_on(&self, dev: &Device) -> bool {
         on_gpu(dev) && self.opts.fold_on_device
+    }
+
+    /// Record a point-to-point message, if events are on: `(action, global peer, payload bytes,
+    /// wire bytes)` of message `seq` between this rank (group rank `me`) and its peer.
+    fn record_p2p(
+        &self,
+        group: &Group,
+        (me, seq): (usize, u64),
+        sig: &CallSig,
+        (action, peer, bytes, wire): (Action, usize, usize, usize),
+    ) {
+        if !self.opts.record_events {
+            return;
+        }
+        let rec = Recorder::new(CallRecord {
+            rank: group.global(me),
+            group_rank: me,
+            group: group.id(),
+            members: group.ranks().to_vec(),
+            call: seq,
+            collective: sig.short(),
+            shape: sig.shape.clone(),
+            algorithm: Algorithm::PointToPoint,
+            events: Vec::new(),
+            total_us: 0.0,
+        });
+        rec.message(action, peer, bytes, wire, u32::from(action == Action::Send));
+        self.events.borrow_mut().push(rec.finish());
     }
 
     fn next_p2p_seq(&self, group: u32, from: usize, to: usize) -> u64 {
@@ -446,10 +545,14 @@ impl<T: Transport> Communicator for P2p<T> {
             let dev = x.device();
             group.check_rank("broadcast", "root", root)?;
             let call = self
-                .begin(group, Spec::Broadcast { root }.sig().shape(x.shape()))
+                .begin(
+                    group,
+                    Spec::Broadcast { root }.sig().shape(x.shape()),
+                    Algorithm::Tree,
+                )
                 .await?;
             let r = tree::broadcast(&call, x, root).await;
-            let r = self.agree(&call, r, 3).await;
+            let r = self.agree(&call, r, 3, tree::rounds(call.n)).await;
             self.finish(call, r).await?.to_device(&dev)
         })
         .await
@@ -469,10 +572,14 @@ impl<T: Transport> Communicator for P2p<T> {
             let x = &stage(x, x.numel() > 0 && self.folds_on(&dev)).await?;
             group.check_rank("reduce", "root", root)?;
             let call = self
-                .begin(group, Spec::Reduce { root, op }.sig().shape(x.shape()))
+                .begin(
+                    group,
+                    Spec::Reduce { root, op }.sig().shape(x.shape()),
+                    Algorithm::Tree,
+                )
                 .await?;
             let r = tree::reduce(&call, x, root, op).await;
-            let r = self.agree(&call, r, 3).await;
+            let r = self.agree(&call, r, 3, tree::rounds(call.n)).await;
             self.finish(call, r)
                 .await?
                 .map(|t| t.to_device(&dev))
@@ -509,7 +616,7 @@ impl<T: Transport> Communicator for P2p<T> {
                 _ => vec![route.code()],
             };
             let sig = Spec::AllReduce { op }.sig().shape(x.shape()).extra(extra);
-            let call = self.begin(group, sig).await?;
+            let call = self.begin(group, sig, route.algorithm()).await?;
             let r = match route {
                 Route::Star => direct::all_reduce_star(&call, &host, op).await,
                 Route::Exchange => direct::all_reduce(&call, &host, op).await,
@@ -527,10 +634,14 @@ impl<T: Transport> Communicator for P2p<T> {
             let dev = x.device();
             group.check_rank("gather", "root", root)?;
             let call = self
-                .begin(group, Spec::Gather { root }.sig().shape(x.shape()))
+                .begin(
+                    group,
+                    Spec::Gather { root }.sig().shape(x.shape()),
+                    Algorithm::Direct,
+                )
                 .await?;
             let r = direct::gather(&call, x, root).await;
-            let r = self.agree(&call, r, 3).await;
+            let r = self.agree(&call, r, 3, 1).await;
             self.finish(call, r)
                 .await?
                 .map(|l| to_device(&l, &dev))
@@ -563,9 +674,9 @@ impl<T: Transport> Communicator for P2p<T> {
                 }
                 (false, None) => {}
             }
-            let call = self.begin(group, sig).await?;
+            let call = self.begin(group, sig, Algorithm::Direct).await?;
             let r = direct::scatter(&call, xs, root).await;
-            let r = self.agree(&call, r, 3).await;
+            let r = self.agree(&call, r, 3, 1).await;
             self.finish(call, r).await?.to_device(&dev)
         })
         .await
@@ -579,7 +690,7 @@ impl<T: Transport> Communicator for P2p<T> {
                 .sig()
                 .shape(x.shape())
                 .extra(vec![Route::of(ring).code()]);
-            let call = self.begin(group, sig).await?;
+            let call = self.begin(group, sig, Route::of(ring).algorithm()).await?;
             let r = if ring {
                 ring::all_gather(&call, x).await
             } else {
@@ -608,7 +719,7 @@ impl<T: Transport> Communicator for P2p<T> {
                 .sig()
                 .shape(&shape)
                 .extra(vec![Route::of(ring).code()]);
-            let call = self.begin(group, sig).await?;
+            let call = self.begin(group, sig, Route::of(ring).algorithm()).await?;
             let r = if ring {
                 ring::reduce_scatter(&call, xs, op).await
             } else {
@@ -632,7 +743,9 @@ impl<T: Transport> Communicator for P2p<T> {
                     ),
                 ));
             }
-            let call = self.begin(group, Spec::AllToAll {}.sig()).await?;
+            let call = self
+                .begin(group, Spec::AllToAll {}.sig(), Algorithm::Direct)
+                .await?;
             let r = direct::all_to_all(&call, xs).await;
             to_device(&self.finish(call, r).await?, &dev)
         })
@@ -675,10 +788,11 @@ impl<T: Transport> Communicator for P2p<T> {
                 .begin(
                     group,
                     CallSig::new(Kind::AllToAllSingle).shape(&x.shape()[1..]),
+                    Algorithm::Direct,
                 )
                 .await?;
             let r = direct::all_to_all_single(&call, x, in_splits, out_splits).await;
-            let r = self.agree(&call, r, 2).await;
+            let r = self.agree(&call, r, 2, 1).await;
             self.finish(call, r).await?.to_device(&dev)
         })
         .await
@@ -702,6 +816,8 @@ impl<T: Transport> Communicator for P2p<T> {
             b.put_u32_le(sb.len() as u32);
             b.put_slice(&sb);
             b.put_slice(&data);
+            let message = (Action::Send, group.global(dst), data.len(), b.len());
+            self.record_p2p(group, (me, seq), &sig, message);
             let tag = Tag {
                 group: group.id(),
                 seq,
@@ -786,6 +902,7 @@ impl<T: Transport> Communicator for P2p<T> {
                         peer_call: format!("{theirs}"),
                     });
                 }
+                self.record_p2p(group, (me, seq), &sig, (Action::Recv, peer, msg.len(), 0));
                 decode_tensor(msg)
                     .ok_or_else(|| protocol("malformed tensor"))?
                     .to_device(&self.opts.device)
@@ -806,10 +923,11 @@ impl<T: Transport> Communicator for P2p<T> {
                 .begin(
                     group,
                     CallSig::new(Kind::Permute).shape(x.shape()).extra(extra),
+                    Algorithm::Direct,
                 )
                 .await?;
             let r = direct::permute(&call, x, pairs).await;
-            let r = self.agree(&call, r, 3).await;
+            let r = self.agree(&call, r, 3, 1).await;
             self.finish(call, r).await?.to_device(&dev)
         })
         .await
@@ -817,8 +935,10 @@ impl<T: Transport> Communicator for P2p<T> {
 
     async fn barrier(&self, group: &Group) -> Result<()> {
         self.guarded(async {
-            let call = self.begin(group, Spec::Barrier {}.sig()).await?;
-            let r = direct::barrier(&call).await;
+            let call = self
+                .begin(group, Spec::Barrier {}.sig(), Algorithm::Direct)
+                .await?;
+            let r = direct::barrier(&call, 0).await;
             self.finish(call, r).await
         })
         .await

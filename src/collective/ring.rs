@@ -12,6 +12,7 @@ use futures::future::try_join;
 use super::ReduceOp;
 use super::call::Call;
 use super::chunk_bounds;
+use super::events::{Action, Chunk};
 use crate::error::Result;
 use crate::tensor::Tensor;
 use crate::tensor::partial::{Partial, bytes_of};
@@ -37,20 +38,23 @@ pub(crate) async fn all_reduce<T: Transport>(
     let seg = (segment_bytes / 4).max(1) * call.n;
     let mut out = crate::pool::take(x.numel());
     let mut start = 0;
+    let mut round = 0;
     while start < x.numel() {
         let len = seg.min(x.numel() - start);
-        all_reduce_range(call, x, start, len, op, &mut out).await?;
+        all_reduce_range(call, x, (start, len), round, op, &mut out).await?;
         start += len;
+        round += 2 * (call.n - 1);
     }
     Tensor::from_vec(out, x.shape())?.to_device(&x.device())
 }
 
-/// One ring pass over elements `base..base+len` of `x`, appending the result to `out`.
+/// One ring pass over the `len` elements of `x` from `base`, appending the result to `out`; its
+/// steps recorded as rounds `round0..round0 + 2(n-1)`.
 async fn all_reduce_range<T: Transport>(
     call: &Call<'_, T>,
     x: &Tensor,
-    base: usize,
-    len: usize,
+    (base, len): (usize, usize),
+    round0: usize,
     op: ReduceOp,
     out: &mut Vec<f32>,
 ) -> Result<()> {
@@ -59,6 +63,7 @@ async fn all_reduce_range<T: Transport>(
         .into_iter()
         .map(|(s, l)| (base + s, l))
         .collect();
+    let chunk = |c: usize| Chunk::part(c, n, chunks[c].0, chunks[c].1);
 
     // Reduce-scatter: at step s send chunk me-s, receive chunk me-s-1 and fold in our part of it.
     let (s0, l0) = chunks[me];
@@ -66,7 +71,9 @@ async fn all_reduce_range<T: Transport>(
     for s in 0..n - 1 {
         let c = (me + 2 * n - s - 1) % n;
         let (cs, cl) = chunks[c];
+        call.at(round0 + s, Some(chunk((c + 1) % n)), Some(chunk(c)));
         let got = step(call, msg, cl * 4).await?;
+        call.local(Action::Reduce, chunk(c));
         let mut acc = Partial::combine(x, cs, cl, op.combine(), &got)?;
         if s == n - 2 {
             acc.finish(op.final_scale(call.n))?;
@@ -74,27 +81,31 @@ async fn all_reduce_range<T: Transport>(
         msg = acc.into_bytes().await?;
     }
     // All-gather: we own chunk me+1.
-    gather_phase(call, &chunks, msg, out).await
+    gather_phase(call, &chunks, round0 + n - 1, msg, out).await
 }
 
-/// all_reduce's second half: this rank owns finished chunk `me+1` (`msg`); pass the finished chunks
-/// around unchanged, then append them all, in order, to `out`.
+/// all_reduce's second half, from round `round0`: this rank owns finished chunk `me+1` (`msg`);
+/// pass the finished chunks around unchanged, then append them all, in order, to `out`.
 async fn gather_phase<T: Transport>(
     call: &Call<'_, T>,
     chunks: &[(usize, usize)],
+    round0: usize,
     mut msg: Bytes,
     out: &mut Vec<f32>,
 ) -> Result<()> {
     let (n, me) = (call.n, call.me);
+    let chunk = |c: usize| Chunk::part(c, n, chunks[c].0, chunks[c].1);
     let mut parts: Vec<Bytes> = vec![Bytes::new(); n];
     parts[(me + 1) % n] = msg.clone();
     for s in 0..n - 1 {
         let c = (me + n - s) % n;
+        call.at(round0 + s, Some(chunk((c + 1) % n)), Some(chunk(c)));
         let got = step(call, msg, chunks[c].1 * 4).await?;
         parts[c] = got.clone();
         msg = got;
     }
-    for p in &parts {
+    for (c, p) in parts.iter().enumerate() {
+        call.local(Action::Copy, chunk(c));
         crate::pool::extend_from_le_bytes(out, p);
     }
     Ok(())
@@ -108,8 +119,10 @@ pub(crate) async fn all_gather<T: Transport>(
     let (n, me) = (call.n, call.me);
     let mut parts: Vec<Bytes> = vec![Bytes::new(); n];
     let mut out = bytes_of(x, 0, x.numel()).await?;
+    let whole = |c: usize| Some(Chunk::entry(c, x.numel()));
     for s in 0..n - 1 {
         let c = (me + 2 * n - s - 1) % n;
+        call.at(s, whole((c + 1) % n), whole(c));
         let got = step(call, out, x.numel() * 4).await?;
         parts[c] = got.clone();
         out = got;
@@ -141,7 +154,10 @@ pub(crate) async fn reduce_scatter<T: Transport>(
     let mut out = bytes_of(&xs[(me + n - 1) % n], 0, numel).await?;
     for s in 0..n - 1 {
         let b = (me + 2 * n - 2 - s) % n;
+        let block = |b: usize| Chunk::entry(b, numel);
+        call.at(s, Some(block((b + 1) % n)), Some(block(b)));
         let got = step(call, out, numel * 4).await?;
+        call.local(Action::Reduce, block(b));
         let mut acc = Partial::combine(&xs[b], 0, numel, op.combine(), &got)?;
         if s == n - 2 {
             acc.finish(op.final_scale(call.n))?;

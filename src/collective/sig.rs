@@ -393,6 +393,25 @@ impl Reader<'_> {
     }
 }
 
+impl CallSig {
+    /// The collective with its op and root, as the teaching views name it:
+    /// `all_reduce(op=sum)`, `broadcast(root=2)`, `all_gather`.
+    pub fn short(&self) -> String {
+        let mut args = Vec::new();
+        if let Some(op) = self.op {
+            args.push(format!("op={}", op.name()));
+        }
+        if let Some(r) = self.root {
+            args.push(format!("root={r}"));
+        }
+        if args.is_empty() {
+            self.kind.name().to_string()
+        } else {
+            format!("{}({})", self.kind.name(), args.join(", "))
+        }
+    }
+}
+
 impl fmt::Display for CallSig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}(", self.kind.name())?;

@@ -48,6 +48,7 @@
 //! One file per view (`collective.rs`, `steps.rs`, `training.rs`, `objectives.rs`), each a `run`
 //! giving this rank's steps; the trace types, assembling and rendering traces in `trace.rs`.
 
+pub mod algorithm;
 mod collective;
 mod objectives;
 mod steps;

@@ -372,16 +372,5 @@ pub async fn run_case_interleaved(
 }
 
 pub(crate) fn short_sig(s: &crate::collective::CallSig) -> String {
-    let mut args = Vec::new();
-    if let Some(op) = s.op {
-        args.push(format!("op={}", op.name()));
-    }
-    if let Some(r) = s.root {
-        args.push(format!("root={r}"));
-    }
-    if args.is_empty() {
-        s.kind.name().to_string()
-    } else {
-        format!("{}({})", s.kind.name(), args.join(", "))
-    }
+    s.short()
 }
