@@ -75,6 +75,8 @@ say "the room benchmark, repeated in fresh tabs (tests/browser/bench.mjs; figure
 node tests/browser/bench.mjs --bin "$bin" --dist dist --net channel --device gpu --ports both --runs 2
 say "end-to-end: every lesson of the teaching demo in 3 tabs and in single-tab mode (tests/browser/lessons.mjs)"
 node tests/browser/lessons.mjs --bin "$bin" --dist dist --out "$out"
+say "end-to-end: the algorithm view, round by round, at 3, 4, 5 and 8 ranks and a phone's width (tests/browser/algorithm.mjs)"
+node tests/browser/algorithm.mjs --bin "$bin" --dist dist --out "$out"
 say "end-to-end: programs and the gradient check in 3 tabs and in single-tab mode (tests/browser/programs.mjs)"
 node tests/browser/programs.mjs --bin "$bin" --dist dist --out "$out"
 say "end-to-end: hidden tabs against visible ones, over MessageChannels (net=channel) and the relay (tests/browser/hidden.mjs)"

@@ -454,6 +454,22 @@ fn data_parallel_replicas_stay_identical_and_the_loss_falls() {
     }
 }
 
+/// The trace with its events' times zeroed.
+fn untimed(mut t: lesson::Trace) -> lesson::Trace {
+    for record in t
+        .steps
+        .iter_mut()
+        .flat_map(|s| &mut s.calls)
+        .flat_map(|c| &mut c.ranks)
+    {
+        record.total_us = 0.0;
+        for e in &mut record.events {
+            e.t_us = 0.0;
+        }
+    }
+    t
+}
+
 #[test]
 fn interleaved_and_threaded_ranks_give_the_same_trace() {
     for name in [
@@ -470,7 +486,8 @@ fn interleaved_and_threaded_ranks_give_the_same_trace() {
         });
         let traces = results.into_iter().map(|r| r.unwrap()).collect();
         let b = lesson::assemble(&l, traces).unwrap();
-        assert_eq!(a, b, "{name}");
+        // The events' times differ between runs; all else must not.
+        assert_eq!(untimed(a), untimed(b), "{name}");
     }
 }
 
@@ -595,7 +612,7 @@ fn distgrad_run_prints_the_trace() {
         .output()
         .unwrap();
     let t: Trace = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(t, simulate(&load("all_gather"), 4));
+    assert_eq!(untimed(t), untimed(simulate(&load("all_gather"), 4)));
     // Errors: exit code 2 and a message, no panic.
     let out = Command::new(bin)
         .args(["run", "/nonexistent.json"])

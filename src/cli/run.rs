@@ -31,9 +31,10 @@ pub struct RunArgs {
     /// each local fold and copy, and each rank's totals (with --json: every rank's records).
     #[arg(long, conflicts_with = "print_program")]
     events: bool,
-    /// With --events: the algorithm of the collectives that have a choice (all_reduce,
-    /// all_gather, reduce_scatter), whatever the size: ring, pairwise, shared, exchange or star.
-    #[arg(long, requires = "events", value_parser = parse_algorithm)]
+    /// The algorithm of the collectives that have a choice (all_reduce, all_gather,
+    /// reduce_scatter), whatever the size: ring, pairwise, shared, exchange or star (a
+    /// collective lesson's trace then shows each call's events, as --events does).
+    #[arg(long, conflicts_with = "print_program", value_parser = parse_algorithm)]
     algorithm: Option<distgrad::collective::events::Algorithm>,
 }
 
@@ -54,17 +55,22 @@ pub fn run(a: RunArgs) -> distgrad::Result<()> {
         return print_program(&work.program_for(world)?, world, &what);
     }
     let device = a.device.open()?;
+    let mut opts = distgrad::CommOptions {
+        device: device.clone(),
+        ..distgrad::CommOptions::recorded()
+    };
+    // The algorithm asked for, else a lesson's own.
+    let lesson_algorithm = match &work {
+        Work::Lesson(l) => l.algorithm,
+        Work::Program(_) => None,
+    };
+    if let Some(algorithm) = a.algorithm.or(lesson_algorithm) {
+        opts = opts.with_algorithm(algorithm)?;
+    }
     if a.events {
         let plan = work.program_for(world)?.plan(Some(world))?;
-        let opts = distgrad::CommOptions {
-            device,
-            ..distgrad::CommOptions::recorded()
-        };
-        let events = futures::executor::block_on(distgrad::lesson::algorithm::run_simulated(
-            &plan,
-            opts,
-            a.algorithm,
-        ))?;
+        let events =
+            futures::executor::block_on(distgrad::lesson::algorithm::run_simulated(&plan, opts))?;
         if a.json {
             let text = serde_json::to_string(&events)
                 .map_err(|e| distgrad::Error::Input(e.to_string()))?;
@@ -75,13 +81,13 @@ pub fn run(a: RunArgs) -> distgrad::Result<()> {
         return Ok(());
     }
     let lesson = match work {
-        Work::Program(program) => return run_program(&program, world, a.json, &device),
+        Work::Program(program) => return run_program(&program, world, a.json, opts),
         Work::Lesson(lesson) => lesson,
     };
-    let trace = futures::executor::block_on(distgrad::lesson::run_simulated(
+    let trace = futures::executor::block_on(distgrad::lesson::run_simulated_with(
         &lesson,
         world,
-        &device,
+        opts,
         &[],
     ))?;
     if a.json {
@@ -119,12 +125,13 @@ fn run_program(
     program: &distgrad::program::Program,
     world: usize,
     json: bool,
-    device: &distgrad::backend::Device,
+    opts: distgrad::CommOptions,
 ) -> distgrad::Result<()> {
     let plan = program.plan(Some(world))?;
     let opts = distgrad::CommOptions {
-        device: device.clone(),
-        ..distgrad::CommOptions::default()
+        record_calls: false,
+        timeout: distgrad::CommOptions::default().timeout,
+        ..opts
     };
     let runs = distgrad::program::run_local(&plan, opts)?;
     print_runs(program, &plan, &runs, json)

@@ -166,6 +166,24 @@ impl Route {
     }
 }
 
+/// `algorithm` if a call can be made to take it, else why not.
+fn choosable(algorithm: Algorithm) -> Result<Algorithm> {
+    match algorithm {
+        Algorithm::Ring
+        | Algorithm::Pairwise
+        | Algorithm::Shared
+        | Algorithm::Exchange
+        | Algorithm::Star => Ok(algorithm),
+        Algorithm::Tree | Algorithm::Direct | Algorithm::PointToPoint => {
+            Err(Error::Input(format!(
+                "the {} algorithm is not chosen: the collectives that take it always do \
+             (choose ring, pairwise, shared, exchange or star)",
+                algorithm.name()
+            )))
+        }
+    }
+}
+
 /// Tuning and safety knobs of a [`P2p`] communicator.
 #[derive(Debug, Clone)]
 pub struct CommOptions {
@@ -191,7 +209,12 @@ pub struct CommOptions {
     pub record_calls: bool,
     /// Record what this rank does in every call: each message, local reduction and copy, with
     /// its round, chunk and time (see [`P2p::take_events`]). Off, calls record nothing.
+    /// Changeable between calls ([`P2p::set_record_events`]).
     pub record_events: bool,
+    /// The algorithm every all_reduce, all_gather and reduce_scatter takes whatever its size,
+    /// where it can ([`CommOptions::with_algorithm`]); `None`: chosen by size and the options
+    /// above. Changeable between calls ([`P2p::set_algorithm`]).
+    pub algorithm: Option<Algorithm>,
     /// Where tensors that arrive without an input of this rank's to follow are placed: `recv`'s
     /// result and `scatter`'s on non-root ranks. Other outputs live on their inputs' device.
     pub device: Device,
@@ -214,6 +237,7 @@ impl Default for CommOptions {
             confirm: true,
             record_calls: false,
             record_events: false,
+            algorithm: None,
             device: Device::Cpu,
             fold_on_device: true,
         }
@@ -243,29 +267,14 @@ impl CommOptions {
 
     /// These options with every all_reduce, all_gather and reduce_scatter taking `algorithm`,
     /// whatever the size (where the collective has it: an all_reduce of fewer elements than
-    /// ranks cannot take the ring or pairwise and takes the exchange): `ring`, `pairwise`,
-    /// `shared`, `exchange` or `star`, so the teaching views can show each on small tensors.
-    /// The others (the tree of rooted collectives, direct, point-to-point) are the collective's
-    /// own and cannot be chosen. Every rank of a group must choose the same.
+    /// ranks cannot take the ring or pairwise and takes the exchange; all_gather and
+    /// reduce_scatter have the ring and the exchange): `ring`, `pairwise`, `shared`, `exchange`
+    /// or `star`, so the teaching views can show each on small tensors. The others (the tree of
+    /// rooted collectives, direct, point-to-point) are the collective's own and cannot be chosen.
+    /// Every rank of a group must choose the same.
     pub fn with_algorithm(self, algorithm: Algorithm) -> Result<Self> {
-        let (ring_threshold, all_reduce, small_all_reduce) = match algorithm {
-            Algorithm::Ring => (0, AllReduceAlgo::Ring, self.small_all_reduce),
-            Algorithm::Pairwise => (0, AllReduceAlgo::Pairwise, self.small_all_reduce),
-            Algorithm::Shared => (0, AllReduceAlgo::Shared, self.small_all_reduce),
-            Algorithm::Exchange => (usize::MAX, self.all_reduce, SmallAllReduce::Exchange),
-            Algorithm::Star => (usize::MAX, self.all_reduce, SmallAllReduce::Star),
-            Algorithm::Tree | Algorithm::Direct | Algorithm::PointToPoint => {
-                return Err(Error::Input(format!(
-                    "the {} algorithm is not chosen: the collectives that take it always do \
-                     (choose ring, pairwise, shared, exchange or star)",
-                    algorithm.name()
-                )));
-            }
-        };
         Ok(CommOptions {
-            ring_threshold,
-            all_reduce,
-            small_all_reduce,
+            algorithm: Some(choosable(algorithm)?),
             ..self
         })
     }
@@ -295,6 +304,10 @@ pub struct P2p<T: Transport> {
     aborted: Cell<bool>,
     /// [`CommOptions::small_all_reduce`], changeable between calls ([`P2p::set_small_all_reduce`]).
     small: Cell<SmallAllReduce>,
+    /// [`CommOptions::record_events`], changeable ([`P2p::set_record_events`]).
+    recording: Cell<bool>,
+    /// [`CommOptions::algorithm`], changeable ([`P2p::set_algorithm`]).
+    forced: Cell<Option<Algorithm>>,
 }
 
 impl<T: Transport> P2p<T> {
@@ -309,6 +322,8 @@ impl<T: Transport> P2p<T> {
             events: RefCell::default(),
             aborted: Cell::new(false),
             small: Cell::new(opts.small_all_reduce),
+            recording: Cell::new(opts.record_events),
+            forced: Cell::new(opts.algorithm),
             opts,
         }
     }
@@ -337,6 +352,34 @@ impl<T: Transport> P2p<T> {
     /// the other in the same run. Every rank of a group must change it before the same call.
     pub fn set_small_all_reduce(&self, algo: SmallAllReduce) {
         self.small.set(algo);
+    }
+
+    /// Record events from the next call on (or stop); returns whether it recorded before.
+    pub fn set_record_events(&self, on: bool) -> bool {
+        self.recording.replace(on)
+    }
+
+    /// The algorithm the calls that follow take where they have the choice
+    /// ([`CommOptions::with_algorithm`]; `None`: by size). Every rank of a group must set the
+    /// same before the same call.
+    pub fn set_algorithm(&self, algorithm: Option<Algorithm>) -> Result<()> {
+        self.forced.set(algorithm.map(choosable).transpose()?);
+        Ok(())
+    }
+
+    /// The algorithm set by [`P2p::set_algorithm`] (or the options).
+    pub fn algorithm(&self) -> Option<Algorithm> {
+        self.forced.get()
+    }
+
+    /// Whether a call of `numel` elements per rank on `n` ranks goes around the ring (or, for
+    /// an all_reduce, pairwise): the forced algorithm if any, else by size.
+    fn large(&self, numel: usize, n: usize) -> bool {
+        match self.forced.get() {
+            Some(Algorithm::Ring | Algorithm::Pairwise | Algorithm::Shared) => n > 1,
+            Some(_) => false,
+            None => n > 1 && numel * 4 >= self.opts.ring_threshold,
+        }
     }
 
     /// The calls made since the last `take_calls` as `(group id, signature)`, if recording is on.
@@ -375,7 +418,7 @@ impl<T: Transport> P2p<T> {
             group,
             (me, seq),
             sig,
-            self.opts.record_events.then_some(algorithm),
+            self.recording.get().then_some(algorithm),
         ))
     }
 
@@ -449,7 +492,7 @@ impl<T: Transport> P2p<T> {
         sig: &CallSig,
         (action, peer, bytes, wire): (Action, usize, usize, usize),
     ) {
-        if !self.opts.record_events {
+        if !self.recording.get() {
             return;
         }
         let rec = Recorder::new(CallRecord {
@@ -592,18 +635,26 @@ impl<T: Transport> Communicator for P2p<T> {
         self.guarded(async {
             let dev = x.device();
             let n = group.size();
-            let ring = n > 1 && x.numel() * 4 >= self.opts.ring_threshold && x.numel() >= n;
+            let ring = self.large(x.numel(), n) && x.numel() >= n;
             // A GPU tensor's ring runs its local steps on the GPU (with `fold_on_device`);
             // everything else on the host.
             let host = stage(x, ring && self.folds_on(&dev)).await?;
             // The algorithm (and the ring's segment size) is part of the call: ranks configured
             // differently fail with a mismatch naming both, not with a confusing byte count.
-            let algo = match self.opts.all_reduce {
-                AllReduceAlgo::Auto if self.transport.shares_memory() => AllReduceAlgo::Shared,
-                AllReduceAlgo::Auto => AllReduceAlgo::Ring,
-                a => a,
+            let algo = match (self.forced.get(), self.opts.all_reduce) {
+                (Some(Algorithm::Ring), _) => AllReduceAlgo::Ring,
+                (Some(Algorithm::Pairwise), _) => AllReduceAlgo::Pairwise,
+                (Some(Algorithm::Shared), _) => AllReduceAlgo::Shared,
+                (_, AllReduceAlgo::Auto) if self.transport.shares_memory() => AllReduceAlgo::Shared,
+                (_, AllReduceAlgo::Auto) => AllReduceAlgo::Ring,
+                (_, a) => a,
             };
-            let star = !ring && n > 2 && self.small.get() == SmallAllReduce::Star;
+            let small = match self.forced.get() {
+                Some(Algorithm::Star) => SmallAllReduce::Star,
+                Some(Algorithm::Exchange) => SmallAllReduce::Exchange,
+                _ => self.small.get(),
+            };
+            let star = !ring && n > 2 && small == SmallAllReduce::Star;
             let route = match (ring, algo) {
                 (false, _) if star => Route::Star,
                 (false, _) => Route::Exchange,
@@ -685,7 +736,7 @@ impl<T: Transport> Communicator for P2p<T> {
     async fn all_gather(&self, x: &Tensor, group: &Group) -> Result<Vec<Tensor>> {
         self.guarded(async {
             let dev = x.device();
-            let ring = group.size() > 1 && x.numel() * 4 >= self.opts.ring_threshold;
+            let ring = self.large(x.numel(), group.size());
             let sig = Spec::AllGather {}
                 .sig()
                 .shape(x.shape())
@@ -706,7 +757,7 @@ impl<T: Transport> Communicator for P2p<T> {
             let dev = xs.first().map_or(Device::Cpu, Tensor::device);
             let shape = list_shape("reduce_scatter", xs, group.size())?;
             let numel: usize = shape.iter().product();
-            let ring = group.size() > 1 && numel * 4 >= self.opts.ring_threshold;
+            let ring = self.large(numel, group.size());
             // GPU inputs of a ring keep their local steps on the GPU (with `fold_on_device`).
             let gpu_ring =
                 ring && numel > 0 && self.folds_on(&dev) && xs.iter().all(|x| x.device() == dev);

@@ -84,6 +84,105 @@ impl CallAcross {
     }
 }
 
+/// Which ranks' values a cell holds: bit `r` for global rank `r` (a world has at most 64).
+pub type Contributors = u64;
+
+/// The cell of the algorithm view a chunk is drawn in: its list entry, or its chunk number.
+fn cell(c: &Chunk) -> usize {
+    c.entry.map_or(c.index as usize, |e| e as usize)
+}
+
+impl CallAcross {
+    /// How many cells the view draws per rank: the chunks of the algorithm's split, or the
+    /// entries of the collective's list, or 1 (a whole tensor).
+    pub fn cells(&self) -> usize {
+        self.ranks
+            .iter()
+            .flat_map(|r| &r.events)
+            .filter_map(|e| e.chunk)
+            .map(|c| c.entry.map_or(c.of as usize, |e| e as usize + 1))
+            .max()
+            .unwrap_or(1)
+            .max(1)
+    }
+
+    /// What every rank holds of every cell before the first round (`[0]`) and after each round
+    /// (`[k + 1]`), index = position in [`CallAcross::ranks`]: the ranks whose values each cell
+    /// holds. Read off the events alone: a message carries what its sender held at the start
+    /// of the round; the receiver folds it in where it recorded a fold of that cell in that
+    /// round, else takes it as it is. `None` for the collectives whose cells are not one
+    /// tensor's chunks on every rank (all_to_all, permute, send/recv, barrier).
+    pub fn holdings(&self) -> Option<Vec<Vec<Vec<Contributors>>>> {
+        let kind = self.collective.split('(').next().unwrap_or("");
+        let listed_by_source = matches!(kind, "gather" | "all_gather");
+        if !matches!(
+            kind,
+            "all_reduce" | "reduce" | "reduce_scatter" | "broadcast" | "scatter"
+        ) && !listed_by_source
+        {
+            return None;
+        }
+        let cells = self.cells();
+        let at = |i: usize| -> Option<usize> {
+            let r = self.ranks[i].rank;
+            (r < 64).then_some(r)
+        };
+        // At the start a rank holds its own value of a cell when it folds into that cell (a
+        // fold includes its own value) or sends it before receiving it (a gather's root holds
+        // its own entry, a scatter's root its whole list).
+        let mut state: Vec<Vec<Contributors>> = Vec::with_capacity(self.ranks.len());
+        for (i, r) in self.ranks.iter().enumerate() {
+            let me = 1u64 << at(i)?;
+            let mut held = vec![0; cells];
+            for (c, h) in held.iter_mut().enumerate() {
+                let mut about = r
+                    .events
+                    .iter()
+                    .filter(|e| !e.confirm && e.chunk.is_some_and(|k| cell(&k) == c));
+                let folds = about.clone().any(|e| e.action == Action::Reduce);
+                let first = about.find(|e| e.action != Action::Copy).map(|e| e.action);
+                let own = match first {
+                    _ if folds => true,
+                    Some(Action::Send) => true,
+                    _ if kind == "gather" => c == r.group_rank,
+                    _ if kind == "scatter" => r.of(Action::Send).next().is_some(),
+                    _ => false,
+                };
+                if own {
+                    *h = me;
+                }
+            }
+            state.push(held);
+        }
+        let index: HashMap<usize, usize> = self
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.rank, i))
+            .collect();
+        let mut out = vec![state.clone()];
+        for round in 0..self.rounds() {
+            let before = state.clone();
+            for (i, r) in self.ranks.iter().enumerate() {
+                let here = |a: Action| r.of(a).filter(move |e| e.round == round && !e.confirm);
+                for e in here(Action::Recv) {
+                    let (Some(peer), Some(chunk)) = (e.peer, e.chunk) else {
+                        continue;
+                    };
+                    let (c, &p) = (cell(&chunk), index.get(&peer)?);
+                    let got = *before.get(p)?.get(c)?;
+                    let folds =
+                        here(Action::Reduce).any(|f| f.chunk.is_some_and(|k| cell(&k) == c));
+                    let held = state.get_mut(i)?.get_mut(c)?;
+                    *held = if folds { *held | got } else { got };
+                }
+            }
+            out.push(state.clone());
+        }
+        Some(out)
+    }
+}
+
 /// Every call of a run, forward then backward.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Events {
@@ -150,19 +249,13 @@ pub async fn rank_events<T: Transport>(
 
 /// Run `plan` on its world of ranks simulated in this process (interleaved on this task: the
 /// page's single-tab mode and `distgrad run --events`) with `opts` (events recorded whatever
-/// they say), its collectives taking `algorithm` where they have the choice.
-pub async fn run_simulated(
-    plan: &Plan,
-    opts: CommOptions,
-    algorithm: Option<Algorithm>,
-) -> Result<Events> {
-    let mut opts = CommOptions {
+/// they say; [`CommOptions::algorithm`] where the collectives have the choice).
+pub async fn run_simulated(plan: &Plan, opts: CommOptions) -> Result<Events> {
+    let algorithm = opts.algorithm;
+    let opts = CommOptions {
         record_events: true,
         ..opts
     };
-    if let Some(a) = algorithm {
-        opts = opts.with_algorithm(a)?;
-    }
     let results = crate::in_process::run_interleaved(plan.world(), opts, |comm| async move {
         rank_events(&comm, plan).await
     })

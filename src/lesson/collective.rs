@@ -53,6 +53,7 @@ pub(super) async fn run<T: Transport>(
         vec![Named::tensors("y", r.outputs)],
     );
     f.collective = Some(name);
+    f.events = r.events.0;
     let mut b = step(
         format!("backward: {dual}"),
         Phase::Backward,
@@ -60,6 +61,7 @@ pub(super) async fn run<T: Transport>(
         vec![Named::tensors("dL/dx", r.grads)],
     );
     b.collective = Some(dual);
+    b.events = r.events.1;
     Ok(vec![
         step(
             "inputs".into(),

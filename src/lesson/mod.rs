@@ -17,7 +17,9 @@
 //!  "world": 3,                                              (the world it is written for)
 //!  "steps": 20, "lr": 0.3,                    (kind program: train it data-parallel)
 //!  "compare_objectives": true,             (kind program: differentiate it under both objectives)
-//!  "program": {...}}                                        (kind program: a program's JSON)
+//!  "program": {...},                                       (kind program: a program's JSON)
+//!  "algorithm": "ring"}                  (optional: what its collectives take where they have
+//!                                        the choice, whatever the size; default the room's)
 //! ```
 //! `"format"` may be left out of lesson files written before it (a `"kind"` says lesson).
 //!
@@ -57,6 +59,7 @@ mod training;
 
 use serde::{Deserialize, Serialize};
 
+use crate::collective::events::Algorithm;
 use crate::collective::{CommOptions, Communicator, Kind, P2p, ReduceOp};
 use crate::error::{Error, ProgramError, Result};
 use crate::program::{Format, MAX_WORLD, Plan, Program};
@@ -84,6 +87,9 @@ pub struct Lesson {
     pub view: View,
     /// What it runs, for [`Lesson::world`] ranks.
     pub program: Program,
+    /// The algorithm its collectives take where they have the choice (`"algorithm": "ring"`,
+    /// whatever the tensors' size: [`CommOptions::with_algorithm`]); `None`: the room's.
+    pub algorithm: Option<Algorithm>,
 }
 
 /// How a lesson is shown (the page and `distgrad run` alike).
@@ -211,6 +217,8 @@ struct LessonFile {
     compare_objectives: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     program: Option<Program>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    algorithm: Option<Algorithm>,
 }
 
 /// Most training steps a lesson may ask for.
@@ -249,6 +257,11 @@ impl TryFrom<LessonFile> for Lesson {
             (_, Some(p)) => p,
             (_, None) => return Err(at("kind \"program\" needs a \"program\"".into())),
         };
+        if let Some(a) = f.algorithm {
+            CommOptions::default()
+                .with_algorithm(a)
+                .map_err(|e| at(e.to_string()))?;
+        }
         Ok(Lesson {
             name: f.name,
             title: f.title,
@@ -256,6 +269,7 @@ impl TryFrom<LessonFile> for Lesson {
             world,
             view,
             program,
+            algorithm: f.algorithm,
         })
     }
 }
@@ -325,6 +339,7 @@ impl From<Lesson> for LessonFile {
             lr: None,
             compare_objectives: false,
             program: Some(l.program),
+            algorithm: l.algorithm,
         };
         match l.view {
             View::Collective(form) => {
@@ -437,6 +452,7 @@ fn step(label: String, phase: Phase, arrows: Vec<(usize, usize)>, values: Vec<Na
         collective: None,
         arrows,
         values,
+        events: Vec::new(),
     }
 }
 
@@ -453,17 +469,40 @@ pub async fn rank_trace<T: Transport>(
     own_input: Option<Vec<TensorJson>>,
 ) -> Result<RankTrace> {
     let me = comm.rank();
-    let world = comm.world_size();
     comm.take_calls();
-    let steps = match &lesson.view {
+    // The lessons that show steps record what each rank did, for the algorithm view; the
+    // lesson's algorithm holds for its run.
+    let shows = matches!(lesson.view, View::Collective(_) | View::Steps);
+    let recorded = comm.set_record_events(shows);
+    let algorithm = comm.algorithm();
+    if lesson.algorithm.is_some() {
+        comm.set_algorithm(lesson.algorithm)?;
+    }
+    let steps = run_view(comm, lesson, own_input).await;
+    comm.set_record_events(recorded);
+    comm.set_algorithm(algorithm)?;
+    comm.take_events();
+    Ok(RankTrace {
+        rank: me,
+        steps: steps?,
+    })
+}
+
+/// This rank's steps of `lesson` (see [`rank_trace`]).
+async fn run_view<T: Transport>(
+    comm: &P2p<T>,
+    lesson: &Lesson,
+    own_input: Option<Vec<TensorJson>>,
+) -> Result<Vec<RankStep>> {
+    let world = comm.world_size();
+    Ok(match &lesson.view {
         View::Collective(form) => collective::run(comm, form, own_input).await?,
         View::Steps => steps::run(comm, &lesson.plan_for(world)?).await?,
         View::Train { steps, lr } => {
             training::run(comm, lesson, &lesson.plan_for(world)?, *steps, *lr).await?
         }
         View::CompareObjectives => objectives::run(comm, lesson).await?,
-    };
-    Ok(RankTrace { rank: me, steps })
+    })
 }
 
 /// The calls this rank's communicator recorded since the last look, in order.
@@ -492,6 +531,28 @@ pub async fn run_simulated(
     let opts = CommOptions {
         device: device.clone(),
         ..CommOptions::recorded()
+    };
+    run_simulated_with(lesson, world, opts, inputs).await
+}
+
+/// [`run_simulated`] with the communicators' options (`opts`: e.g. an algorithm chosen,
+/// [`CommOptions::with_algorithm`]; calls are recorded whatever they say).
+pub async fn run_simulated_with(
+    lesson: &Lesson,
+    world: usize,
+    opts: CommOptions,
+    inputs: &[Option<Vec<TensorJson>>],
+) -> Result<Trace> {
+    if world == 0 || world > MAX_WORLD {
+        return Err(ProgramError::World {
+            world,
+            max: MAX_WORLD,
+        }
+        .into());
+    }
+    let opts = CommOptions {
+        record_calls: true,
+        ..opts
     };
     let results = crate::in_process::run_interleaved(world, opts, |comm| async move {
         let own = inputs.get(comm.rank()).cloned().flatten();

@@ -8,6 +8,7 @@
 //! `objectives.rs`.)
 
 use super::*;
+use crate::collective::events::CallRecord;
 use crate::program::{StepView, TracedRun, trace_rank};
 
 /// Show `plan` (the lesson's program for this group) step by step (see the module docs).
@@ -15,24 +16,34 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, plan: &Plan) -> Result<Vec<
     let program = plan.program();
     let views = plan.views();
     comm.take_calls();
-    // The collectives each tape node's backward ran on this rank.
-    let mut ran_by_node: Vec<(usize, Vec<String>)> = Vec::new();
+    comm.take_events();
+    // The collectives each tape node's backward ran on this rank, and what it did in them.
+    let mut ran_by_node: Vec<(usize, Vec<String>, Vec<CallRecord>)> = Vec::new();
+    let mut forward_events = Vec::new();
     let run = trace_rank(
         comm,
         plan,
         || {
             comm.take_calls();
+            forward_events = comm.take_events();
         },
         &mut |k| {
             let calls = recorded(comm);
             if !calls.is_empty() {
-                ran_by_node.push((k, calls));
+                ran_by_node.push((k, calls, comm.take_events()));
             }
         },
     )
     .await?;
     let me = comm.rank();
     let mut steps = forward_steps(program, &views, &run, me).await?;
+    // Each collective step this rank runs makes one call, in order: step k is steps[k + 1].
+    let mut forward_events = forward_events.into_iter();
+    for (k, v) in views.iter().enumerate() {
+        if v.collective.is_some() && v.ranks.contains(&me) {
+            steps[k + 1].events.extend(forward_events.next());
+        }
+    }
     let mut cotangents = Vec::new();
     let mut listed = std::collections::HashSet::new();
     // Each name once (ranks may bind one name in different steps: a pipeline's h0 is computed on
@@ -62,8 +73,13 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, plan: &Plan) -> Result<Vec<
         let nodes = run.nodes.get(k).cloned().unwrap_or_default();
         let calls: Vec<String> = ran_by_node
             .iter()
-            .filter(|(n, _)| nodes.contains(n))
-            .flat_map(|(_, c)| c.iter().cloned())
+            .filter(|(n, _, _)| nodes.contains(n))
+            .flat_map(|(_, c, _)| c.iter().cloned())
+            .collect();
+        let events: Vec<CallRecord> = ran_by_node
+            .iter()
+            .filter(|(n, _, _)| nodes.contains(n))
+            .flat_map(|(_, _, e)| e.iter().cloned())
             .collect();
         // The cotangent that arrives at the step's result, and what its dual makes of it (on
         // the ranks that ran the step).
@@ -89,6 +105,7 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, plan: &Plan) -> Result<Vec<
         );
         // Ranks outside the step ran nothing for it; the step names what its members ran.
         b.collective = (!calls.is_empty()).then(|| calls.join(" + "));
+        b.events = events;
         steps.push(b);
     }
     let mut grads = Vec::new();

@@ -5,6 +5,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::Lesson;
+use super::algorithm::{CallAcross, collate};
+use crate::collective::events::CallRecord;
 use crate::error::{Error, Result};
 use crate::vjp::{self, TensorJson};
 
@@ -85,6 +87,10 @@ pub struct RankStep {
     pub arrows: Vec<(usize, usize)>,
     /// This rank's values.
     pub values: Vec<Named>,
+    /// What this rank did in the step's collective calls, as its communicator recorded them
+    /// (empty where it recorded none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub events: Vec<CallRecord>,
 }
 
 /// One rank's trace of a lesson.
@@ -110,6 +116,10 @@ pub struct Step {
     pub arrows: Vec<(usize, usize)>,
     /// Every rank's values, index = rank.
     pub ranks: Vec<Vec<Named>>,
+    /// The step's collective calls as every rank recorded them: the algorithm view's data
+    /// (empty where none were recorded).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub calls: Vec<CallAcross>,
 }
 
 /// A lesson's trace: what the page shows and `distgrad run` prints.
@@ -144,8 +154,10 @@ pub fn assemble(lesson: &Lesson, traces: Vec<RankTrace>) -> Result<Trace> {
             collective: s.collective.clone(),
             arrows: s.arrows.clone(),
             ranks: Vec::with_capacity(world),
+            calls: Vec::new(),
         })
         .collect();
+    let mut events: Vec<Vec<Vec<CallRecord>>> = vec![Vec::with_capacity(world); steps.len()];
     for (r, t) in traces.into_iter().enumerate() {
         if t.rank != r || t.steps.len() != steps.len() {
             return Err(Error::Input(format!(
@@ -155,12 +167,18 @@ pub fn assemble(lesson: &Lesson, traces: Vec<RankTrace>) -> Result<Trace> {
                 steps.len()
             )));
         }
-        for (s, rs) in steps.iter_mut().zip(t.steps) {
+        for ((s, rs), ev) in steps.iter_mut().zip(t.steps).zip(&mut events) {
             // A step where only some ranks communicate names what the first of them recorded.
             if s.collective.is_none() {
                 s.collective = rs.collective;
             }
             s.ranks.push(rs.values);
+            ev.push(rs.events);
+        }
+    }
+    for (s, ev) in steps.iter_mut().zip(events) {
+        if ev.iter().any(|e| !e.is_empty()) {
+            s.calls = collate(s.phase, ev);
         }
     }
     Ok(Trace {

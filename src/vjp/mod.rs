@@ -33,6 +33,7 @@ mod table;
 
 use serde::{Deserialize, Serialize};
 
+use crate::collective::events::CallRecord;
 use crate::collective::{CommOptions, Communicator, Kind, P2p};
 use crate::error::{Error, ProgramError, Result};
 #[cfg(not(target_arch = "wasm32"))]
@@ -241,6 +242,10 @@ pub struct RankResult {
     pub grads: Vec<TensorJson>,
     /// The collectives this rank's backward pass ran (empty outside the group).
     pub dual: Vec<String>,
+    /// What this rank did in the forward call and in its dual, where the communicator records
+    /// events ([`crate::collective::P2p::set_record_events`]): `(forward, backward)`.
+    #[serde(skip)]
+    pub events: (Vec<CallRecord>, Vec<CallRecord>),
 }
 
 /// This rank's part of a case's answer, run on `comm` (any transport): the case's program
@@ -257,15 +262,19 @@ pub async fn rank_result<T: Transport>(comm: &P2p<T>, prepared: &Prepared) -> Re
         )));
     }
     comm.take_calls();
+    comm.take_events();
+    let mut forward = Vec::new();
     let run = trace_rank(
         comm,
         &prepared.plan,
         || {
             comm.take_calls();
+            forward = comm.take_events();
         },
         &mut |_| {},
     )
     .await?;
+    let events = (forward, comm.take_events());
     let dual = comm
         .take_calls()
         .iter()
@@ -290,6 +299,7 @@ pub async fn rank_result<T: Transport>(comm: &P2p<T>, prepared: &Prepared) -> Re
         outputs,
         grads,
         dual,
+        events,
     })
 }
 

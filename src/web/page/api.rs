@@ -12,7 +12,7 @@ use crate::vjp::{self, RankResult};
 
 use super::bus::request;
 use super::dom::{doc, el, show_error, show_notice};
-use super::lessons::{control, on_edit};
+use super::lessons::{algo_round, chosen_algorithm, control, on_edit};
 use super::params::enc;
 use super::play::{on_run_click, request_from_form, run_case, show_results};
 use super::programs::{editor, load_example, on_program_file, program_here, request_program};
@@ -134,7 +134,8 @@ fn install_view_api(api: &js_sys::Object) {
     let f = Closure::<dyn Fn(String) -> js_sys::Promise>::new(|name: String| {
         promise(async move {
             let a = app()?;
-            request(&a, Bus::Lesson { name }).await?;
+            let algorithm = chosen_algorithm();
+            request(&a, Bus::Lesson { name, algorithm }).await?;
             Ok("requested".into())
         })
     });
@@ -165,7 +166,8 @@ fn install_run_api(api: &js_sys::Object) {
                         RankResult {
                             outputs: Vec::new(),
                             grads: Vec::new(),
-                            dual: Vec::new()
+                            dual: Vec::new(),
+                            events: Default::default(),
                         };
                         me
                     ];
@@ -298,7 +300,8 @@ fn install_panel_handlers() {
         e.prevent_default();
         let name = el::<HtmlSelectElement>("lesson").map_or_else(String::new, |s| s.value());
         view(|v| v.inputs.iter_mut().for_each(|x| *x = None));
-        control(Bus::Lesson { name });
+        let algorithm = chosen_algorithm();
+        control(Bus::Lesson { name, algorithm });
     });
     on("program-form", "submit", |e| {
         e.prevent_default();
@@ -315,6 +318,30 @@ fn install_panel_handlers() {
     on("edit-form", "submit", |e| {
         e.prevent_default();
         on_edit();
+    });
+    on("algo-first", "click", |_| algo_round(|_, _| None));
+    on("algo-back", "click", |_| {
+        algo_round(|r, last| match r {
+            None => Some(last),
+            Some(0) => None,
+            Some(k) => Some(k - 1),
+        })
+    });
+    on("algo-next", "click", |_| {
+        algo_round(|r, last| match r {
+            None => Some(0),
+            Some(k) if k >= last => None,
+            Some(k) => Some(k + 1),
+        })
+    });
+    on("algo-choice", "change", |_| {
+        // Every tab runs the lesson again with the algorithm chosen, at the same step.
+        let (name, step) = view(|v| (v.lesson.as_ref().map(|l| l.name.clone()), v.step));
+        if let Some(name) = name {
+            let algorithm = chosen_algorithm();
+            control(Bus::Lesson { name, algorithm });
+            control(Bus::Goto { step });
+        }
     });
     on("step", "click", |_| control(Bus::Step));
     on("back", "click", |_| control(Bus::Back));

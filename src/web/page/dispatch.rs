@@ -63,13 +63,16 @@ pub(super) fn perform(app: &App, msg: Bus) -> LocalBoxFuture<'_, ()> {
             Bus::Run { case } => run_and_show(app, &case).await,
             Bus::Program { text, check } => perform_program(app, &text, check).await,
             Bus::Bench {} => bench(app).await,
-            Bus::Lesson { name } => {
-                if let Err(e) = run_lesson(app, &name).await {
+            Bus::Lesson { name, algorithm } => {
+                if let Err(e) = run_lesson(app, &name, algorithm).await {
                     show_error(&format!("lesson {name}: {e}"));
                 }
             }
             Bus::Goto { step } => {
-                view(|v| v.step = step);
+                view(|v| {
+                    v.step = step;
+                    v.round = None;
+                });
                 render_lesson();
             }
             Bus::Step | Bus::Back | Bus::Reset | Bus::Play | Bus::Pause => {}

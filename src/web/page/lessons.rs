@@ -9,12 +9,14 @@ use wasm_bindgen::JsCast;
 use wasm_bindgen_futures::{JsFuture, spawn_local};
 use web_sys::{HtmlElement, HtmlInputElement, HtmlSelectElement};
 
+use crate::collective::events::Algorithm;
 use crate::collective::{Communicator, P2p};
 use crate::error::{Error, Result};
 use crate::lesson;
 use crate::transport::Transport;
 use crate::transport::browser::BrowserTransport;
 use crate::vjp::TensorJson;
+use crate::web::algorithm_view::{call_svg, caption, messages_text};
 use crate::web::lesson_view::{step_note, step_table};
 
 use super::bus::{next_tag, request};
@@ -86,12 +88,17 @@ pub(super) fn lesson_name_ok(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
-pub(super) async fn run_lesson(app: &App, name: &str) -> Result<()> {
+/// Run lesson `name` on every tab (this tab's part), its collectives taking `algorithm` where
+/// they have the choice (`None`: the lesson's own).
+pub(super) async fn run_lesson(app: &App, name: &str, algorithm: Option<Algorithm>) -> Result<()> {
     if !lesson_name_ok(name) {
         return Err(Error::Input(format!("bad lesson name {name:?}")));
     }
     set_text("phase", &format!("running lesson {name}"));
-    let lesson = lesson::parse(&fetch_text(&format!("lessons/{name}.json")).await?)?;
+    let mut lesson = lesson::parse(&fetch_text(&format!("lessons/{name}.json")).await?)?;
+    if algorithm.is_some() {
+        lesson.algorithm = algorithm;
+    }
     let _busy = app.busy.lock().await;
     let inputs = view(|v| v.inputs.clone());
     let trace = match &app.comm {
@@ -111,6 +118,7 @@ pub(super) async fn run_lesson(app: &App, name: &str) -> Result<()> {
         v.lesson = Some(lesson.clone());
         v.trace = Some(trace);
         v.step = 0;
+        v.round = None;
         v.playing = false;
     });
     state(|s| {
@@ -188,7 +196,7 @@ pub(super) fn render_lesson() {
             format!("{} ", esc(&trace.title)),
             esc(&trace.why),
             format!("Step {k} of {}: {}", trace.steps.len() - 1, st.label),
-            diagram(world, me, &present, Some(st)),
+            diagram(world, me, &present, Some(&with_sent_arrows(st))),
             table,
             note,
             plot,
@@ -219,6 +227,7 @@ pub(super) fn render_lesson() {
         None => set_hidden("lesson-plot", true),
     }
     set_hidden("edit-form", !editable);
+    render_algorithm();
     let failed = state(|s| s.phase == "failed");
     for (id, off) in [
         ("step", k + 1 >= len),
@@ -235,6 +244,97 @@ pub(super) fn render_lesson() {
         }
     }
     set_text("play", if playing { "Pause" } else { "Play" });
+}
+
+/// `st` with its arrows where messages really went, where its calls were recorded (the ring's
+/// n arrows instead of the n(n−1) of who needs whose data); as it is otherwise.
+fn with_sent_arrows(st: &lesson::Step) -> lesson::Step {
+    let mut arrows = Vec::new();
+    for call in &st.calls {
+        for k in 0..call.rounds() {
+            for m in call.messages(k).iter().filter(|m| !m.confirm) {
+                if !arrows.contains(&(m.from, m.to)) {
+                    arrows.push((m.from, m.to));
+                }
+            }
+        }
+    }
+    let mut out = st.clone();
+    if !arrows.is_empty() {
+        out.arrows = arrows;
+    }
+    out
+}
+
+/// The algorithm chosen in the algorithm view's list (`None`: the lesson's own).
+pub(super) fn chosen_algorithm() -> Option<Algorithm> {
+    el::<HtmlSelectElement>("algo-choice")
+        .map(|s| s.value())
+        .filter(|v| !v.is_empty())
+        .and_then(|v| Algorithm::parse(&v).ok())
+}
+
+/// Move the algorithm view to the round `to(round, last round)` says, on this tab.
+pub(super) fn algo_round(to: impl FnOnce(Option<u32>, u32) -> Option<u32>) {
+    view(|v| {
+        let last = v
+            .trace
+            .as_ref()
+            .and_then(|t| t.steps.get(v.step))
+            .and_then(|st| st.calls.first())
+            .map_or(0, |c| c.rounds().saturating_sub(1));
+        v.round = to(v.round, last);
+    });
+    render_algorithm();
+}
+
+/// The algorithm view of the step shown: its first collective call, round by round (hidden
+/// where the step ran none or none was recorded).
+fn render_algorithm() {
+    let width = el::<HtmlElement>("algo-svg")
+        .map(|e| f64::from(e.client_width()))
+        .filter(|w| *w > 0.0)
+        .unwrap_or(480.0)
+        .min(520.0);
+    let shown = view(|v| {
+        let st = v.trace.as_ref()?.steps.get(v.step)?;
+        let call = st.calls.first()?;
+        let round = v.round.filter(|&k| k < call.rounds());
+        let items: String = round
+            .map(|k| messages_text(call, k))
+            .unwrap_or_default()
+            .iter()
+            .map(|m| format!("<li>{}</li>", esc(m)))
+            .collect();
+        Some((
+            caption(call, round),
+            call_svg(call, round, width).into_string(),
+            items,
+            round,
+            call.rounds(),
+        ))
+    });
+    let Some((cap, svg, items, round, rounds)) = shown else {
+        set_hidden("algo", true);
+        return;
+    };
+    set_hidden("algo", false);
+    set_text("algo-caption", &cap);
+    set_html("algo-svg", &svg);
+    set_html("algo-messages", &items);
+    for (id, off) in [
+        ("algo-first", round.is_none()),
+        ("algo-back", rounds == 0),
+        ("algo-next", rounds == 0),
+    ] {
+        if let Some(b) = el::<HtmlElement>(id) {
+            if off {
+                let _ = b.set_attribute("disabled", "");
+            } else {
+                let _ = b.remove_attribute("disabled");
+            }
+        }
+    }
 }
 
 /// "1, 6 | 2, 4": tensors separated by `|`, shaped like the lesson's inputs on `rank`.
@@ -304,7 +404,8 @@ pub(super) fn on_edit() {
             });
             show_notice("");
             if let Some(name) = view(|v| v.lesson.as_ref().map(|l| l.name.clone())) {
-                control(Bus::Lesson { name });
+                let algorithm = chosen_algorithm();
+                control(Bus::Lesson { name, algorithm });
             }
         }
         Err(e) => show_notice(&format!("input not changed: {e}")),

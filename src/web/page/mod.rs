@@ -63,6 +63,7 @@ use web_sys::{HtmlElement, HtmlSelectElement};
 
 use crate::backend::{Choice, Device};
 use crate::collective::P2p;
+use crate::collective::events::Algorithm;
 use crate::error::{Error, Result};
 use crate::lesson::{Lesson, Trace};
 use crate::transport::Transport;
@@ -146,9 +147,12 @@ enum Bus {
     },
     /// Run the room benchmark on every rank.
     Bench {},
-    /// Run a lesson on every rank.
+    /// Run a lesson on every rank (its collectives taking `algorithm` where they have the
+    /// choice, instead of the lesson's).
     Lesson {
         name: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        algorithm: Option<Algorithm>,
     },
     /// Show step `step` (announced by rank 0).
     Goto {
@@ -191,6 +195,8 @@ struct View {
     lesson: Option<Lesson>,
     trace: Option<Trace>,
     step: usize,
+    /// The algorithm view's round (`None`: the call's result), this tab's own.
+    round: Option<u32>,
     playing: bool,
     /// Edited inputs, per rank (a tab edits only its own).
     inputs: Vec<Option<Vec<TensorJson>>>,
@@ -453,7 +459,10 @@ fn open_linked_lesson(app: &App) {
     };
     let leader = app.comm.as_ref().is_none_or(|c| c.transport().rank() == 0);
     if let (Some(name), true) = (name, leader) {
-        control(Bus::Lesson { name });
+        control(Bus::Lesson {
+            name,
+            algorithm: None,
+        });
         if let Some(step) = step {
             control(Bus::Goto { step });
         }

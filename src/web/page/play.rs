@@ -37,6 +37,7 @@ pub(super) async fn run_and_show(app: &App, case: &Case) {
                         outputs: o.clone(),
                         grads: g.clone(),
                         dual: vec![out.dual.clone()],
+                        events: Default::default(),
                     })
                     .collect();
                 state(|s| {
@@ -58,7 +59,8 @@ pub(super) async fn run_and_show(app: &App, case: &Case) {
                 RankResult {
                     outputs: Vec::new(),
                     grads: Vec::new(),
-                    dual: Vec::new()
+                    dual: Vec::new(),
+                    events: Default::default(),
                 };
                 me
             ];
