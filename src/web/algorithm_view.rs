@@ -69,7 +69,7 @@ pub fn caption(call: &CallAcross, round: Option<u32>) -> String {
         Algorithm::Exchange => "every rank sends its data straight to every rank that needs it",
         Algorithm::Star => "every rank sends to rank 0, which folds and sends the result back",
         Algorithm::Tree => {
-            "a binomial tree: the number of ranks holding the data doubles each round"
+            "a binomial tree: every rank holding the data passes it on, so the number holding it at most doubles each round"
         }
         Algorithm::Direct => "every message goes straight from its source to its destination",
         Algorithm::PointToPoint => "one message from one rank to another",

@@ -12,7 +12,7 @@ import { execFileSync } from 'node:child_process';
 import { mkdirSync } from 'node:fs';
 import { join } from 'node:path';
 import { chromium } from 'playwright-core';
-import { parseArgs, startRelay, waitFor, watch } from './common.mjs';
+import { parseArgs, sleep, startRelay, waitFor, watch } from './common.mjs';
 
 const args = parseArgs(process.argv.slice(2));
 const DIST = args.dist ?? 'dist';
@@ -58,6 +58,17 @@ async function open(ctx, lesson, n, step) {
 /** The page's trace's calls at `step`. */
 const callsAt = async (page, step) => JSON.parse(await page.evaluate(() => window.distgrad.lessonTrace())).steps[step].calls ?? [];
 
+/** The algorithm view's caption once it contains `text` (the round goes through the page's bus),
+ * or as it is after 10 s. */
+async function captionWith(page, text) {
+  const t0 = Date.now();
+  for (;;) {
+    const c = await page.textContent('#algo-caption');
+    if (c.includes(text) || Date.now() - t0 > 10000) return c;
+    await sleep(50);
+  }
+}
+
 /**
  * Step the algorithm view through every round of the step shown: `rounds` rounds, `arrows(k)`
  * arrows in round k; a screenshot of rounds `shots` says (true, false, or a function of k),
@@ -67,7 +78,7 @@ async function walk(page, name, rounds, arrows, shots) {
   if (await page.isHidden('#algo')) { fail(`${name}: the algorithm view is hidden`); return; }
   for (let k = 0; k < rounds; k++) {
     await page.click('#algo-next');
-    const caption = await page.textContent('#algo-caption');
+    const caption = await captionWith(page, `round ${k + 1} of ${rounds}`);
     if (!caption.includes(`round ${k + 1} of ${rounds}`)) fail(`${name}: round ${k + 1}: caption "${caption}"`);
     const got = await page.locator('#algo-svg .algo-msg').count();
     if (got !== arrows(k)) fail(`${name}: round ${k + 1}: ${got} arrows, expected ${arrows(k)}`);
@@ -78,7 +89,7 @@ async function walk(page, name, rounds, arrows, shots) {
   }
   // One more: the result, every cell full.
   await page.click('#algo-next');
-  const caption = await page.textContent('#algo-caption');
+  const caption = await captionWith(page, 'result');
   if (!caption.includes('result')) fail(`${name}: after the last round the caption says "${caption}"`);
 }
 
@@ -133,6 +144,7 @@ try {
   const page = await open(phone, 'ring_all_reduce', 4, 1);
   await walk(page, 'ring-4-phone', 6, () => 4, false);
   await page.click('#algo-next');
+  await captionWith(page, 'round 1 of 6');
   await page.locator('#algo').screenshot({ path: join(OUT, 'ring-4-phone-r1.png') });
   const wide = await page.evaluate(() => document.documentElement.scrollWidth);
   if (wide > 390) fail(`phone width: the page is ${wide} px wide (scrolls sideways)`);

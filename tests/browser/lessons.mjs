@@ -183,6 +183,18 @@ async function main() {
         await byRank[0].click('#back');
       }
       await waitFor(byRank, (s) => s.lesson_step === 1, 10000, `${name}: back`);
+      // The algorithm view's rounds: Round ▶ on rank 2 moves every tab's view.
+      if (expected[name].algorithm_named) {
+        await byRank[2].click('#algo-next');
+        const want = `round 1 of ${2 * (WORLD - 1)}`;
+        const t0 = Date.now();
+        for (;;) {
+          const caps = await Promise.all(byRank.map((p) => p.textContent('#algo-caption')));
+          if (caps.every((c) => c.includes(want))) break;
+          if (Date.now() - t0 > 10000) { fail(`${name}: Round ▶ on rank 2: captions ${JSON.stringify(caps)}`); break; }
+          await sleep(100);
+        }
+      }
       await checkShown(byRank[1], traces[1], 1, `lesson ${name}`);
       // Keyboard: → on rank 1 steps every tab.
       await byRank[1].focus('#step');

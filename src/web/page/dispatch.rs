@@ -8,7 +8,7 @@ use std::rc::Rc;
 use futures::future::LocalBoxFuture;
 
 use super::dom::{set_html, set_text, show_error, show_notice};
-use super::lessons::{render_lesson, run_lesson, start_playing};
+use super::lessons::{render_lesson, run_lesson, show_round, start_playing};
 use super::play::run_and_show;
 use super::programs::{perform_program, plan_text};
 use super::room_bench::{bench_room, show_bench};
@@ -75,6 +75,7 @@ pub(super) fn perform(app: &App, msg: Bus) -> LocalBoxFuture<'_, ()> {
                 });
                 render_lesson();
             }
+            Bus::Round { step, round } => show_round(step, round),
             Bus::Step | Bus::Back | Bus::Reset | Bus::Play | Bus::Pause => {}
         }
     })

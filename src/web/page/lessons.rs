@@ -274,18 +274,31 @@ pub(super) fn chosen_algorithm() -> Option<Algorithm> {
         .and_then(|v| Algorithm::parse(&v).ok())
 }
 
-/// Move the algorithm view to the round `to(round, last round)` says, on this tab.
+/// Move the algorithm view to the round `to(round, last round)` says, on every tab.
 pub(super) fn algo_round(to: impl FnOnce(Option<u32>, u32) -> Option<u32>) {
-    view(|v| {
+    let (step, round) = view(|v| {
         let last = v
             .trace
             .as_ref()
             .and_then(|t| t.steps.get(v.step))
             .and_then(|st| st.calls.first())
             .map_or(0, |c| c.rounds().saturating_sub(1));
-        v.round = to(v.round, last);
+        (v.step, to(v.round, last))
     });
-    render_algorithm();
+    control(Bus::Round { step, round });
+}
+
+/// Show round `round` of the algorithm view (announced), if this tab is at step `step`.
+pub(super) fn show_round(step: usize, round: Option<u32>) {
+    if view(|v| {
+        let here = v.step == step;
+        if here {
+            v.round = round;
+        }
+        here
+    }) {
+        render_algorithm();
+    }
 }
 
 /// The algorithm view of the step shown: its first collective call, round by round (hidden
@@ -306,19 +319,25 @@ fn render_algorithm() {
             .iter()
             .map(|m| format!("<li>{}</li>", esc(m)))
             .collect();
+        // Only all_reduce, all_gather and reduce_scatter have a choice of algorithm.
+        let chooses = !matches!(
+            call.algorithm,
+            Algorithm::Tree | Algorithm::Direct | Algorithm::PointToPoint
+        );
         Some((
             caption(call, round),
             call_svg(call, round, width).into_string(),
             items,
-            round,
-            call.rounds(),
+            (round, call.rounds()),
+            chooses,
         ))
     });
-    let Some((cap, svg, items, round, rounds)) = shown else {
+    let Some((cap, svg, items, (round, rounds), chooses)) = shown else {
         set_hidden("algo", true);
         return;
     };
     set_hidden("algo", false);
+    set_hidden("algo-choose", !chooses);
     set_text("algo-caption", &cap);
     set_html("algo-svg", &svg);
     set_html("algo-messages", &items);

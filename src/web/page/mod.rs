@@ -158,6 +158,11 @@ enum Bus {
     Goto {
         step: usize,
     },
+    /// Show round `round` of the algorithm view at step `step` (`None`: the call's result).
+    Round {
+        step: usize,
+        round: Option<u32>,
+    },
     /// Requests that rank 0 turns into a `Goto`.
     Step,
     Back,
