@@ -100,20 +100,7 @@ impl<'a, T: Transport> Call<'a, T> {
     ) -> Self {
         let n = group.size();
         let sig_bytes = sig.encode();
-        let rec = record.map(|algorithm| {
-            Recorder::new(CallRecord {
-                rank: group.global(me),
-                group_rank: me,
-                group: group.id(),
-                members: group.ranks().to_vec(),
-                call: seq,
-                collective: sig.short(),
-                shape: sig.shape.clone(),
-                algorithm,
-                events: Vec::new(),
-                total_us: 0.0,
-            })
-        });
+        let rec = record.map(|a| Recorder::new(CallRecord::head(group, (me, seq), &sig, a)));
         Call {
             transport,
             timeout,

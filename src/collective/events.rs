@@ -223,6 +223,28 @@ pub struct CallRecord {
 }
 
 impl CallRecord {
+    /// An empty record of call `seq` of `group` with signature `sig`, made by group rank `me`,
+    /// its data taking `algorithm`.
+    pub(crate) fn head(
+        group: &super::Group,
+        (me, seq): (usize, u64),
+        sig: &super::CallSig,
+        algorithm: Algorithm,
+    ) -> CallRecord {
+        CallRecord {
+            rank: group.global(me),
+            group_rank: me,
+            group: group.id(),
+            members: group.ranks().to_vec(),
+            call: seq,
+            collective: sig.short(),
+            shape: sig.shape.clone(),
+            algorithm,
+            events: Vec::new(),
+            total_us: 0.0,
+        }
+    }
+
     /// The payload bytes this rank sent.
     pub fn sent_bytes(&self) -> u64 {
         self.of(Action::Send).map(|e| e.bytes).sum()

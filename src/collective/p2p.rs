@@ -495,18 +495,8 @@ impl<T: Transport> P2p<T> {
         if !self.recording.get() {
             return;
         }
-        let rec = Recorder::new(CallRecord {
-            rank: group.global(me),
-            group_rank: me,
-            group: group.id(),
-            members: group.ranks().to_vec(),
-            call: seq,
-            collective: sig.short(),
-            shape: sig.shape.clone(),
-            algorithm: Algorithm::PointToPoint,
-            events: Vec::new(),
-            total_us: 0.0,
-        });
+        let head = CallRecord::head(group, (me, seq), sig, Algorithm::PointToPoint);
+        let rec = Recorder::new(head);
         rec.message(action, peer, bytes, wire, u32::from(action == Action::Send));
         self.events.borrow_mut().push(rec.finish());
     }

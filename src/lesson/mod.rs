@@ -521,13 +521,6 @@ pub async fn run_simulated(
     device: &crate::backend::Device,
     inputs: &[Option<Vec<TensorJson>>],
 ) -> Result<Trace> {
-    if world == 0 || world > MAX_WORLD {
-        return Err(ProgramError::World {
-            world,
-            max: MAX_WORLD,
-        }
-        .into());
-    }
     let opts = CommOptions {
         device: device.clone(),
         ..CommOptions::recorded()
