@@ -6,7 +6,7 @@
 //! ([`Objective::Replicated`]) inputs that are invariant are first made varying, and all_reduce
 //! outputs are invariant across the group.
 
-use crate::autograd::{Collective, Objective, Op, Tape, Var};
+use crate::autograd::{Collective, DualRule, Objective, Op, Tape, Var};
 use crate::collective::{Communicator, Group, ReduceOp, Spec};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -51,6 +51,7 @@ fn record(
         spec,
         group: group.clone(),
         replicated: false,
+        rule: DualRule::Distgrad,
     };
     tape.record(Op::Collective(c), inputs, outputs, None)
 }
@@ -112,6 +113,7 @@ pub async fn all_reduce<C: Communicator>(
         spec: Spec::AllReduce { op },
         group: group.clone(),
         replicated,
+        rule: DualRule::Distgrad,
     };
     let inv = replicated.then(|| group.clone());
     Ok(x.tape()

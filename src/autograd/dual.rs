@@ -32,6 +32,8 @@ use crate::collective::{Communicator, Group, ReduceOp, Spec};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
+pub use super::wrong::DualRule;
+
 /// A collective as the tape records it: the call's description ([`Spec`], the one place its
 /// arguments live) and its group, or the replicated mode's conversion of an invariant value.
 #[derive(Debug, Clone)]
@@ -44,6 +46,8 @@ pub enum Collective {
         group: Group,
         /// all_reduce under the replicated objective: the output was marked invariant.
         replicated: bool,
+        /// Which backward runs: distgrad's dual unless a lesson asked for a wrong one.
+        rule: DualRule,
     },
     /// Replicated mode: an invariant value used as a per-rank value.
     PVary {
@@ -61,11 +65,18 @@ pub(crate) async fn dual<C: Communicator>(
     ys: &[Tensor],
     gs: &[Tensor],
 ) -> Result<Vec<Tensor>> {
+    if let Collective::Call { rule, .. } = c
+        && *rule != DualRule::Distgrad
+        && let Some(gx) = super::wrong::dual(*rule, c, comm, xs, ys, gs).await?
+    {
+        return Ok(gx);
+    }
     let (spec, group, replicated) = match c {
         Collective::Call {
             spec,
             group,
             replicated,
+            ..
         } => (spec, group, *replicated),
         Collective::PVary { group } => {
             return Ok(vec![comm.all_reduce(&gs[0], ReduceOp::Sum, group).await?]);

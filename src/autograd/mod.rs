@@ -12,6 +12,7 @@
 mod backward;
 pub mod dual;
 mod ops;
+mod wrong;
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -19,7 +20,7 @@ use std::rc::Rc;
 use crate::collective::Group;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-pub use dual::Collective;
+pub use dual::{Collective, DualRule};
 
 /// What global objective a backward pass differentiates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -240,6 +241,18 @@ impl Tape {
             });
         }
         outs
+    }
+
+    /// Make the collective calls among nodes `nodes` (as [`Tape::len`] counts them) run the wrong
+    /// dual `rule` in backward: a program step's `"dual"` (a teaching lesson's; see
+    /// [`DualRule`]), and nothing else.
+    pub(crate) fn use_dual(&self, nodes: std::ops::Range<usize>, rule: DualRule) {
+        let mut t = self.0.borrow_mut();
+        for n in t.nodes.get_mut(nodes).into_iter().flatten() {
+            if let Op::Collective(Collective::Call { rule: r, .. }) = &mut n.op {
+                *r = rule;
+            }
+        }
     }
 
     fn value_of(&self, id: usize) -> Tensor {

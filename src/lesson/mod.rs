@@ -17,9 +17,11 @@
 //!  "world": 3,                                              (the world it is written for)
 //!  "steps": 20, "lr": 0.3,                    (kind program: train it data-parallel)
 //!  "compare_objectives": true,             (kind program: differentiate it under both objectives)
+//!  "compare_duals": true,                  (kind program: its wrong "dual" beside distgrad's)
 //!  "program": {...},                                       (kind program: a program's JSON)
-//!  "algorithm": "ring"}                  (optional: what its collectives take where they have
+//!  "algorithm": "ring",                  (optional: what its collectives take where they have
 //!                                        the choice, whatever the size; default the room's)
+//!  "min_world": 3}                       (optional: the fewest ranks it runs on, default 1)
 //! ```
 //! `"format"` may be left out of lesson files written before it (a `"kind"` says lesson).
 //!
@@ -42,6 +44,11 @@
 //!   parameters' gradients (inputs with gradient, equal on every rank at the start) are averaged
 //!   with all_reduce(AVG) and every rank steps; per step the loss of this rank and of the group,
 //!   the parameters and a hash of them (equal on every rank: the replicas stay identical).
+//! - With `"compare_duals": true` ([`View::CompareDuals`]) the program names a wrong backward
+//!   on some collective step (`"dual": "seed"`, see [`crate::autograd::DualRule`]) and is
+//!   differentiated with it and with distgrad's (`duals.rs`): both gradients, their difference,
+//!   and the distributed gradient check of each, rank by rank (wrong: FAIL, or INCONCLUSIVE at a
+//!   tie; right: PASS).
 //! - With `"compare_objectives": true` ([`View::CompareObjectives`]) the program is
 //!   differentiated under both objective conventions (`objectives.rs`): the forward pass once,
 //!   the backward pass under each with the collectives it ran, and the gradients' ratio (the
@@ -52,6 +59,7 @@
 
 pub mod algorithm;
 mod collective;
+mod duals;
 mod objectives;
 mod steps;
 mod trace;
@@ -90,6 +98,9 @@ pub struct Lesson {
     /// The algorithm its collectives take where they have the choice (`"algorithm": "ring"`,
     /// whatever the tensors' size: [`CommOptions::with_algorithm`]); `None`: the room's.
     pub algorithm: Option<Algorithm>,
+    /// The fewest ranks it runs on (`"min_world"`, default 1): a lesson on a subgroup of ranks
+    /// 1 and 2 needs 3.
+    pub min_world: usize,
 }
 
 /// How a lesson is shown (the page and `distgrad run` alike).
@@ -109,6 +120,8 @@ pub enum View {
     },
     /// The program differentiated under both objective conventions.
     CompareObjectives,
+    /// The program's wrong duals beside distgrad's, the gradient check deciding.
+    CompareDuals,
 }
 
 /// The short form of a collective lesson: which collective, with which op and root.
@@ -145,6 +158,12 @@ impl Lesson {
     /// The program the lesson runs on `world` ranks: a collective lesson's example case made for
     /// that world, else the lesson's program (whose check takes the world).
     pub fn program_for(&self, world: usize) -> Result<Program> {
+        if world < self.min_world {
+            return Err(self.error(format!(
+                "it needs at least {} ranks; this group has {world}",
+                self.min_world
+            )));
+        }
         match &self.view {
             View::Collective(form) => form.case(world)?.program(),
             _ => Ok(self.program.clone()),
@@ -215,10 +234,14 @@ struct LessonFile {
     lr: Option<f32>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     compare_objectives: bool,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    compare_duals: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     program: Option<Program>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     algorithm: Option<Algorithm>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    min_world: Option<usize>,
 }
 
 /// Most training steps a lesson may ask for.
@@ -257,6 +280,23 @@ impl TryFrom<LessonFile> for Lesson {
             (_, Some(p)) => p,
             (_, None) => return Err(at("kind \"program\" needs a \"program\"".into())),
         };
+        let min_world = f.min_world.unwrap_or(1);
+        if min_world == 0 || min_world > world {
+            return Err(at(format!(
+                "\"min_world\" must be 1..={world} (the world it is written for), got {min_world}"
+            )));
+        }
+        if view == View::CompareDuals
+            && !program.steps.iter().any(|s| {
+                s.dual
+                    .is_some_and(|d| d != crate::autograd::DualRule::Distgrad)
+            })
+        {
+            return Err(at(
+                "\"compare_duals\" needs a collective step with a wrong \"dual\" (e.g. \"dual\": \"seed\")"
+                    .into(),
+            ));
+        }
         if let Some(a) = f.algorithm {
             CommOptions::default()
                 .with_algorithm(a)
@@ -270,6 +310,7 @@ impl TryFrom<LessonFile> for Lesson {
             view,
             program,
             algorithm: f.algorithm,
+            min_world,
         })
     }
 }
@@ -277,9 +318,10 @@ impl TryFrom<LessonFile> for Lesson {
 /// The view a lesson file asks for, its fields checked against its kind.
 fn view_of(f: &LessonFile) -> std::result::Result<View, String> {
     if f.kind == LessonKind::Collective {
-        if f.steps.is_some() || f.lr.is_some() || f.compare_objectives {
+        if f.steps.is_some() || f.lr.is_some() || f.compare_objectives || f.compare_duals {
             return Err(
-                "\"steps\", \"lr\" and \"compare_objectives\" are for kind \"program\"".into(),
+                "\"steps\", \"lr\", \"compare_objectives\" and \"compare_duals\" are for kind \"program\""
+                    .into(),
             );
         }
         let kind = vjp::parse_collective(f.collective.as_deref().unwrap_or(""))
@@ -302,6 +344,15 @@ fn view_of(f: &LessonFile) -> std::result::Result<View, String> {
         return Err(
             "\"collective\", \"op\" and \"root\" are the short form of kind \"collective\"".into(),
         );
+    }
+    if f.compare_duals {
+        if f.compare_objectives || f.steps.is_some() || f.lr.is_some() {
+            return Err(
+                "\"compare_duals\" goes alone (not with \"compare_objectives\", \"steps\" or \"lr\")"
+                    .into(),
+            );
+        }
+        return Ok(View::CompareDuals);
     }
     match (f.compare_objectives, f.steps, f.lr) {
         (true, Some(_), _) => {
@@ -338,8 +389,10 @@ impl From<Lesson> for LessonFile {
             steps: None,
             lr: None,
             compare_objectives: false,
+            compare_duals: false,
             program: Some(l.program),
             algorithm: l.algorithm,
+            min_world: (l.min_world > 1).then_some(l.min_world),
         };
         match l.view {
             View::Collective(form) => {
@@ -355,6 +408,7 @@ impl From<Lesson> for LessonFile {
                 f.lr = Some(lr);
             }
             View::CompareObjectives => f.compare_objectives = true,
+            View::CompareDuals => f.compare_duals = true,
         }
         f
     }
@@ -502,6 +556,7 @@ async fn run_view<T: Transport>(
             training::run(comm, lesson, &lesson.plan_for(world)?, *steps, *lr).await?
         }
         View::CompareObjectives => objectives::run(comm, lesson).await?,
+        View::CompareDuals => duals::run(comm, lesson).await?,
     })
 }
 

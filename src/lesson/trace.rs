@@ -177,6 +177,10 @@ pub fn assemble(lesson: &Lesson, traces: Vec<RankTrace>) -> Result<Trace> {
         }
     }
     for (s, ev) in steps.iter_mut().zip(events) {
+        // A backward step where no rank communicated ran nothing (an identity dual), and says so.
+        if s.phase == Phase::Backward && s.collective.is_none() {
+            s.collective = Some("nothing".into());
+        }
         if ev.iter().any(|e| !e.is_empty()) {
             s.calls = collate(s.phase, ev);
         }

@@ -53,6 +53,8 @@ pub(super) enum What {
     Collective {
         group: usize,
         specs: Vec<Option<Spec>>,
+        /// The backward the step asked for (`"dual"`).
+        dual: crate::autograd::DualRule,
     },
 }
 
@@ -581,6 +583,9 @@ impl<'p> Checker<'p> {
             } else if !s.inputs.is_empty() && call.kind() != Kind::Scatter {
                 return Err(at.err(format!("{} takes no input", call.kind().name())));
             }
+            if let Some(d) = s.dual {
+                d.applies_to(call).map_err(|x| at.err(x))?;
+            }
             specs[g] = Some(call.clone());
         }
         if self.replicated {
@@ -610,7 +615,11 @@ impl<'p> Checker<'p> {
         }
         self.steps.push(Planned {
             index: at.index,
-            what: What::Collective { group: gi, specs },
+            what: What::Collective {
+                group: gi,
+                specs,
+                dual: s.dual.unwrap_or_default(),
+            },
             inputs: s.inputs.clone(),
             out: s.out.clone(),
         });

@@ -42,6 +42,9 @@
 //!   step's `"in"` names all the parts, in order (`concat` of an all_gather in any world).
 //!   `all_to_all_single` may give its splits per group rank (a list of lists) and leave out
 //!   `out_splits` (then rank `r` receives `in_splits[i][r]` rows from rank `i`).
+//! - **`"dual"`** on a collective step picks its backward for a lesson that shows a wrong
+//!   gradient beside the right one: `"distgrad"` (the default) or a wrong one ([`DualRule`]:
+//!   `"seed"`, `"divide"`, `"global_root"`), refused where it would not change the backward.
 //! - **`"ranks"`** (global ranks) limits a step to some ranks: a rank-dependent program, e.g. a
 //!   `send` on rank 0 and the matching `recv` on rank 1. A collective other than send / recv runs
 //!   on every member of its group.
@@ -67,6 +70,7 @@ mod traced;
 
 use serde::{Deserialize, Serialize};
 
+use crate::autograd::DualRule;
 use crate::collective::Spec;
 use crate::error::{ProgramError, Result};
 
@@ -348,6 +352,9 @@ pub struct Step {
     pub ranks: Option<Vec<usize>>,
     /// A collective's group (global ranks; default: all ranks).
     pub group: Option<Vec<usize>>,
+    /// A collective's backward when a lesson shows a wrong one (`"dual"`; default distgrad's):
+    /// see [`DualRule`].
+    pub dual: Option<DualRule>,
 }
 
 impl Step {
@@ -373,11 +380,15 @@ impl Step {
             .as_deref()
             .map(|o| format!(" -> {o}"))
             .unwrap_or_default();
-        format!("{what} [{}]{out}", self.inputs.join(", "))
+        let dual = match self.dual {
+            Some(d) if d != DualRule::Distgrad => format!(" (dual: {})", d.name()),
+            _ => String::new(),
+        };
+        format!("{what} [{}]{out}{dual}", self.inputs.join(", "))
     }
 }
 
-const STEP_KEYS: [&str; 4] = ["in", "out", "ranks", "group"];
+const STEP_KEYS: [&str; 5] = ["in", "out", "ranks", "group", "dual"];
 
 impl<'de> Deserialize<'de> for Step {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
@@ -390,6 +401,7 @@ impl<'de> Deserialize<'de> for Step {
                 out: None,
                 ranks: None,
                 group: None,
+                dual: None,
             });
         }
         if map.contains_key("if") {
@@ -416,6 +428,20 @@ impl<'de> Deserialize<'de> for Step {
             .map(serde_json::from_value)
             .transpose()
             .map_err(|e| D::Error::custom(format!("\"group\": {e}")))?;
+        let dual: Option<DualRule> = take(&mut map, "dual")
+            .map(serde_json::from_value)
+            .transpose()
+            .map_err(|e| {
+                D::Error::custom(format!(
+                    "\"dual\": {e} (the dual rules: {})",
+                    DualRule::ALL.map(DualRule::name).join(", ")
+                ))
+            })?;
+        if dual.is_some() && !map.contains_key("collective") {
+            return Err(D::Error::custom(
+                "\"dual\" is for a collective step (it picks the collective's backward)",
+            ));
+        }
         let kind = if map.contains_key("collective") {
             // all_to_all_single's splits may be given per group rank.
             let nested = |v: Option<&serde_json::Value>| {
@@ -471,6 +497,7 @@ impl<'de> Deserialize<'de> for Step {
             out,
             ranks,
             group,
+            dual,
         })
     }
 }
@@ -513,6 +540,9 @@ impl Serialize for Step {
         }
         if let Some(g) = &self.group {
             map.insert("group".into(), serde_json::json!(g));
+        }
+        if let Some(d) = self.dual {
+            map.insert("dual".into(), serde_json::json!(d.name()));
         }
         v.serialize(s)
     }

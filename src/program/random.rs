@@ -78,6 +78,7 @@ fn local(op: LocalOp, ins: &[&str], out: &str, ranks: Option<Vec<usize>>) -> Ste
         out: Some(out.to_string()),
         ranks,
         group: None,
+        dual: None,
     }
 }
 
@@ -118,6 +119,7 @@ impl Gen {
             out,
             ranks,
             group: (!all).then(|| group.to_vec()),
+            dual: None,
         });
     }
 
@@ -355,6 +357,7 @@ impl Gen {
             out: Some(y.clone()),
             ranks: None,
             group: Some(g.clone()),
+            dual: None,
         });
         let t = self.name();
         self.steps

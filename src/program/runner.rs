@@ -162,7 +162,7 @@ pub async fn forward_values<C: Communicator>(
                     env.insert(o.clone(), y);
                 }
             }
-            What::Collective { group, specs } => {
+            What::Collective { group, specs, dual } => {
                 let Some(Some(spec)) = specs.get(me) else {
                     nodes.push(first..first);
                     continue;
@@ -178,6 +178,9 @@ pub async fn forward_values<C: Communicator>(
                         .collect::<Result<Vec<_>>>()?
                 };
                 let ys = crate::dist::call(comm, tape, spec, &ins, g).await?;
+                if *dual != crate::autograd::DualRule::Distgrad {
+                    tape.use_dual(first..tape.len(), *dual);
+                }
                 if let Some(o) = &s.out {
                     if lists_outputs(spec.kind()) {
                         for (k, y) in ys.into_iter().enumerate() {

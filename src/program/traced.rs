@@ -46,7 +46,7 @@ impl Plan {
                         }
                         (None, Vec::new(), on)
                     }
-                    What::Collective { group, specs } => {
+                    What::Collective { group, specs, .. } => {
                         let members = &self.groups[*group];
                         if members.len() != self.world {
                             label.push_str(&format!(" over ranks {members:?}"));

@@ -286,6 +286,7 @@ fn collective_step(calls: &Calls, inputs: Vec<String>, has_out: bool) -> Step {
         out: has_out.then(|| "y".to_string()),
         ranks: None,
         group: (n != calls.world).then(|| calls.group.clone()),
+        dual: None,
     }
 }
 
@@ -303,6 +304,7 @@ fn loss_steps(
         out: Some(out),
         ranks: only.clone(),
         group: None,
+        dual: None,
     };
     let ys = output_names(calls.kind, n_out);
     let mut steps = Vec::new();

@@ -77,6 +77,11 @@ pub(super) fn diagram(
             .and_then(|st| st.ranks.get(r))
             .and_then(|vals| vals.first())
             .map(|n| {
+                // A text (a check's verdict and why) shows its first word, the verdict, beside
+                // the rank; the table has the rest.
+                if let Some(t) = &n.text {
+                    return t.split_whitespace().next().unwrap_or_default().to_string();
+                }
                 let v = n.show();
                 let v = if v.chars().count() > 26 {
                     format!("{}…", v.chars().take(25).collect::<String>())

@@ -45,6 +45,9 @@ pub(super) async fn fetch_text(path: &str) -> Result<String> {
 struct IndexEntry {
     name: String,
     title: String,
+    /// The fewest ranks a lesson runs on (lessons on a subgroup), said in the list.
+    #[serde(default)]
+    min_world: Option<usize>,
 }
 
 /// Fill `<select id=select>` from the index file at `path` (`{"<key>": [{"name", "title"}, ...]}`),
@@ -65,10 +68,15 @@ pub(super) async fn fill_select(
         format!("<option value=\"\">{}</option>", esc(f))
     });
     for e in entries {
+        let needs = match e.min_world {
+            Some(n) if n > 1 => format!(" ({n} ranks or more)"),
+            _ => String::new(),
+        };
         html.push_str(&format!(
-            "<option value=\"{}\">{}</option>",
+            "<option value=\"{}\">{}{}</option>",
             esc(&e.name),
-            esc(&e.title)
+            esc(&e.title),
+            esc(&needs)
         ));
     }
     set_html(select, &html);
@@ -98,6 +106,24 @@ pub(super) async fn run_lesson(app: &App, name: &str, algorithm: Option<Algorith
     let mut lesson = lesson::parse(&fetch_text(&format!("lessons/{name}.json")).await?)?;
     if algorithm.is_some() {
         lesson.algorithm = algorithm;
+    }
+    // A lesson on a subgroup needs its ranks: say so and leave the room as it is.
+    if app.world < lesson.min_world {
+        set_text("phase", "ready");
+        show_notice(&format!(
+            "The lesson \"{}\" needs at least {} ranks and this room has {}: pick another lesson, or make a room of {} ranks (or simulate them: ?sim={}&lesson={}).",
+            lesson.title,
+            lesson.min_world,
+            app.world,
+            lesson.min_world,
+            lesson.min_world,
+            lesson.name
+        ));
+        view(|v| v.refused = true);
+        return Ok(());
+    }
+    if view(|v| std::mem::take(&mut v.refused)) {
+        show_notice("");
     }
     let _busy = app.busy.lock().await;
     let inputs = view(|v| v.inputs.clone());

@@ -205,6 +205,8 @@ struct View {
     playing: bool,
     /// Edited inputs, per rank (a tab edits only its own).
     inputs: Vec<Option<Vec<TensorJson>>>,
+    /// The notice shown says a lesson needs more ranks (cleared when a lesson runs).
+    refused: bool,
 }
 
 thread_local! {
