@@ -189,8 +189,10 @@ async function main() {
     const ranks = states.map((s) => s.rank).sort();
     if (JSON.stringify(ranks) !== JSON.stringify([0, 1, 2, 3])) fail(`ranks ${ranks}`);
     // The compute backend the page took, and why (this Chromium's only WebGPU adapter is SwiftShader).
-    const wantDevice = { gpu: /^WebGPU: .*Cpu/, cpu: /^CPU \(chosen with \?device=cpu\)/, auto: /^CPU \(the WebGPU adapter, .*, is a software one/ }[DEVICE];
+    // The line speaks to a student; the adapter's own name is in its tooltip (state.adapter).
+    const wantDevice = { gpu: /^WebGPU: software-only, on the CPU/, cpu: /^CPU \(you chose it: \?device=cpu\)/, auto: /^CPU: this browser's WebGPU is software-only/ }[DEVICE];
     for (const s of states) if (!wantDevice.test(s.device)) fail(`device=${DEVICE}: the page says "${s.device}", expected ${wantDevice}`);
+    for (const s of states) if (DEVICE !== 'cpu' && !/Cpu/.test(s.adapter)) fail(`device=${DEVICE}: the adapter "${s.adapter}" should be SwiftShader's (Cpu)`);
     for (const s of states) {
       const others = s.links.filter((l, r) => r !== s.rank);
       const want = TAB_LINK;

@@ -151,7 +151,7 @@ async function main() {
     if (!share.includes(`world=${WORLD}`) || !share.includes('token=') || !share.includes('net=relay')) fail(`share link ${share}`);
     await Promise.all(pages.slice(1).map((p) => p.goto(`${share}&device=gpu`)));
     const states = await waitFor(pages, (s) => s.phase === 'ready', 60000, 'joining');
-    if (!/^CPU \(the WebGPU adapter, .*, is a software one/.test(states[0].device)) fail(`the room's first tab should take the CPU over SwiftShader and say why: "${states[0].device}"`);
+    if (!/^CPU: this browser's WebGPU is software-only/.test(states[0].device)) fail(`the room's first tab should take the CPU over SwiftShader and say why: "${states[0].device}"`);
     for (const s of states.slice(1)) if (!/^WebGPU: /.test(s.device)) fail(`a tab joined with device=gpu says "${s.device}"`);
     const byRank = [];
     states.forEach((s, i) => { byRank[s.rank] = pages[i]; });

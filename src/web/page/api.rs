@@ -17,7 +17,7 @@ use super::params::enc;
 use super::play::{on_run_click, request_from_form, run_case, show_results};
 use super::programs::{editor, load_example, on_program_file, program_here, request_program};
 use super::room_bench::{bench_all_reduce, recv_from, send_and_leave};
-use super::{Bus, app, state, view};
+use super::{Bus, PARAMS, app, state, view};
 
 fn promise<F>(fut: F) -> js_sys::Promise
 where
@@ -90,7 +90,15 @@ fn go_to_room(room: &str, world: &str, token: Option<&str>, net: Option<&str>) {
     if let Some(t) = token.filter(|t| !t.is_empty()) {
         search.push_str(&format!("&token={}", enc(t)));
     }
-    for key in ["net", "device", "relay"] {
+    for key in [
+        "net",
+        "device",
+        "relay",
+        "program",
+        "lesson",
+        "step",
+        "projector",
+    ] {
         let v = match (key, net) {
             // The default needs no parameter.
             ("net", Some(n)) => Some(n.to_string()).filter(|n| n != Links::default().name()),
@@ -101,6 +109,35 @@ fn go_to_room(room: &str, world: &str, token: Option<&str>, net: Option<&str>) {
         }
     }
     let _ = w.location().set_search(&search);
+}
+
+/// Whether projector mode is on (large text, high contrast).
+pub(super) fn projector_on() -> bool {
+    PARAMS.with(|p| p.borrow().as_ref().is_some_and(|p| p.projector))
+}
+
+/// Turn projector mode on or off: the page's class, the button, and the links it makes (share
+/// link, step link) carry it.
+pub(super) fn set_projector(on: bool) {
+    PARAMS.with(|p| {
+        if let Some(p) = p.borrow_mut().as_mut() {
+            p.projector = on;
+        }
+    });
+    if let Some(root) = web_sys::window()
+        .and_then(|w| w.document())
+        .and_then(|d| d.document_element())
+    {
+        let _ = if on {
+            root.class_list().add_1("projector")
+        } else {
+            root.class_list().remove_1("projector")
+        };
+    }
+    if let Some(b) = el::<web_sys::HtmlElement>("projector") {
+        let _ = b.set_attribute("aria-pressed", if on { "true" } else { "false" });
+    }
+    super::lessons::render_lesson();
 }
 
 /// `window.distgrad` and the page's handlers.
@@ -282,6 +319,7 @@ fn install_room_handlers() {
             None,
         );
     });
+    on("projector", "click", |_| set_projector(!projector_on()));
     on("copy", "click", |_| {
         if let Some(i) = el::<HtmlInputElement>("share") {
             i.select();

@@ -138,8 +138,10 @@ pub(super) fn loss_plot(trace: &Trace, upto: usize) -> String {
     let (w, h, l, b) = (480.0, 200.0, 40.0, 170.0);
     let x = |i: usize| l + (w - l - 10.0) * i as f64 / n as f64;
     let y = |v: f64| b - (b - 10.0) * (v / max);
+    // The Okabe–Ito colours (told apart with the common colour-blindnesses), the yellow last:
+    // a thin yellow line on white is hard to see; the group's line is black and thick.
     let colors = [
-        "#1f6feb", "#d4580a", "#1a7f37", "#8250df", "#bf3989", "#0a7ea4", "#9a6700", "#57606a",
+        "#0072b2", "#e69f00", "#009e73", "#cc79a7", "#56b4e9", "#d55e00", "#7f7f7f", "#f0e442",
     ];
     let mut s = format!(
         "<svg viewBox=\"0 0 {w} {h}\" role=\"img\" aria-label=\"loss per rank and of the group\">\

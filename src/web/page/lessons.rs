@@ -242,6 +242,15 @@ pub(super) fn render_lesson() {
     set_html("lesson-title", &title);
     set_html("lesson-why", &why);
     set_text("lesson-step", &label);
+    if let (Some(a), Some(name)) = (
+        el::<HtmlElement>("step-link"),
+        view(|v| v.lesson.as_ref().map(|l| l.name.clone())),
+    ) {
+        let _ = a.set_attribute(
+            "href",
+            &super::params::step_link(world, &name, k, super::api::projector_on()),
+        );
+    }
     set_html("diagram", &svg);
     set_html("lesson-table", &table);
     set_html("lesson-note", &note);

@@ -101,6 +101,8 @@ struct PageState {
     /// why pairs fell back to the relay
     fallbacks: Vec<String>,
     device: String,
+    /// the WebGPU adapter's own description, where there is one (the compute line's tooltip)
+    adapter: String,
     /// what the page's waits sleep on: "worker" (a hidden tab wakes on time) or "page timers"
     /// (no worker could be started: a hidden tab's waits stretch to its clamped timers)
     clock: String,
@@ -251,6 +253,10 @@ struct Params {
     lesson: Option<String>,
     /// The step of `lesson` to show (`step=K`).
     step: Option<usize>,
+    /// Whether the URL named the world (`world=N`): the lobby's form takes it.
+    world_asked: bool,
+    /// Projector mode (`projector=1`): large text, high contrast.
+    projector: bool,
 }
 
 /// Entry point of the web app (called by the binary's `main` on wasm32).
@@ -268,13 +274,18 @@ pub fn start() {
 
 async fn choose_device(choice: Choice) -> Result<Device> {
     let device = crate::backend::select(choice).await?;
-    let (device, text) = match device {
-        Device::Cpu if choice == Choice::Cpu => {
-            (Device::Cpu, "CPU (chosen with ?device=cpu)".to_string())
-        }
+    // What the compute line says, in a student's words; the adapter's own name goes in the
+    // line's tooltip.
+    let (device, text, adapter) = match device {
+        Device::Cpu if choice == Choice::Cpu => (
+            Device::Cpu,
+            "CPU (you chose it: ?device=cpu)".to_string(),
+            String::new(),
+        ),
         Device::Cpu => (
             Device::Cpu,
             "CPU fallback (this browser has no WebGPU adapter)".to_string(),
+            String::new(),
         ),
         // A software adapter (SwiftShader) runs the kernels on the same CPU with a queue and
         // readbacks in between: 1 MiB all_reduce forward + backward in 4 tabs took about twice as
@@ -282,17 +293,28 @@ async fn choose_device(choice: Choice) -> Result<Device> {
         #[cfg(feature = "wgpu")]
         Device::Gpu(g) if choice == Choice::Auto && g.is_software() => (
             Device::Cpu,
-            format!(
-                "CPU (the WebGPU adapter, {}, is a software one, slower here than the CPU; ?device=gpu uses it anyway)",
-                g.describe()
-            ),
+            "CPU: this browser's WebGPU is software-only, slower here than the CPU (?device=gpu uses it anyway)"
+                .to_string(),
+            g.describe(),
         ),
         #[cfg(feature = "wgpu")]
         Device::Gpu(g) => {
-            let text = format!("WebGPU: {}", g.describe());
-            (Device::Gpu(g), text)
+            let text = if g.is_software() {
+                "WebGPU: software-only, on the CPU (chosen with ?device=gpu)".to_string()
+            } else {
+                "WebGPU: this computer's GPU".to_string()
+            };
+            (Device::Gpu(g.clone()), text, g.describe())
         }
     };
+    state(|s| s.adapter = adapter.clone());
+    if let Some(e) = el::<web_sys::HtmlElement>("device") {
+        e.set_title(&if adapter.is_empty() {
+            String::new()
+        } else {
+            format!("WebGPU adapter: {adapter}")
+        });
+    }
     state(|s| s.device = text.clone());
     set_text("device", &text);
     Ok(device)
@@ -309,6 +331,9 @@ async fn run() -> Result<()> {
     state(|s| s.phase = "starting".into());
     let p = params()?;
     PARAMS.with(|x| *x.borrow_mut() = Some(p.clone()));
+    if p.projector {
+        api::set_projector(true);
+    }
     view(|v| v.inputs = vec![None; p.world]);
     // The lists and (in single-tab mode) the compute backend are asked for at once: the first
     // lesson is on screen sooner.
@@ -324,6 +349,12 @@ async fn run() -> Result<()> {
         // No room yet: the lobby creates one (or joins one by name and token).
         if let Some(sel) = el::<HtmlSelectElement>("new-net") {
             sel.set_value(p.net.name());
+        }
+        // `?world=N` (what scripts/web.sh prints) fills the form's ranks.
+        if p.world_asked
+            && let Some(i) = el::<web_sys::HtmlInputElement>("new-world")
+        {
+            i.set_value(&p.world.to_string());
         }
         set_hidden("create", false);
         set_hidden("lobby", true);

@@ -73,6 +73,12 @@ pub(super) fn params() -> Result<Params> {
             Some(n) => return Err(Error::Input(format!("lesson={n:?}: not a lesson name"))),
             None => None,
         },
+        world_asked: q.get("world").is_some(),
+        projector: match q.get("projector").as_deref() {
+            None | Some("0") => false,
+            Some("1") => true,
+            Some(o) => return Err(Error::Input(format!("projector={o:?}: expected 1 or 0"))),
+        },
         step: match q.get("step") {
             None => None,
             Some(s) => Some(
@@ -128,7 +134,28 @@ pub(super) fn share_link(p: &Params, room: &str, token: &str) -> String {
     if let Some(prog) = &p.program {
         s.push_str(&format!("&program={}", enc(prog)));
     }
+    // A teacher's link to a lesson step opens it on every tab that joins.
+    if let Some(l) = &p.lesson {
+        s.push_str(&format!("&lesson={}", enc(l)));
+        if let Some(k) = p.step {
+            s.push_str(&format!("&step={k}"));
+        }
+    }
+    if p.projector {
+        s.push_str("&projector=1");
+    }
     s
+}
+
+/// A link that opens lesson `lesson` at step `step` with `world` ranks simulated in one tab: what
+/// a teacher shares for one step (anyone can open it; no room needed).
+pub(super) fn step_link(world: usize, lesson: &str, step: usize, projector: bool) -> String {
+    format!(
+        "{}?sim={world}&lesson={}&step={step}{}",
+        page_base(),
+        enc(lesson),
+        if projector { "&projector=1" } else { "" }
+    )
 }
 
 pub(super) fn enc(s: &str) -> String {
