@@ -132,3 +132,68 @@ fn a_rank_makes_only_its_own_inputs() {
     // Each rank's own values, the same as when every rank's were made at once.
     assert_ne!(plan.inputs(2)[0].to_vec()[..8], x[..8]);
 }
+
+/// A program whose outer block visits a nested block `visits` times, the nested block carrying
+/// about 4 MiB of steps but running none of them (`from` 1 `to` 0).
+fn nested_heavy(visits: usize) -> String {
+    let steps: Vec<serde_json::Value> = (0..110_000)
+        .map(|i| serde_json::json!({"op": "relu", "in": ["x"], "out": format!("y{i:06}")}))
+        .collect();
+    serde_json::json!({
+        "world": 2,
+        "inputs": [{"name": "x", "shape": [1]}],
+        "steps": [
+            {"for": "s", "from": 1, "to": visits, "steps": [
+                {"for": "t", "from": 1, "to": 0, "steps": steps}]},
+            {"op": "sum", "in": ["x"], "out": "loss"}],
+        "loss": "loss"})
+    .to_string()
+}
+
+/// `"for"` blocks are charged what they cost (#40 item 2): a nested block is read once and
+/// charged its size on every visit. Before, every visit of the outer block cloned the nested
+/// block's 4 MiB and serialised it again, charging nothing for it: 200 visits were accepted
+/// after copying some 1.6 GB, and 50,000 (the issue's case) hung every tab of the room.
+#[test]
+fn nested_blocks_are_charged_their_size_on_every_visit() {
+    // What planning the nested block costs once (one visit, within the budget).
+    let p = Program::parse(&nested_heavy(1)).unwrap();
+    let before = allocated();
+    p.plan(Some(2)).unwrap();
+    let once = allocated() - before;
+    for visits in [200, 50_000] {
+        let text = nested_heavy(visits);
+        assert!(text.len() > 4 << 20, "{} bytes", text.len());
+        let p = Program::parse(&text).unwrap();
+        let before = allocated();
+        let e = p.plan(Some(2)).unwrap_err().to_string();
+        let used = allocated() - before;
+        println!(
+            "{visits} visits of a {} MiB nested block: refused, {} MiB allocated (one visit: {} MiB)",
+            text.len() >> 20,
+            used >> 20,
+            once >> 20
+        );
+        assert!(e.contains("grows beyond"), "{visits} visits: {e}");
+        assert!(
+            e.contains("step 0 (for s), its step 0 with s = "),
+            "the error names the visit: {e}"
+        );
+        // Reading the nested block once, and no more for its further visits (before: a copy and
+        // a serialisation of 4 MiB each).
+        assert!(
+            used < once + (16 << 20),
+            "{visits} visits: planning allocated {} MiB, one visit {} MiB",
+            used >> 20,
+            once >> 20
+        );
+    }
+    // A nested block small enough is expanded as before: 4 × 3 steps.
+    let small = r#"{"world": 2, "inputs": [{"name": "x", "shape": [1]}], "steps": [
+        {"for": "s", "from": 1, "to": 4, "steps": [
+            {"for": "t", "from": 1, "to": 3, "steps": [
+                {"op": "relu", "in": ["x"], "out": "y{s}_{t}"}]}]},
+        {"op": "sum", "in": ["y4_3"], "out": "loss"}], "loss": "loss"}"#;
+    let p = Program::parse(small).unwrap().expanded(2).unwrap();
+    assert_eq!(p.steps.len(), 13);
+}

@@ -36,7 +36,8 @@ pub const MAX_EXPANDED_STEPS: usize = 100_000;
 ///   `<=`, `>`, `>=`, `==`, `!=`) and join comparisons with `&&` and `||` (`&&` first; no
 ///   parentheses around comparisons).
 /// - Expanding is bounded: at most [`MAX_EXPANDED_STEPS`] step visits and block repetitions, and
-///   [`MAX_EXPANDED_BYTES`] of step JSON.
+///   [`MAX_EXPANDED_BYTES`] of step JSON, where every copy of a step counts its size and every
+///   visit of a nested block counts the nested block's size as written (it is read once).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Block {
     /// The variable's name.
@@ -220,9 +221,13 @@ pub(super) fn expand(p: &Program, world: usize) -> Result<(Program, Vec<String>)
     };
     for (si, s) in p.steps.iter().enumerate() {
         match &s.kind {
-            StepKind::For(b) => {
-                expand_block(b, &env, &format!("step {si}"), &mut out, &mut budget)?
-            }
+            StepKind::For(b) => expand_block(
+                &Tree::read(b.clone()),
+                &env,
+                &format!("step {si}"),
+                &mut out,
+                &mut budget,
+            )?,
             _ => out.push((s.clone(), format!("step {si}"))),
         }
     }
@@ -230,8 +235,81 @@ pub(super) fn expand(p: &Program, world: usize) -> Result<(Program, Vec<String>)
     Ok((Program { steps, ..p.clone() }, origins))
 }
 
+/// A block's steps read once, however many times an enclosing block visits it: each step's size
+/// as written and nested blocks parsed, so that a visit costs what it emits, not a copy and a
+/// re-serialisation of everything under it (an outer loop of 50,000 over a block carrying 4 MiB
+/// of steps is refused at once, not copied 50,000 times).
+struct Tree {
+    var: String,
+    from: Value,
+    to: Value,
+    items: Vec<Item>,
+}
+
+/// One step of a [`Tree`].
+enum Item {
+    /// A step as written, its size in bytes of JSON (charged on every copy made of it).
+    Step {
+        map: serde_json::Map<String, Value>,
+        size: usize,
+    },
+    /// A nested block, its condition, and its size as written (charged on every visit).
+    Nested {
+        tree: Tree,
+        cond: Option<Value>,
+        size: usize,
+    },
+    /// Not a step: an error on its first visit, where the message can say which value.
+    Bad(BlockError),
+}
+
+impl Tree {
+    /// Read `block` and every block nested in it, once.
+    fn read(block: Block) -> Tree {
+        Tree {
+            var: block.var,
+            from: block.from,
+            to: block.to,
+            items: block.steps.into_iter().map(Item::read).collect(),
+        }
+    }
+}
+
+impl Item {
+    fn read(item: Value) -> Item {
+        let size = serde_json::to_string(&item).map_or(0, |t| t.len());
+        let Value::Object(mut map) = item else {
+            return Item::Bad("a step is a JSON object".into());
+        };
+        if !map.contains_key("for") {
+            return Item::Step { map, size };
+        }
+        let cond = map.remove("if");
+        match Block::from_map(map) {
+            Ok(b) => Item::Nested {
+                tree: Tree::read(b),
+                cond,
+                size,
+            },
+            Err(e) => Item::Bad(e),
+        }
+    }
+}
+
+/// Whether `cond` (a step's `"if"`, if any) holds for `env`.
+fn holds(
+    cond: Option<&Value>,
+    env: &HashMap<String, i64>,
+) -> std::result::Result<bool, BlockError> {
+    match cond {
+        None => Ok(true),
+        Some(Value::String(c)) => Parser::new(c, env).condition_all(),
+        Some(_) => Err("\"if\" is a condition written as a string".into()),
+    }
+}
+
 fn expand_block(
-    b: &Block,
+    b: &Tree,
     env: &HashMap<String, i64>,
     at: &str,
     out: &mut Vec<(Step, String)>,
@@ -255,39 +333,30 @@ fn expand_block(
             &format!("`{}` is already a variable of an enclosing block", b.var),
         ));
     }
-    // Each step's size as written, charged for every copy made of it.
-    let sizes: Vec<usize> = b
-        .steps
-        .iter()
-        .map(|v| serde_json::to_string(v).map_or(0, |t| t.len()))
-        .collect();
     let mut env = env.clone();
     for v in from..=to {
         env.insert(b.var.clone(), v);
         budget.charge(1, 0).map_err(|e| block(&here, &e))?;
-        for (k, item) in b.steps.iter().enumerate() {
+        for (k, item) in b.items.iter().enumerate() {
             let at = format!("{here}, its step {k} with {} = {v}", b.var);
             let fail = |e: BlockError| block(&at, &e);
             budget.charge(1, 0).map_err(fail)?;
-            let Value::Object(map) = item else {
-                return Err(fail("a step is a JSON object".into()));
-            };
-            if let Some(c) = map.get("if") {
-                let Value::String(c) = c else {
-                    return Err(fail("\"if\" is a condition written as a string".into()));
-                };
-                if !Parser::new(c, &env).condition_all().map_err(fail)? {
+            let (map, size) = match item {
+                Item::Bad(e) => return Err(fail(e.clone())),
+                Item::Nested { tree, cond, size } => {
+                    // Charged its size whether or not it runs: what a visit would copy.
+                    budget.charge(0, *size).map_err(fail)?;
+                    if holds(cond.as_ref(), &env).map_err(fail)? {
+                        expand_block(tree, &env, &at, out, budget)?;
+                    }
                     continue;
                 }
-            }
-            if map.contains_key("for") {
-                let mut map = map.clone();
-                map.remove("if");
-                let block = Block::from_map(map).map_err(fail)?;
-                expand_block(&block, &env, &at, out, budget)?;
+                Item::Step { map, size } => (map, *size),
+            };
+            if !holds(map.get("if"), &env).map_err(fail)? {
                 continue;
             }
-            budget.charge(0, sizes[k]).map_err(fail)?;
+            budget.charge(0, size).map_err(fail)?;
             let mut map = map.clone();
             map.remove("if");
             for (key, value) in map.iter_mut() {
