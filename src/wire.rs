@@ -215,6 +215,10 @@ pub fn fragments(src: u32, dst: u32, tag: Tag, payload: &[u8], max_payload: usiz
         .collect()
 }
 
+/// What each held fragment costs against its source's bound of unfinished bytes besides its
+/// payload ([`Reassembler`]).
+pub const FRAGMENT_COST: usize = 64;
+
 /// Puts fragmented messages back together, per (source, tag); fragments of one pair arrive in order.
 /// Fragments are held as received and copied once, when the last one arrives, into one buffer of
 /// the exact size (a recycled one for large f32 payloads: see [`crate::pool`]).
@@ -250,15 +254,19 @@ impl Reassembler {
             ));
         }
         if h.more {
+            // Every held fragment costs its entry besides its payload: empty fragments are not
+            // free.
+            let cost = payload.len() + FRAGMENT_COST;
             let unfinished = self.unfinished.entry(src).or_default();
-            if *unfinished + payload.len() > self.max_message {
+            if *unfinished + cost > self.max_message {
                 return Err(format!(
                     "rank {src} has more than {} bytes of unfinished messages (fragments of \
-                     messages it never completes)",
+                     messages it never completes, {FRAGMENT_COST} bytes counted per fragment \
+                     besides its payload)",
                     self.max_message
                 ));
             }
-            *unfinished += payload.len();
+            *unfinished += cost;
             let p = self.partial.entry(key).or_default();
             p.1 += payload.len();
             p.0.push(payload);
@@ -268,7 +276,7 @@ impl Reassembler {
             return Ok(Some(payload));
         };
         if let Some(u) = self.unfinished.get_mut(&src) {
-            *u -= total;
+            *u -= total + parts.len() * FRAGMENT_COST;
         }
         let total = total + payload.len();
         parts.push(payload);
@@ -548,6 +556,47 @@ mod tests {
     }
 
     #[test]
+    fn empty_fragments_marked_more_are_charged() {
+        // #40 item 3: before, 0-byte fragments marked "more" cost nothing against the bound and
+        // grew the held list without end.
+        let max = 1 << 16;
+        let mut r = Reassembler::new(max);
+        let tag = |seq| Tag {
+            group: 1,
+            seq,
+            channel: Channel::Data,
+        };
+        let h = Header {
+            src: 1,
+            dst: 0,
+            tag: tag(7),
+            more: true,
+        };
+        let mut held = 0;
+        let err = loop {
+            match r.push(1, &h, Bytes::new()) {
+                Ok(None) => held += 1,
+                Ok(Some(_)) => panic!("a fragment marked more completed a message"),
+                Err(e) => break e,
+            }
+            assert!(held <= max, "{held} empty fragments held");
+        };
+        assert_eq!(held, max / FRAGMENT_COST);
+        assert!(err.contains("unfinished messages"), "{err}");
+        // A message in fragments still completes, and frees what it held.
+        let mut r = Reassembler::new(max);
+        let data: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
+        for round in 0..100 {
+            let mut got = None;
+            for f in fragments(1, 0, tag(round), &data, 64) {
+                let hdr = Header::decode(&f).unwrap();
+                got = r.push(1, &hdr, f.slice(HEADER_LEN..)).unwrap();
+            }
+            assert_eq!(got.as_deref(), Some(&data[..]));
+        }
+    }
+
+    #[test]
     fn fragments_reassemble_in_any_interleaving_of_tags() {
         let tag = |seq| Tag {
             group: 1,
@@ -585,7 +634,7 @@ mod tests {
         }
         assert!(err.unwrap().contains("rank 2"));
         // Unfinished messages on many tags count together: each fits alone, all of them do not.
-        let mut r = Reassembler::new(1000);
+        let mut r = Reassembler::new(1000 + 3 * FRAGMENT_COST);
         let mut err = None;
         for seq in 0..10 {
             let f = &fragments(3, 0, tag(seq), &[5u8; 400], 300)[0];

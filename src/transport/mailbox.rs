@@ -18,14 +18,41 @@ use bytes::Bytes;
 use super::{Channel, Tag};
 use crate::error::{Error, Result};
 
-/// Bytes one source may have waiting unreceived in a mailbox made by [`Mailbox::new`] (2 GiB).
+/// Bytes one source may have waiting unreceived in a native mailbox made by [`Mailbox::new`]
+/// (2 GiB).
 pub const DEFAULT_MAX_UNRECEIVED: usize = 2 << 30;
+
+/// Bytes all sources together may have waiting unreceived in a browser tab (just under 1 GiB:
+/// wasm32 has 4 GiB of address space, and the tab holds its tensors too); each source gets an
+/// equal share ([`default_max_unreceived`]).
+pub const TAB_MAX_UNRECEIVED: usize = (1 << 30) - (1 << 20);
+
+/// What each queued message costs against its source's bound besides its payload: the queue
+/// entry and, for a new tag, the queue itself. An empty message is not free.
+pub const ENTRY_COST: usize = 64;
+
+/// Most messages one source may have waiting unreceived, whatever their size.
+pub const MAX_ENTRIES_PER_SOURCE: usize = 1 << 16;
+
+/// The default bound of one source's unreceived bytes in a world of `world` ranks: natively
+/// [`DEFAULT_MAX_UNRECEIVED`]; in a browser tab (`in_tab`) an equal share of
+/// [`TAB_MAX_UNRECEIVED`] among the other ranks, so that all of them together stay under it
+/// (16 MiB each at 64 ranks).
+pub fn default_max_unreceived(world: usize, in_tab: bool) -> usize {
+    if in_tab {
+        TAB_MAX_UNRECEIVED / world.saturating_sub(1).max(1)
+    } else {
+        DEFAULT_MAX_UNRECEIVED
+    }
+}
 
 #[derive(Default)]
 struct Inner {
     queues: HashMap<(usize, Tag), VecDeque<Bytes>>,
-    /// Bytes waiting per source.
+    /// Bytes waiting per source (payloads plus [`ENTRY_COST`] each).
     held: Vec<usize>,
+    /// Messages waiting per source.
+    entries: Vec<usize>,
     waiters: HashMap<(usize, Tag), Waker>,
     gone: Vec<bool>,
     poison: Option<Poison>,
@@ -61,9 +88,10 @@ pub struct Mailbox {
 
 impl Mailbox {
     /// An empty mailbox for `rank` in a world of `world` ranks, holding at most
-    /// [`DEFAULT_MAX_UNRECEIVED`] unreceived bytes per source.
+    /// [`default_max_unreceived`] unreceived bytes per source (a tab's share on wasm32).
     pub fn new(rank: usize, world: usize) -> Self {
-        Self::with_limit(rank, world, DEFAULT_MAX_UNRECEIVED)
+        let limit = default_max_unreceived(world, cfg!(target_arch = "wasm32"));
+        Self::with_limit(rank, world, limit)
     }
 
     /// An empty mailbox holding at most `limit` unreceived bytes per source.
@@ -74,6 +102,7 @@ impl Mailbox {
             inner: Mutex::new(Inner {
                 gone: vec![false; world],
                 held: vec![0; world],
+                entries: vec![0; world],
                 ..Inner::default()
             }),
         }
@@ -97,20 +126,33 @@ impl Mailbox {
             // Nothing will receive it.
             return;
         }
-        let Some(held) = inner.held.get_mut(src) else {
+        let (Some(&held), Some(&entries)) = (inner.held.get(src), inner.entries.get(src)) else {
             return;
         };
-        if held.saturating_add(payload.len()) > self.limit {
-            let reason = format!(
-                "it sent {} bytes that no receive here has taken, above this rank's limit of {} \
-                 (messages to tags nobody receives, or a sender far ahead)",
-                *held + payload.len(),
+        let cost = payload.len().saturating_add(ENTRY_COST);
+        let over = if held.saturating_add(cost) > self.limit {
+            Some(format!(
+                "it sent {} bytes that no receive here has taken ({ENTRY_COST} per message \
+                 counted besides its payload), above this rank's limit of {}",
+                held.saturating_add(cost),
                 self.limit
-            );
+            ))
+        } else if entries >= MAX_ENTRIES_PER_SOURCE {
+            Some(format!(
+                "it sent {} messages that no receive here has taken, above this rank's limit \
+                 of {MAX_ENTRIES_PER_SOURCE}",
+                entries + 1
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = over {
+            let reason = format!("{why} (messages to tags nobody receives, or a sender far ahead)");
             inner.poison(Poison::Lost { peer: src, reason });
             return;
         }
-        *held += payload.len();
+        inner.held[src] = held + cost;
+        inner.entries[src] = entries + 1;
         inner
             .queues
             .entry((src, tag))
@@ -227,7 +269,10 @@ impl Future for Recv<'_> {
                 inner.queues.remove(&self.key);
             }
             if let Some(h) = inner.held.get_mut(self.key.0) {
-                *h -= msg.len();
+                *h -= msg.len() + ENTRY_COST;
+            }
+            if let Some(e) = inner.entries.get_mut(self.key.0) {
+                *e -= 1;
             }
             return Poll::Ready(Ok(msg));
         }
@@ -257,31 +302,82 @@ mod tests {
         }
     }
 
-    /// One source may hold at most the limit unreceived; receiving frees room; past it, every
-    /// receive fails naming that source (as a lost peer), and other sources count separately.
+    /// One source may hold at most the limit unreceived (payloads plus [`ENTRY_COST`] per
+    /// message); receiving frees room; past it, every receive fails naming that source (as a
+    /// lost peer), and other sources count separately.
     #[test]
     fn unreceived_bytes_are_bounded_per_source() {
-        let mb = Mailbox::with_limit(0, 3, 100);
+        let limit = 100 + 2 * ENTRY_COST;
+        let mb = Mailbox::with_limit(0, 3, limit);
         let msg = |n: usize| Bytes::from(vec![1u8; n]);
         mb.deliver(1, tag(0), msg(60));
         mb.deliver(2, tag(0), msg(90));
         let got = futures::executor::block_on(mb.recv(1, tag(0))).unwrap();
         assert_eq!(got.len(), 60);
-        // Room again: 90 more from rank 1 fit.
+        // Room again: 90 more from rank 1 fit, and 10 more with their entry.
         mb.deliver(1, tag(1), msg(90));
+        mb.deliver(1, tag(2), msg(10));
         assert!(!mb.is_aborted());
-        // 11 more do not.
-        mb.deliver(1, tag(2), msg(11));
+        // One byte more does not.
+        mb.deliver(1, tag(3), msg(1));
         assert!(mb.is_aborted());
         match futures::executor::block_on(mb.recv(2, tag(0))) {
             Err(Error::PeerLost { peer, reason, .. }) => {
                 assert_eq!(peer, 1);
+                let want = format!("{} bytes", 101 + 3 * ENTRY_COST);
                 assert!(
-                    reason.contains("101 bytes") && reason.contains("limit of 100"),
+                    reason.contains(&want) && reason.contains(&format!("limit of {limit}")),
                     "{reason}"
                 );
             }
             other => panic!("expected PeerLost naming rank 1, got {other:?}"),
         }
+    }
+
+    /// Empty messages are charged (#40 item 3): a peer sending 0-byte messages to sequence
+    /// numbers 0, 1, 2, ... is cut off at its byte bound (before: never, until this rank ran out
+    /// of memory), and at [`MAX_ENTRIES_PER_SOURCE`] messages whatever the byte bound.
+    #[test]
+    fn empty_messages_are_charged_and_counted() {
+        let limit = 1 << 20;
+        let mb = Mailbox::with_limit(0, 2, limit);
+        let mut sent = 0;
+        while !mb.is_aborted() && sent < 10 * limit {
+            mb.deliver(1, tag(sent as u64), Bytes::new());
+            sent += 1;
+        }
+        assert_eq!(sent, limit / ENTRY_COST + 1, "cut off at the byte bound");
+        let mb = Mailbox::with_limit(0, 2, usize::MAX / 2);
+        let mut sent = 0;
+        while !mb.is_aborted() && sent < 4 * MAX_ENTRIES_PER_SOURCE {
+            mb.deliver(1, tag(sent as u64), Bytes::new());
+            sent += 1;
+        }
+        assert_eq!(
+            sent,
+            MAX_ENTRIES_PER_SOURCE + 1,
+            "cut off at the message count"
+        );
+        match futures::executor::block_on(mb.recv(1, tag(0))) {
+            Err(Error::PeerLost {
+                peer: 1, reason, ..
+            }) => {
+                assert!(reason.contains("messages that no receive"), "{reason}");
+            }
+            other => panic!("expected PeerLost naming rank 1, got {other:?}"),
+        }
+    }
+
+    /// In a tab, the default bounds of all 63 peers of a 64-rank room together stay under
+    /// 1 GiB (before: 2 GiB per source); natively the bound stays 2 GiB per source.
+    #[test]
+    fn a_tabs_default_bounds_stay_under_a_gib_together() {
+        for world in 1..=crate::program::MAX_WORLD {
+            let each = default_max_unreceived(world, true);
+            let total = each * world.saturating_sub(1);
+            assert!(total < 1 << 30, "world {world}: {total} bytes");
+            assert!(each >= 16 << 20, "world {world}: {each} bytes per source");
+        }
+        assert_eq!(default_max_unreceived(64, false), 2 << 30);
     }
 }
