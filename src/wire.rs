@@ -412,7 +412,25 @@ pub enum Control {
 }
 
 /// Longest abort reason the relay forwards (bytes; longer ones are cut at a character boundary).
+/// Members cut theirs to it where they make them ([`clip`]), and cut what they receive too.
 pub const MAX_ABORT_REASON: usize = 1024;
+
+/// Longest piece of a peer's message quoted in a reason or an error (an unexpected control
+/// message, a peer's call in a mismatch).
+pub const MAX_QUOTED: usize = 200;
+
+/// `s` cut to at most `max` bytes at a character boundary, `…` marking the cut: every text that
+/// crosses the network (reasons, errors, notices) is bounded where it is made.
+pub fn clip(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max.saturating_sub('…'.len_utf8());
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
 
 /// First bytes of a data stream's hello. The first byte is not ASCII, so the relay tells a data
 /// stream from an HTTP request (which opens a WebSocket) by it.
@@ -553,6 +571,19 @@ mod tests {
         bad[0] = MAGIC;
         bad[1] = 9;
         assert_eq!(Header::decode(&bad), Err(FrameError::Channel(9)));
+    }
+
+    #[test]
+    fn clip_cuts_at_a_character_boundary_and_marks_the_cut() {
+        assert_eq!(clip("short", 10), "short");
+        let long = "é".repeat(1000);
+        let c = clip(&long, 101);
+        assert!(c.len() <= 101 && c.ends_with('…'), "{} bytes", c.len());
+        assert!(c.trim_end_matches('…').chars().all(|ch| ch == 'é'));
+        assert_eq!(
+            clip(&"x".repeat(2 << 20), MAX_ABORT_REASON).len(),
+            MAX_ABORT_REASON
+        );
     }
 
     #[test]

@@ -338,3 +338,36 @@ fn each_pair_of_members_gets_its_own_link_key() {
         }
     });
 }
+
+/// Bounded text (#40 item 7): an abort reason is cut where it is made, so a rank failing with a
+/// 2 MiB message (a program's error quoting a huge input, say) tells its peers at most
+/// `MAX_ABORT_REASON` bytes of it; before, every peer's error carried all of it.
+#[test]
+fn abort_reasons_are_cut_where_they_are_made() {
+    use distgrad::in_process::run_local;
+    use distgrad::wire::MAX_ABORT_REASON;
+    let huge = "why ".repeat(512 << 10);
+    let results = run_local(3, CommOptions::default(), |comm| {
+        let huge = huge.clone();
+        async move {
+            if comm.rank() == 0 {
+                comm.abort(&huge).await;
+                return Ok(String::new());
+            }
+            let x = Tensor::vector(&[1.0]);
+            match comm.all_reduce(&x, ReduceOp::Sum, &comm.world()).await {
+                Ok(_) => Ok("no error".to_string()),
+                Err(e) => Ok(e.to_string()),
+            }
+        }
+    });
+    for (r, res) in results.into_iter().enumerate().skip(1) {
+        let e = res.unwrap();
+        assert!(e.contains("why why"), "rank {r}: {e}");
+        assert!(
+            e.len() < MAX_ABORT_REASON + 200,
+            "rank {r}: an error of {} bytes",
+            e.len()
+        );
+    }
+}

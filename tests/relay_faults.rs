@@ -584,6 +584,16 @@ fn hostile_client_gets_error_and_close_and_the_relay_survives() {
                 Message::text(r#"{"type":"join","room":"x","world":2}"#),
                 "unexpected control message",
             ),
+            // #40 item 7: the reason quotes the message, cut (before: all 60 KB of it went to
+            // every member).
+            (
+                "a second join with a 60 KB room name",
+                Message::text(format!(
+                    r#"{{"type":"join","room":"{}","world":2}}"#,
+                    "r".repeat(60_000)
+                )),
+                "unexpected control message",
+            ),
         ];
         for (k, (what, msg, want)) in after_join.into_iter().enumerate() {
             let room = format!("hostile-{k}");
@@ -606,6 +616,11 @@ fn hostile_client_gets_error_and_close_and_the_relay_survives() {
             match victim.next_control().await {
                 Control::PeerLeft { rank, reason } => {
                     assert_eq!(rank, 0, "{what}: PeerLeft names the offender");
+                    assert!(
+                        reason.len() <= distgrad::wire::MAX_ABORT_REASON,
+                        "{what}: a reason of {} bytes",
+                        reason.len()
+                    );
                     assert!(
                         reason.contains(want),
                         "{what}: PeerLeft reason {reason:?} should contain {want:?}"

@@ -474,7 +474,8 @@ impl<T: Transport> P2p<T> {
     /// Abort at most once: later failures (or the tape's own abort) add no second round.
     async fn abort_once(&self, reason: &str) {
         if !self.aborted.replace(true) {
-            self.transport.abort(reason).await;
+            let reason = crate::wire::clip(reason, crate::wire::MAX_ABORT_REASON);
+            self.transport.abort(&reason).await;
         }
     }
 

@@ -422,11 +422,21 @@ impl fmt::Display for CallSig {
         if let Some(root) = self.root {
             parts.push(format!("root={root}"));
         }
+        // A peer's call is decoded from its message: its lists are shown up to a fixed length,
+        // so that an error quoting it (a mismatch) stays small whatever the peer sent.
+        let list = |v: &[u64], most: usize| {
+            let shown: Vec<String> = v.iter().take(most).map(u64::to_string).collect();
+            match v.len().checked_sub(most) {
+                Some(more) if more > 0 => format!("[{}, … {more} more]", shown.join(", ")),
+                _ => format!("[{}]", shown.join(", ")),
+            }
+        };
         if let Some(shape) = &self.shape {
-            parts.push(format!("shape={shape:?}"));
+            let dims: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+            parts.push(format!("shape={}", list(&dims, 8)));
         }
         if !self.extra.is_empty() {
-            parts.push(format!("args={:?}", self.extra));
+            parts.push(format!("args={}", list(&self.extra, 16)));
         }
         write!(f, "{})", parts.join(", "))
     }
@@ -453,6 +463,22 @@ mod tests {
             assert_eq!(CallSig::decode(&enc[..cut]), None, "truncated at {cut}");
         }
         assert_eq!(CallSig::decode(&[200, 0, 0, 0]), None);
+    }
+
+    /// A peer's call is quoted in a mismatch error that travels to every rank as an abort
+    /// reason (#40 item 7): however long its lists, the text stays short and says how much was
+    /// left out (before: a 2 MiB list of arguments went into every rank's error).
+    #[test]
+    fn a_call_with_huge_lists_prints_short() {
+        let s = CallSig::new(Kind::Permute)
+            .shape(&vec![3; 1000])
+            .extra((0..100_000).collect());
+        let t = s.to_string();
+        assert!(t.len() < 200, "{} bytes: {t}", t.len());
+        assert!(
+            t.contains("… 992 more") && t.contains("… 99984 more"),
+            "{t}"
+        );
     }
 
     /// Fixed-size records (NCCL's call check): short signatures travel whole, long ones (a permute

@@ -1099,8 +1099,14 @@ async fn serve_member(
                         ready_check(r);
                     }
                 }
-                Ok(other) => return format!("unexpected control message {other:?}"),
-                Err(e) => return format!("malformed control message: {e}"),
+                Ok(other) => {
+                    let quoted = crate::wire::clip(&format!("{other:?}"), crate::wire::MAX_QUOTED);
+                    return format!("unexpected control message {quoted}");
+                }
+                Err(e) => {
+                    let e = crate::wire::clip(&e.to_string(), crate::wire::MAX_QUOTED);
+                    return format!("malformed control message: {e}");
+                }
             },
             Message::Ping(_) | Message::Pong(_) => {}
             Message::Close(_) => return LEFT_CLEANLY.into(),

@@ -77,6 +77,7 @@ impl Transport for LocalTransport {
     }
 
     async fn abort(&self, reason: &str) {
+        let reason = &crate::wire::clip(reason, crate::wire::MAX_ABORT_REASON);
         // Every peer's mailbox is poisoned before any peer is woken, and under the world's lock:
         // a rank told first may fail, return and drop its transport at once (a running one need
         // not be woken), and a rank not yet told must not see that leave (a lost peer) instead of

@@ -118,7 +118,11 @@ impl Mailbox {
     pub fn deliver(&self, src: usize, tag: Tag, payload: Bytes) {
         let mut inner = self.lock();
         if tag.channel == Channel::Abort {
-            let reason = String::from_utf8_lossy(&payload).into_owned();
+            // A peer's reason is cut as its sender should have cut it.
+            let reason = crate::wire::clip(
+                &String::from_utf8_lossy(&payload),
+                crate::wire::MAX_ABORT_REASON,
+            );
             inner.poison(Poison::Aborted { by: src, reason });
             return;
         }

@@ -300,6 +300,7 @@ pub fn peer_aborted(mb: &Mailbox, me: usize, world: usize, from: u32, reason: St
 /// Abort `t`: our own receives fail first (`local`, this rank's mailbox), then every peer is told
 /// at once, so one frozen peer holds the others up for one send wait at most, not one each.
 pub async fn abort_all<T: Transport>(t: &T, local: Option<&Mailbox>, reason: &str) {
+    let reason = &crate::wire::clip(reason, crate::wire::MAX_ABORT_REASON);
     if let Some(mb) = local {
         mb.abort_local(reason);
     }

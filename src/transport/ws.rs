@@ -641,6 +641,7 @@ impl Transport for WsTransport {
     }
 
     async fn abort(&self, reason: &str) {
+        let reason = &crate::wire::clip(reason, crate::wire::MAX_ABORT_REASON);
         self.mailbox.abort_local(reason);
         // The relay's note on the WebSocket, beside the notes on every data route (direct links
         // included; a peer takes the first it gets). With a data stream the WebSocket carries no
