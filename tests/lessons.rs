@@ -970,3 +970,85 @@ fn the_step_view_shows_every_rank_and_what_ran() {
     let note = step_note(t.steps.last().expect("a step"), true).into_string();
     assert!(note.contains("all replicas identical ✓"), "{note}");
 }
+
+/// Values carry their kind (#37 item 4): under the replicated objective every value of the
+/// Megatron MLP lesson is labelled invariant or varying, z_r (each rank's part of the sum the
+/// all_reduce completes) unreduced; the step that uses the invariant x as a per-rank value says
+/// x was made varying there, and its backward is the all_reduce of dF/dx (Megatron's f), while
+/// the all_reduce's own backward runs nothing (g). Gradients derived by hand at 2..6 ranks.
+#[test]
+fn megatron_mlp_kinds_and_the_hidden_all_reduce() {
+    let l = load("megatron_mlp");
+    for world in 2..=6 {
+        let t = simulate(&l, world);
+        let kind = |step: usize, name: &str| -> Vec<Option<String>> {
+            t.steps[step]
+                .ranks
+                .iter()
+                .map(|vals| vals.iter().find(|n| n.name == name).unwrap().kind.clone())
+                .collect()
+        };
+        let all = |k: &str| vec![Some(k.to_string()); world];
+        assert_eq!(kind(0, "x"), all("invariant"));
+        assert_eq!(kind(0, "W1_r"), all("varying"));
+        assert_eq!(kind(1, "a_r"), all("varying"));
+        assert_eq!(kind(3, "z_r"), all("unreduced"));
+        assert_eq!(kind(4, "y"), all("invariant"));
+        assert_eq!(kind(7, "loss"), all("invariant"));
+        assert!(
+            t.steps[1].label.contains("made varying here: x"),
+            "{}",
+            t.steps[1].label
+        );
+        // Backward: the all_reduce's dual is the identity (no messages), the matmul's is the
+        // all_reduce of dF/dx.
+        let back: Vec<&lesson::Step> = t
+            .steps
+            .iter()
+            .filter(|s| s.phase == Phase::Backward)
+            .collect();
+        assert_eq!(back.len(), 2);
+        assert_eq!(back[0].collective.as_deref(), Some("nothing"));
+        assert!(back[0].arrows.is_empty(), "{:?}", back[0].arrows);
+        assert!(
+            back[1].label.contains("x was made varying"),
+            "{}",
+            back[1].label
+        );
+        assert_eq!(back[1].collective.as_deref(), Some("all_reduce(op=sum)"));
+        // By hand: a_r = x·W1_r, h_r = relu(a_r), z_r = h_r·W2_r, y = Σ z_r, F = ½·|y|²;
+        // dF/dx = Σ_r [a_r > 0]·(y·W2_rᵀ)·W1_rᵀ, dF/dW2_r = h_rᵀ·y.
+        let x = [0.5f64, -1.0];
+        let w1 = |r: usize| [1.0 + 0.25 * r as f64, -0.5 + 0.5 * r as f64];
+        let w2 = |r: usize| [0.5 - 0.25 * r as f64, 1.0 + 0.1 * r as f64];
+        let a = |r: usize| x[0] * w1(r)[0] + x[1] * w1(r)[1];
+        let h = |r: usize| a(r).max(0.0);
+        let y: Vec<f64> = (0..2)
+            .map(|j| (0..world).map(|r| h(r) * w2(r)[j]).sum())
+            .collect();
+        let mut dx = [0.0; 2];
+        for r in 0..world {
+            let dh = y[0] * w2(r)[0] + y[1] * w2(r)[1];
+            let da = if a(r) > 0.0 { dh } else { 0.0 };
+            dx[0] += da * w1(r)[0];
+            dx[1] += da * w1(r)[1];
+        }
+        let last = t.steps.len() - 1;
+        for r in 0..world {
+            let got = vals(&t, last, r, "dF/dx");
+            for (g, w) in got.iter().zip(dx) {
+                assert!(
+                    (f64::from(*g) - w).abs() < 1e-4,
+                    "world {world} rank {r}: {got:?} vs {dx:?}"
+                );
+            }
+            let got = vals(&t, last, r, "dF/dW2_r");
+            for (g, w) in got.iter().zip([h(r) * y[0], h(r) * y[1]]) {
+                assert!(
+                    (f64::from(*g) - w).abs() < 1e-4,
+                    "world {world} rank {r}: dW2 {got:?}"
+                );
+            }
+        }
+    }
+}

@@ -46,7 +46,7 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
         .await?;
         let ran = recorded(comm);
         if steps.is_empty() {
-            steps = forward_steps(plan.program(), &views, &run, me).await?;
+            steps = forward_steps(plan, &views, &run, me).await?;
         }
         let mut values = Vec::new();
         for inp in plan.program().inputs.iter().filter(|i| i.grad) {

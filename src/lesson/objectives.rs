@@ -30,7 +30,7 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
         .await?;
         let ran = recorded(comm);
         if objective == ObjectiveName::SumOfRankLosses {
-            steps = forward_steps(&p, &views, &run, comm.rank()).await?;
+            steps = forward_steps(&plan, &views, &run, comm.rank()).await?;
         }
         let mut grads = Vec::new();
         for inp in p.inputs.iter().filter(|i| i.grad) {

@@ -36,7 +36,7 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, plan: &Plan) -> Result<Vec<
     )
     .await?;
     let me = comm.rank();
-    let mut steps = forward_steps(program, &views, &run, me).await?;
+    let mut steps = forward_steps(plan, &views, &run, me).await?;
     // Each collective step this rank runs makes one call, in order: step k is steps[k + 1].
     let mut forward_events = forward_events.into_iter();
     for (k, v) in views.iter().enumerate() {
@@ -67,7 +67,9 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, plan: &Plan) -> Result<Vec<
     // The backward pass through each collective step, last to first: the collectives its dual ran
     // (on this rank) and the gradients of what the step read.
     for (k, v) in views.iter().enumerate().rev() {
-        if v.collective.is_none() {
+        // Collective steps, and local steps that made an invariant value varying (the dual of
+        // that is an all_reduce: Megatron's f).
+        if v.collective.is_none() && v.made_varying.is_empty() {
             continue;
         }
         let nodes = run.nodes.get(k).cloned().unwrap_or_default();
@@ -97,10 +99,26 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, plan: &Plan) -> Result<Vec<
         } else {
             Named::text("backward ran", calls.join(" + "))
         });
+        let made = if v.made_varying.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " ({} was made varying: its dual sums dF/d{} over the ranks)",
+                v.made_varying.join(", "),
+                v.made_varying.join(", dF/d")
+            )
+        };
+        // A rank that runs the step and whose dual ran nothing (an all_reduce under the
+        // replicated objective, a barrier): no message went back, for any rank.
+        let arrows = if calls.is_empty() && v.ranks.contains(&me) {
+            Vec::new()
+        } else {
+            reversed(&v.arrows)
+        };
         let mut b = step(
-            format!("backward through {}", v.label),
+            format!("backward through {}{made}", v.label),
             Phase::Backward,
-            reversed(&v.arrows),
+            arrows,
             values,
         );
         // Ranks outside the step ran nothing for it; the step names what its members ran.
@@ -145,24 +163,29 @@ pub(super) async fn value_of(
 
 /// The inputs, then each step's result (a collective with its messages), from a traced run.
 pub(super) async fn forward_steps(
-    program: &Program,
+    plan: &Plan,
     views: &[StepView],
     run: &TracedRun,
     me: usize,
 ) -> Result<Vec<RankStep>> {
     let mut steps = Vec::with_capacity(views.len() + 1);
     let mut inputs = Vec::new();
-    for inp in &program.inputs {
-        inputs.push(Named::tensors(
-            &inp.name,
-            value_of(&inp.name, &run.values).await?,
-        ));
+    for inp in &plan.program().inputs {
+        inputs.push(
+            Named::tensors(&inp.name, value_of(&inp.name, &run.values).await?)
+                .kind(plan.value_kind(me, &inp.name)),
+        );
     }
     steps.push(step("inputs".into(), Phase::Input, Vec::new(), inputs));
     for v in views {
         let mut values = Vec::new();
         match &v.out {
-            Some(out) => values.push(Named::tensors(out, shown(v, me, out, &run.values).await?)),
+            Some(out) => {
+                let kind = v.ranks.contains(&me).then(|| plan.value_kind(me, out));
+                values.push(
+                    Named::tensors(out, shown(v, me, out, &run.values).await?).kind(kind.flatten()),
+                );
+            }
             // A send binds nothing: show what it sends.
             None => {
                 for name in &v.inputs {
@@ -170,8 +193,16 @@ pub(super) async fn forward_steps(
                 }
             }
         }
+        let made = if v.made_varying.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " — made varying here: {} (its backward: an all_reduce)",
+                v.made_varying.join(", ")
+            )
+        };
         let mut s = step(
-            format!("forward: {}", v.label),
+            format!("forward: {}{made}", v.label),
             Phase::Forward,
             v.arrows.clone(),
             values,

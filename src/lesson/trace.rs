@@ -21,6 +21,10 @@ pub struct Named {
     /// A text value instead of tensors.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub text: Option<String>,
+    /// What the value is across the ranks, where the program says (`varying`, `invariant`,
+    /// `unreduced`: [`crate::program::ValueKind`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
 }
 
 impl Named {
@@ -29,7 +33,14 @@ impl Named {
             name: name.into(),
             tensors,
             text: None,
+            kind: None,
         }
+    }
+
+    /// The same value labelled with its kind across the ranks.
+    pub(super) fn kind(mut self, kind: Option<crate::program::ValueKind>) -> Self {
+        self.kind = kind.map(|k| k.label().to_string());
+        self
     }
 
     pub(super) fn text(name: &str, text: String) -> Self {
@@ -37,6 +48,7 @@ impl Named {
             name: name.into(),
             tensors: Vec::new(),
             text: Some(text),
+            kind: None,
         }
     }
 
@@ -220,7 +232,10 @@ pub fn render(trace: &Trace) -> String {
         for (r, vals) in st.ranks.iter().enumerate() {
             let v: Vec<String> = vals
                 .iter()
-                .map(|n| format!("{} = {}", n.name, n.show()))
+                .map(|n| match &n.kind {
+                    Some(k) => format!("{} ({k}) = {}", n.name, n.show()),
+                    None => format!("{} = {}", n.name, n.show()),
+                })
                 .collect();
             s.push_str(&format!("  rank {r}: {}\n", v.join(", ")));
         }

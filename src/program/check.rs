@@ -33,6 +33,8 @@ pub struct Plan {
     pub(super) built: Vec<std::sync::OnceLock<Vec<Tensor>>>,
     /// Per rank, the shape of every value it binds.
     pub(super) shapes: Vec<HashMap<String, Vec<usize>>>,
+    /// Replicated objective: per rank, the values invariant over a group (its global ranks).
+    pub(super) invariant: Vec<HashMap<String, Vec<usize>>>,
 }
 
 /// One step as each rank runs it.
@@ -42,6 +44,9 @@ pub(super) struct Planned {
     pub(super) what: What,
     pub(super) inputs: Vec<String>,
     pub(super) out: Option<String>,
+    /// Replicated objective: the invariant values this step uses as per-rank values (made
+    /// varying; the dual of that is an all_reduce over their group).
+    pub(super) made_varying: Vec<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -282,6 +287,8 @@ struct Checker<'p> {
     elements: usize,
     /// Arithmetic of the local steps so far, all ranks together ([`MAX_ARITHMETIC`]).
     arithmetic: u64,
+    /// The invariant values the step being checked makes varying ([`Planned::made_varying`]).
+    made_varying: std::cell::RefCell<Vec<String>>,
 }
 
 /// The group rank of global rank `g` in `members` (a member).
@@ -305,6 +312,7 @@ impl<'p> Checker<'p> {
             inputs: Vec::with_capacity(program.inputs.len()),
             elements: 0,
             arithmetic: 0,
+            made_varying: std::cell::RefCell::new(Vec::new()),
         }
     }
 
@@ -417,9 +425,16 @@ impl<'p> Checker<'p> {
     /// group as gradient: every member of that group must run the step (`runs`, by global rank).
     fn pvary_ok(&self, at: At, r: usize, names: &[String], runs: &[bool]) -> Result<()> {
         for n in names {
-            if let Some(g) = self.ranks[r].invariant.get(n)
-                && let Some(out) = g.iter().find(|&&x| !runs[x])
-            {
+            let Some(g) = self.ranks[r].invariant.get(n) else {
+                continue;
+            };
+            if g.len() > 1 {
+                let mut made = self.made_varying.borrow_mut();
+                if !made.contains(n) {
+                    made.push(n.clone());
+                }
+            }
+            if let Some(out) = g.iter().find(|&&x| !runs[x]) {
                 return Err(at.err(format!(
                     "under the replicated objective `{n}` is invariant over ranks {g:?}; used here as a per-rank value, its gradient is an all_reduce over them, but rank {out} does not take part with it here (only the ranks that pass it do; use a per-rank value, or the sum_of_rank_losses objective)"
                 )));
@@ -473,6 +488,7 @@ impl<'p> Checker<'p> {
             what: What::Local(op.clone(), runs),
             inputs: s.inputs.clone(),
             out: s.out.clone(),
+            made_varying: self.made_varying.take(),
         });
         Ok(())
     }
@@ -622,6 +638,7 @@ impl<'p> Checker<'p> {
             },
             inputs: s.inputs.clone(),
             out: s.out.clone(),
+            made_varying: self.made_varying.take(),
         });
         Ok(())
     }
@@ -843,6 +860,7 @@ impl<'p> Checker<'p> {
                 .map(|_| std::sync::OnceLock::new())
                 .collect(),
             inputs: self.inputs,
+            invariant: self.ranks.iter().map(|s| s.invariant.clone()).collect(),
             shapes: self.ranks.into_iter().map(|s| s.shapes).collect(),
         }
     }

@@ -82,7 +82,7 @@ pub(crate) use runner::loss_weight;
 pub use runner::run_local;
 pub use runner::{Forward, RankRun, forward, forward_values, run_rank};
 pub use shapes::lists_outputs;
-pub use traced::{StepView, TracedRun, trace_rank};
+pub use traced::{StepView, TracedRun, ValueKind, trace_rank};
 
 /// Largest world a program may ask for: the one world limit of every command, lesson and page
 /// (ranks are threads, tabs or processes).

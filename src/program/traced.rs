@@ -8,7 +8,7 @@ use super::check::What;
 use super::runner::{forward_values, input_vars};
 use super::{Plan, StepKind};
 use crate::autograd::{Tape, Var};
-use crate::collective::Communicator;
+use crate::collective::{Communicator, ReduceOp, Spec};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -28,9 +28,73 @@ pub struct StepView {
     /// The global ranks that run it (a local op's ranks; the members of a collective's group
     /// that call it).
     pub ranks: Vec<usize>,
+    /// Replicated objective: the invariant values it uses as per-rank values (made varying,
+    /// whose dual is an all_reduce over their group).
+    pub made_varying: Vec<String>,
+}
+
+/// What a value is across the ranks, as the page labels it: under the replicated objective
+/// varying or invariant (JAX's shard_map), and in either objective unreduced where it holds a
+/// partial sum that a later all_reduce or reduce_scatter completes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ValueKind {
+    /// Different on each rank (replicated objective).
+    Varying,
+    /// The same on every rank of the group (global ranks; replicated objective).
+    Invariant(Vec<usize>),
+    /// This rank's part of a sum the named collective completes.
+    Unreduced(String),
+}
+
+impl ValueKind {
+    /// The label as shown: `varying`, `invariant`, `unreduced`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            ValueKind::Varying => "varying",
+            ValueKind::Invariant(_) => "invariant",
+            ValueKind::Unreduced(_) => "unreduced",
+        }
+    }
 }
 
 impl Plan {
+    /// What value `name` is on global rank `rank` ([`ValueKind`]); `None` under the sum of
+    /// rank losses for a value no later sum completes, or where the rank does not hold it.
+    pub fn value_kind(&self, rank: usize, name: &str) -> Option<ValueKind> {
+        if !self.shapes.get(rank)?.contains_key(name) {
+            return None;
+        }
+        let invariant = self.invariant.get(rank).and_then(|m| m.get(name));
+        // A varying value a step made and a later all_reduce / reduce_scatter sums: a partial
+        // sum (a row-parallel matmul's output); an input is the data a lesson starts from.
+        let is_input = self.program.inputs.iter().any(|i| i.name == name);
+        if invariant.is_none() && !is_input {
+            for p in &self.steps {
+                if let What::Collective { specs, .. } = &p.what
+                    && let Some(Some(spec)) = specs.get(rank)
+                    && p.inputs.iter().any(|n| n == name)
+                    && matches!(
+                        spec,
+                        Spec::AllReduce {
+                            op: ReduceOp::Sum | ReduceOp::Avg
+                        } | Spec::ReduceScatter {
+                            op: ReduceOp::Sum | ReduceOp::Avg
+                        }
+                    )
+                {
+                    return Some(ValueKind::Unreduced(spec.to_string()));
+                }
+            }
+        }
+        if self.program.objective != super::ObjectiveName::Replicated {
+            return None;
+        }
+        Some(match invariant {
+            Some(g) => ValueKind::Invariant(g.clone()),
+            None => ValueKind::Varying,
+        })
+    }
+
     /// Every step as a picture, in order (the same on every rank).
     pub fn views(&self) -> Vec<StepView> {
         self.steps
@@ -91,6 +155,7 @@ impl Plan {
                     out: step.out.clone(),
                     inputs: step.inputs.clone(),
                     ranks,
+                    made_varying: planned.made_varying.clone(),
                 }
             })
             .collect()

@@ -8,7 +8,18 @@ use crate::lesson::{Phase, Step};
 pub fn step_table(st: &Step, me: Option<usize>) -> Markup {
     let mut head = vec!["rank".to_string()];
     if let Some(vals) = st.ranks.first() {
-        head.extend(vals.iter().map(|n| n.name.clone()));
+        // A value's kind across the ranks (varying / invariant / unreduced), where the program
+        // says, from the first rank that holds it.
+        head.extend(vals.iter().enumerate().map(|(i, n)| {
+            let kind = st
+                .ranks
+                .iter()
+                .find_map(|r| r.get(i).and_then(|n| n.kind.clone()));
+            match kind {
+                Some(k) => format!("{} · {k}", n.name),
+                None => n.name.clone(),
+            }
+        }));
     }
     let rows = st
         .ranks
