@@ -1,6 +1,7 @@
 // Shared by the end-to-end scripts: arguments, the relay process, numeric comparison, page state.
 import { spawn } from 'node:child_process';
 import { createSocket } from 'node:dgram';
+import { chromium } from 'playwright-core';
 
 /** `--key value` pairs of the command line as an object. */
 export function parseArgs(argv) {
@@ -51,6 +52,45 @@ export async function waitFor(pages, pred, ms, what, brief = (s) => s.phase) {
     if (Date.now() - t0 > ms) throw new Error(`${what}: not reached within ${ms} ms (${JSON.stringify(states.map(brief))})`);
     await sleep(100);
   }
+}
+
+/** Headless Chromium (`$CHROMIUM`, default /usr/bin/chromium) with WebGPU on (SwiftShader here). */
+export function launchChromium() {
+  return chromium.launch({
+    executablePath: process.env.CHROMIUM ?? '/usr/bin/chromium',
+    headless: true,
+    args: ['--no-sandbox', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync', '--enable-unsafe-webgpu'],
+  });
+}
+
+/**
+ * The frame of a check script labelled `tag`: a relay serving `args.dist` (from `args.bin`) and one
+ * browser; `body({base, browser, fail, log, errors})` runs the checks (`errors`: where `watch`
+ * collects the pages' errors, each a failure). Then everything is closed, `out` (where the
+ * screenshots went) is said, and the process exits 1 on any failure.
+ */
+export async function checkScript(tag, args, out, body) {
+  const failures = [];
+  const errors = [];
+  const fail = (m) => { failures.push(m); console.log(`[${tag}] FAIL ${m}`); };
+  const log = (m) => console.log(`[${tag}] ${m}`);
+  const relay = await startRelay(args.bin, args.dist ?? 'dist');
+  const browser = await launchChromium();
+  try {
+    await body({ base: `http://${relay.host}/`, browser, fail, log, errors });
+  } catch (e) {
+    fail(e.stack ?? String(e));
+  } finally {
+    await browser.close();
+    relay.proc.kill();
+  }
+  for (const e of errors) fail(e);
+  if (out) log(`screenshots in ${out}`);
+  if (failures.length) {
+    log(`${failures.length} failure(s)`);
+    process.exit(1);
+  }
+  log('all checks passed');
 }
 
 /** Collect `page`'s uncaught exceptions and console errors into `errors`, labelled `name`. */

@@ -9,17 +9,11 @@
 import { execFileSync } from 'node:child_process';
 import { mkdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { chromium } from 'playwright-core';
-import { parseArgs, sleep, startRelay, waitFor, watch } from './common.mjs';
+import { checkScript, parseArgs, sleep, waitFor, watch } from './common.mjs';
 
 const args = parseArgs(process.argv.slice(2));
-const DIST = args.dist ?? 'dist';
 const OUT = join(args.out ?? '/tmp', 'duals');
-const CHROMIUM = process.env.CHROMIUM ?? '/usr/bin/chromium';
 mkdirSync(OUT, { recursive: true });
-const failures = [];
-const fail = (m) => { failures.push(m); console.log(`[duals] FAIL ${m}`); };
-const log = (m) => console.log(`[duals] ${m}`);
 
 const LESSONS = {
   wrong_all_reduce_max: 'the seed\'s dual FAIL',
@@ -29,22 +23,12 @@ const LESSONS = {
   wrong_broadcast_subgroup: 'the global-root dual FAIL',
 };
 const index = JSON.parse(readFileSync('www/lessons/index.json', 'utf8')).lessons;
-for (const name of Object.keys(LESSONS)) if (!index.some((l) => l.name === name)) fail(`${name} is not in www/lessons/index.json`);
 
 /** A trace without what may differ between runs (times, events). */
 const plain = (t) => JSON.stringify(t.steps.map((s) => ({ label: s.label, phase: s.phase, collective: s.collective, ranks: s.ranks })));
 
-const relay = await startRelay(args.bin, DIST);
-const base = `http://${relay.host}/`;
-const browser = await chromium.launch({
-  executablePath: CHROMIUM,
-  headless: true,
-  args: ['--no-sandbox', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync', '--enable-unsafe-webgpu'],
-});
-const errors = [];
-
 /** Open `lesson` in single-tab mode with n ranks at step 0; the page once the lesson is shown. */
-async function open(ctx, lesson, n) {
+async function open({ base, errors }, ctx, lesson, n) {
   const page = await ctx.newPage();
   watch(page, `${lesson} n=${n}`, errors);
   await page.goto(`${base}?sim=${n}&lesson=${lesson}&step=0`);
@@ -63,11 +47,13 @@ async function walk(page, name, steps, shots) {
   }
 }
 
-try {
+await checkScript('duals', args, OUT, async (t) => {
+  const { base, browser, fail, log, errors } = t;
+  for (const name of Object.keys(LESSONS)) if (!index.some((l) => l.name === name)) fail(`${name} is not in www/lessons/index.json`);
   const ctx = await browser.newContext({ viewport: { width: 1280, height: 800 } });
   for (const [lesson, verdict] of Object.entries(LESSONS)) {
     for (const n of [3, 4, 8]) {
-      const page = await open(ctx, lesson, n);
+      const page = await open(t, ctx, lesson, n);
       const trace = JSON.parse(await page.evaluate(() => window.distgrad.lessonTrace()));
       const cli = JSON.parse(execFileSync(args.bin, ['run', `www/lessons/${lesson}.json`, '--world', String(n), '--json'], { encoding: 'utf8' }));
       if (plain(trace) !== plain(cli)) fail(`${lesson} n=${n}: the page's trace differs from distgrad run --json`);
@@ -109,22 +95,10 @@ try {
   await ctx.close();
   // A phone's width: all_reduce MAX at 4 ranks, every step.
   const phone = await browser.newContext({ viewport: { width: 390, height: 844 }, deviceScaleFactor: 2 });
-  const page = await open(phone, 'wrong_all_reduce_max', 4);
+  const page = await open(t, phone, 'wrong_all_reduce_max', 4);
   const steps = JSON.parse(await page.evaluate(() => window.distgrad.lessonTrace())).steps.length;
   await walk(page, 'wrong_all_reduce_max-4-phone', steps, true);
   const wide = await page.evaluate(() => document.documentElement.scrollWidth);
   if (wide > 390) fail(`phone width: the page is ${wide} px wide (scrolls sideways)`);
   await phone.close();
-} catch (e) {
-  fail(e.stack ?? String(e));
-} finally {
-  await browser.close();
-  relay.proc.kill();
-}
-for (const e of errors) fail(e);
-log(`screenshots in ${OUT}`);
-if (failures.length) {
-  log(`${failures.length} failure(s)`);
-  process.exit(1);
-}
-log('all checks passed');
+});

@@ -10,33 +10,18 @@
 import { execFileSync } from 'node:child_process';
 import { mkdirSync } from 'node:fs';
 import { join } from 'node:path';
-import { chromium } from 'playwright-core';
-import { parseArgs, startRelay, waitFor, watch } from './common.mjs';
+import { checkScript, parseArgs, waitFor, watch } from './common.mjs';
 
 const args = parseArgs(process.argv.slice(2));
-const DIST = args.dist ?? 'dist';
 const OUT = join(args.out ?? '/tmp', 'kinds');
-const CHROMIUM = process.env.CHROMIUM ?? '/usr/bin/chromium';
 const LESSON = 'megatron_mlp';
 mkdirSync(OUT, { recursive: true });
-const failures = [];
-const fail = (m) => { failures.push(m); console.log(`[kinds] FAIL ${m}`); };
-const log = (m) => console.log(`[kinds] ${m}`);
 const plain = (t) => JSON.stringify(t.steps.map((s) => ({ label: s.label, phase: s.phase, collective: s.collective, arrows: s.arrows, ranks: s.ranks })));
-
-const relay = await startRelay(args.bin, DIST);
-const base = `http://${relay.host}/`;
-const browser = await chromium.launch({
-  executablePath: CHROMIUM,
-  headless: true,
-  args: ['--no-sandbox', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync', '--enable-unsafe-webgpu'],
-});
-const errors = [];
 
 /** Headers of the values table at the step shown. */
 const headers = (page) => page.$$eval('#lesson-table th', (ths) => ths.map((t) => t.textContent.trim()));
 
-async function check(ctx, n, name, shots) {
+async function check({ base, fail, log, errors }, ctx, n, name, shots) {
   const page = await ctx.newPage();
   watch(page, `${name}`, errors);
   await page.goto(`${base}?sim=${n}&lesson=${LESSON}&step=0`);
@@ -71,23 +56,11 @@ async function check(ctx, n, name, shots) {
   await page.close();
 }
 
-try {
-  const ctx = await browser.newContext({ viewport: { width: 1280, height: 800 } });
-  for (const n of [3, 4, 8]) await check(ctx, n, `megatron-${n}`, n === 4);
+await checkScript('kinds', args, OUT, async (t) => {
+  const ctx = await t.browser.newContext({ viewport: { width: 1280, height: 800 } });
+  for (const n of [3, 4, 8]) await check(t, ctx, n, `megatron-${n}`, n === 4);
   await ctx.close();
-  const phone = await browser.newContext({ viewport: { width: 390, height: 844 }, deviceScaleFactor: 2 });
-  await check(phone, 4, 'megatron-4-phone', true);
+  const phone = await t.browser.newContext({ viewport: { width: 390, height: 844 }, deviceScaleFactor: 2 });
+  await check(t, phone, 4, 'megatron-4-phone', true);
   await phone.close();
-} catch (e) {
-  fail(e.stack ?? String(e));
-} finally {
-  await browser.close();
-  relay.proc.kill();
-}
-for (const e of errors) fail(e);
-log(`screenshots in ${OUT}`);
-if (failures.length) {
-  log(`${failures.length} failure(s)`);
-  process.exit(1);
-}
-log('all checks passed');
+});

@@ -9,28 +9,13 @@
 //   node tests/browser/teacher.mjs --bin target/debug/distgrad --dist dist --out <dir>
 import { mkdirSync } from 'node:fs';
 import { join } from 'node:path';
-import { chromium } from 'playwright-core';
-import { parseArgs, startRelay, stateOf, waitFor, watch } from './common.mjs';
+import { checkScript, parseArgs, stateOf, waitFor, watch } from './common.mjs';
 
 const args = parseArgs(process.argv.slice(2));
-const DIST = args.dist ?? 'dist';
 const OUT = join(args.out ?? '/tmp', 'teacher');
-const CHROMIUM = process.env.CHROMIUM ?? '/usr/bin/chromium';
 mkdirSync(OUT, { recursive: true });
-const failures = [];
-const fail = (m) => { failures.push(m); console.log(`[teacher] FAIL ${m}`); };
-const log = (m) => console.log(`[teacher] ${m}`);
 
-const relay = await startRelay(args.bin, DIST);
-const base = `http://${relay.host}/`;
-const browser = await chromium.launch({
-  executablePath: CHROMIUM,
-  headless: true,
-  args: ['--no-sandbox', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync', '--enable-unsafe-webgpu'],
-});
-const errors = [];
-
-try {
+await checkScript('teacher', args, OUT, async ({ base, browser, fail, log, errors }) => {
   for (const [label, viewport] of [['desktop', { width: 1280, height: 800 }], ['phone', { width: 390, height: 844 }]]) {
     const ctx = await browser.newContext({ viewport });
     // ---- the first screen: what it is, one click to a lesson; ?world=4 fills the form ----
@@ -113,16 +98,4 @@ try {
     await ctx.close();
   }
   log('first screen, ?world, one-click lesson, step links, share links with the lesson, projector mode, compute line, help page');
-} catch (e) {
-  fail(e.stack ?? String(e));
-} finally {
-  await browser.close();
-  relay.proc.kill();
-}
-for (const e of errors) fail(e);
-log(`screenshots in ${OUT}`);
-if (failures.length) {
-  log(`${failures.length} failure(s)`);
-  process.exit(1);
-}
-log('all checks passed');
+});
