@@ -71,6 +71,17 @@ pub(crate) async fn dual<C: Communicator>(
     {
         return Ok(gx);
     }
+    table(c, comm, xs, ys, gs).await
+}
+
+/// The dual table itself (the module docs), for distgrad's rule.
+async fn table<C: Communicator>(
+    c: &Collective,
+    comm: &C,
+    xs: &[Tensor],
+    ys: &[Tensor],
+    gs: &[Tensor],
+) -> Result<Vec<Tensor>> {
     let (spec, group, replicated) = match c {
         Collective::Call {
             spec,
