@@ -11,17 +11,16 @@
 import { execFileSync } from 'node:child_process';
 import { mkdirSync } from 'node:fs';
 import { join } from 'node:path';
-import { chromium } from 'playwright-core';
-import { parseArgs, sleep, startRelay, waitFor, watch } from './common.mjs';
+import { checkScript, parseArgs, sleep, waitFor, watch } from './common.mjs';
 
 const args = parseArgs(process.argv.slice(2));
-const DIST = args.dist ?? 'dist';
 const OUT = join(args.out ?? '/tmp', 'algorithm');
-const CHROMIUM = process.env.CHROMIUM ?? '/usr/bin/chromium';
 mkdirSync(OUT, { recursive: true });
-const failures = [];
-const fail = (m) => { failures.push(m); console.log(`[algorithm] FAIL ${m}`); };
-const log = (m) => console.log(`[algorithm] ${m}`);
+// Set by checkScript below: the page's address, and where failures and the pages' errors go.
+let base;
+let fail;
+let log;
+let errors;
 
 /** A call's events without times: what must agree between the page and the CLI. */
 const untimed = (call) => JSON.stringify({
@@ -36,15 +35,6 @@ function cliEvents(lesson, n, algorithm) {
   const out = execFileSync(args.bin, ['run', `www/lessons/${lesson}.json`, '--world', String(n), '--events', '--json', ...extra], { encoding: 'utf8' });
   return JSON.parse(out).calls;
 }
-
-const relay = await startRelay(args.bin, DIST);
-const base = `http://${relay.host}/`;
-const browser = await chromium.launch({
-  executablePath: CHROMIUM,
-  headless: true,
-  args: ['--no-sandbox', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync', '--enable-unsafe-webgpu'],
-});
-const errors = [];
 
 /** Open `lesson` at step `step` in single-tab mode with n ranks; the page. */
 async function open(ctx, lesson, n, step) {
@@ -93,7 +83,9 @@ async function walk(page, name, rounds, arrows, shots) {
   if (!caption.includes('result')) fail(`${name}: after the last round the caption says "${caption}"`);
 }
 
-try {
+await checkScript('algorithm', args, OUT, async (t) => {
+  ({ base, fail, log, errors } = t);
+  const { browser } = t;
   const ctx = await browser.newContext({ viewport: { width: 1280, height: 800 } });
   for (const n of [3, 4, 8]) {
     const page = await open(ctx, 'ring_all_reduce', n, 1);
@@ -149,16 +141,4 @@ try {
   const wide = await page.evaluate(() => document.documentElement.scrollWidth);
   if (wide > 390) fail(`phone width: the page is ${wide} px wide (scrolls sideways)`);
   await phone.close();
-} catch (e) {
-  fail(e.stack ?? String(e));
-} finally {
-  await browser.close();
-  relay.proc.kill();
-}
-for (const e of errors) fail(e);
-log(`screenshots in ${OUT}`);
-if (failures.length) {
-  log(`${failures.length} failure(s)`);
-  process.exit(1);
-}
-log('all checks passed');
+});
