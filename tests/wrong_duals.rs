@@ -391,6 +391,18 @@ fn the_lessons_show_the_check_deciding() {
                 ],
                 "{name}"
             );
+            // Under the replicated objective distgrad's dual of the all_reduce runs nothing, and
+            // draws no message back; the seed's all_reduces.
+            if name == "wrong_replicated_sum" {
+                let back: Vec<_> = t
+                    .steps
+                    .iter()
+                    .filter(|s| s.phase == Phase::Backward)
+                    .collect();
+                assert_eq!(back[1].collective.as_deref(), Some("nothing"));
+                assert!(back[1].arrows.is_empty(), "{:?}", back[1].arrows);
+                assert_eq!(back[0].arrows.len(), world * (world - 1));
+            }
             // Independently of the lesson: the check on the plans it ran.
             let plan = l.plan_for(world).unwrap();
             let report = gradcheck_program(&plan, &Options::default()).unwrap();

@@ -12,7 +12,6 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::dual::Collective;
 use crate::collective::{Communicator, Group, ReduceOp, Spec};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -107,19 +106,29 @@ impl DualRule {
     }
 }
 
-/// Run the wrong dual `rule` of the call `spec` on `group` (see the module docs); `None` where
-/// the rule does not change this call (distgrad's dual runs).
+/// The call a wrong dual runs for: what ran, among which ranks, and whether its output was
+/// marked invariant (all_reduce under the replicated objective).
+pub(super) struct Called<'a> {
+    pub(super) spec: &'a Spec,
+    pub(super) group: &'a Group,
+    pub(super) replicated: bool,
+}
+
+/// Run the wrong dual `rule` of the call `c` (see the module docs); `None` where the rule does
+/// not change this call (distgrad's dual runs).
 pub(super) async fn dual<C: Communicator>(
     rule: DualRule,
-    c: &Collective,
+    c: Called<'_>,
     comm: &C,
     xs: &[Tensor],
     ys: &[Tensor],
     gs: &[Tensor],
 ) -> Result<Option<Vec<Tensor>>> {
-    let Collective::Call { spec, group, .. } = c else {
-        return Ok(None);
-    };
+    let Called {
+        spec,
+        group,
+        replicated,
+    } = c;
     Ok(Some(match (rule, spec) {
         (DualRule::Seed, Spec::AllReduce { op }) => {
             vec![comm.all_reduce(&gs[0], *op, group).await?]
@@ -132,13 +141,6 @@ pub(super) async fn dual<C: Communicator>(
             vec![comm.broadcast(&g, *root, group).await?]
         }
         (DualRule::Divide, Spec::AllReduce { op: ReduceOp::Prod }) => {
-            let replicated = matches!(
-                c,
-                Collective::Call {
-                    replicated: true,
-                    ..
-                }
-            );
             let s = if replicated {
                 gs[0].clone()
             } else {

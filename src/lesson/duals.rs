@@ -5,7 +5,7 @@
 //! distributed gradient check (central differences of the whole program across the ranks)
 //! decide which is right, rank by rank.
 
-use super::steps::{forward_steps, value_of};
+use super::steps::{backward_arrows, combined_grads, forward_steps, input_grads};
 use super::*;
 use crate::autograd::DualRule;
 use crate::gradcheck::{self, Report};
@@ -22,6 +22,11 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
     }
     let right_plan = lesson.plan_program(&right, world)?;
     let views = wrong_plan.views();
+    let collectives: Vec<_> = views
+        .iter()
+        .rev()
+        .filter(|v| v.collective.is_some())
+        .collect();
     let me = comm.rank();
     let mut steps = Vec::new();
     let mut grads = Vec::with_capacity(2);
@@ -48,13 +53,7 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
         if steps.is_empty() {
             steps = forward_steps(plan, &views, &run, me).await?;
         }
-        let mut values = Vec::new();
-        for inp in plan.program().inputs.iter().filter(|i| i.grad) {
-            values.push(Named::tensors(
-                &format!("dF/d{}", inp.name),
-                value_of(&inp.name, &run.grads).await?,
-            ));
-        }
+        let mut values = input_grads(plan.program(), "dF/d", &run.grads).await?;
         // What this rank's backward ran (ranks outside a subgroup run nothing; the step names
         // what its members ran).
         values.push(if ran.is_empty() {
@@ -65,25 +64,20 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
         let mut b = step(
             format!("backward with {who}"),
             Phase::Backward,
-            views
-                .iter()
-                .rev()
-                .flat_map(|v| reversed(&v.arrows))
-                .collect(),
+            backward_arrows(&collectives, me, &ran),
             values,
         );
         b.collective = (!ran.is_empty()).then(|| ran.join(" + "));
         steps.push(b);
         grads.push(run.grads);
     }
-    let mut diffs = Vec::new();
-    for inp in wrong_plan.program().inputs.iter().filter(|i| i.grad) {
-        let d = match (grads[0].get(&inp.name), grads[1].get(&inp.name)) {
-            (Some(a), Some(b)) => vec![read(&a.sub(b)?).await?],
-            _ => Vec::new(),
-        };
-        diffs.push(Named::tensors(&format!("wrong − right, {}", inp.name), d));
-    }
+    let diffs = combined_grads(
+        wrong_plan.program(),
+        "wrong − right, ",
+        [&grads[0], &grads[1]],
+        Tensor::sub,
+    )
+    .await?;
     steps.push(step(
         "the difference: the wrong gradient minus the right one".into(),
         Phase::Result,
@@ -123,7 +117,7 @@ fn wrong_rules(p: &Program) -> Vec<DualRule> {
 
 /// What the check found for rank `rank`'s inputs, in a line: the verdict and the coordinate
 /// that decided it.
-pub(crate) fn rank_summary(report: &Report, rank: usize) -> String {
+fn rank_summary(report: &Report, rank: usize) -> String {
     let rows: Vec<_> = report.rows.iter().filter(|r| r.rank == rank).collect();
     // Four decimals read as the page's tables do (the finite differences carry f32 noise).
     let num = |x: f64| {

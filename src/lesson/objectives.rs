@@ -4,7 +4,7 @@
 //! collectives, and where every rank holds the same loss the gradients differ by exactly the
 //! number of ranks that share it.
 
-use super::steps::{forward_steps, value_of};
+use super::steps::{combined_grads, forward_steps, input_grads};
 use super::*;
 use crate::program::{ObjectiveName, trace_rank};
 
@@ -32,13 +32,7 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
         if objective == ObjectiveName::SumOfRankLosses {
             steps = forward_steps(&plan, &views, &run, comm.rank()).await?;
         }
-        let mut grads = Vec::new();
-        for inp in p.inputs.iter().filter(|i| i.grad) {
-            grads.push(Named::tensors(
-                &format!("dL/d{}", inp.name),
-                value_of(&inp.name, &run.grads).await?,
-            ));
-        }
+        let grads = input_grads(&p, "dL/d", &run.grads).await?;
         let (label, arrows) = match objective {
             ObjectiveName::SumOfRankLosses => (
                 "backward, objective = the SUM of every rank's loss",
@@ -69,18 +63,13 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, lesson: &Lesson) -> Result<
         traces.push(run);
     }
     // The ratio of the two gradients, input by input.
-    let mut ratios = Vec::new();
-    for inp in program.inputs.iter().filter(|i| i.grad) {
-        let (a, b) = (
-            traces[0].grads.get(&inp.name),
-            traces[1].grads.get(&inp.name),
-        );
-        let ratio = match (a, b) {
-            (Some(a), Some(b)) => vec![read(&a.div(b)?).await?],
-            _ => Vec::new(),
-        };
-        ratios.push(Named::tensors(&format!("ratio {}", inp.name), ratio));
-    }
+    let ratios = combined_grads(
+        program,
+        "ratio ",
+        [&traces[0].grads, &traces[1].grads],
+        Tensor::div,
+    )
+    .await?;
     steps.push(step(
         "the two gradients, divided: the factor is the number of ranks that share the loss".into(),
         Phase::Result,

@@ -108,17 +108,10 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, plan: &Plan) -> Result<Vec<
                 v.made_varying.join(", dF/d")
             )
         };
-        // A rank that runs the step and whose dual ran nothing (an all_reduce under the
-        // replicated objective, a barrier): no message went back, for any rank.
-        let arrows = if calls.is_empty() && v.ranks.contains(&me) {
-            Vec::new()
-        } else {
-            reversed(&v.arrows)
-        };
         let mut b = step(
             format!("backward through {}{made}", v.label),
             Phase::Backward,
-            arrows,
+            backward_arrows(&[v], me, &calls),
             values,
         );
         // Ranks outside the step ran nothing for it; the step names what its members ran.
@@ -126,20 +119,62 @@ pub(super) async fn run<T: Transport>(comm: &P2p<T>, plan: &Plan) -> Result<Vec<
         b.events = events;
         steps.push(b);
     }
-    let mut grads = Vec::new();
-    for inp in program.inputs.iter().filter(|i| i.grad) {
-        grads.push(Named::tensors(
-            &format!("dF/d{}", inp.name),
-            value_of(&inp.name, &run.grads).await?,
-        ));
-    }
     steps.push(step(
         "the gradients of the inputs".into(),
         Phase::Result,
         Vec::new(),
-        grads,
+        input_grads(program, "dF/d", &run.grads).await?,
     ));
     Ok(steps)
+}
+
+/// The gradient of every input that takes one, named `<prefix><input>`.
+pub(super) async fn input_grads(
+    program: &Program,
+    prefix: &str,
+    grads: &std::collections::HashMap<String, Tensor>,
+) -> Result<Vec<Named>> {
+    let mut out = Vec::new();
+    for inp in program.inputs.iter().filter(|i| i.grad) {
+        out.push(Named::tensors(
+            &format!("{prefix}{}", inp.name),
+            value_of(&inp.name, grads).await?,
+        ));
+    }
+    Ok(out)
+}
+
+/// Two runs' gradients combined by `f`, input by input, named `<prefix><input>` (nothing where
+/// either run has none).
+pub(super) async fn combined_grads(
+    program: &Program,
+    prefix: &str,
+    [a, b]: [&std::collections::HashMap<String, Tensor>; 2],
+    f: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
+) -> Result<Vec<Named>> {
+    let mut out = Vec::new();
+    for inp in program.inputs.iter().filter(|i| i.grad) {
+        let v = match (a.get(&inp.name), b.get(&inp.name)) {
+            (Some(x), Some(y)) => vec![read(&f(x, y)?).await?],
+            _ => Vec::new(),
+        };
+        out.push(Named::tensors(&format!("{prefix}{}", inp.name), v));
+    }
+    Ok(out)
+}
+
+/// The messages of a backward step through `views` as rank `me` shows them: the forward ones
+/// reversed, none where `me` ran the steps and its dual sent nothing (an all_reduce under the
+/// replicated objective, a barrier: no rank sent anything back).
+pub(super) fn backward_arrows(
+    views: &[&StepView],
+    me: usize,
+    ran: &[String],
+) -> Vec<(usize, usize)> {
+    if ran.is_empty() && views.iter().all(|v| v.ranks.contains(&me)) {
+        return Vec::new();
+    }
+    views.iter().flat_map(|v| reversed(&v.arrows)).collect()
 }
 
 /// A value by name as shown: a list output's parts (`name.0`, `name.1`, ...) together; nothing

@@ -13,7 +13,7 @@ use crate::vjp::{self, RankResult};
 use super::bus::request;
 use super::dom::{doc, el, show_error, show_notice};
 use super::lessons::{algo_round, chosen_algorithm, control, on_edit};
-use super::params::enc;
+use super::params::{enc, projector_on};
 use super::play::{on_run_click, request_from_form, run_case, show_results};
 use super::programs::{editor, load_example, on_program_file, program_here, request_program};
 use super::room_bench::{bench_all_reduce, recv_from, send_and_leave};
@@ -109,11 +109,6 @@ fn go_to_room(room: &str, world: &str, token: Option<&str>, net: Option<&str>) {
         }
     }
     let _ = w.location().set_search(&search);
-}
-
-/// Whether projector mode is on (large text, high contrast).
-pub(super) fn projector_on() -> bool {
-    PARAMS.with(|p| p.borrow().as_ref().is_some_and(|p| p.projector))
 }
 
 /// Turn projector mode on or off: the page's class, the button, and the links it makes (share

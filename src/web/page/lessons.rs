@@ -22,6 +22,7 @@ use crate::web::lesson_view::{step_note, step_table};
 use super::bus::{next_tag, request};
 use super::diagram::{diagram, loss_plot};
 use super::dom::{el, esc, now_ms, set_hidden, set_html, set_text, show_notice, sleep};
+use super::params::{lesson_name_ok, projector_on, step_link};
 use super::{App, Bus, PLAY_EVERY, TRACE_GROUP, app, state, view};
 
 pub(super) async fn fetch_text(path: &str) -> Result<String> {
@@ -87,13 +88,6 @@ pub(super) async fn load_lesson_list() {
     if let Err(e) = fill_select("lessons/index.json", "lessons", "lesson", None).await {
         show_notice(&format!("no lessons: {e}"));
     }
-}
-
-pub(super) fn lesson_name_ok(name: &str) -> bool {
-    !name.is_empty()
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
 /// Run lesson `name` on every tab (this tab's part), its collectives taking `algorithm` where
@@ -246,10 +240,7 @@ pub(super) fn render_lesson() {
         el::<HtmlElement>("step-link"),
         view(|v| v.lesson.as_ref().map(|l| l.name.clone())),
     ) {
-        let _ = a.set_attribute(
-            "href",
-            &super::params::step_link(world, &name, k, super::api::projector_on()),
-        );
+        let _ = a.set_attribute("href", &step_link(world, &name, k, projector_on()));
     }
     set_html("diagram", &svg);
     set_html("lesson-table", &table);

@@ -4,7 +4,7 @@ use crate::backend::Choice;
 use crate::error::{Error, Result};
 use crate::transport::browser::Links;
 
-use super::Params;
+use super::{PARAMS, Params};
 
 pub(super) fn params() -> Result<Params> {
     let w = web_sys::window().ok_or_else(|| Error::Input("no window".into()))?;
@@ -69,7 +69,7 @@ pub(super) fn params() -> Result<Params> {
         relay: q.get("relay"),
         program: q.get("program").filter(|n| !n.is_empty()),
         lesson: match q.get("lesson").filter(|n| !n.is_empty()) {
-            Some(n) if super::lessons::lesson_name_ok(&n) => Some(n),
+            Some(n) if lesson_name_ok(&n) => Some(n),
             Some(n) => return Err(Error::Input(format!("lesson={n:?}: not a lesson name"))),
             None => None,
         },
@@ -87,6 +87,20 @@ pub(super) fn params() -> Result<Params> {
             ),
         },
     })
+}
+
+/// Whether a name can be a lesson's (or an example program's) file name: letters, digits, `_`,
+/// `-` (nothing that reaches outside `lessons/`).
+pub(super) fn lesson_name_ok(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
+/// Whether projector mode is on (large text, high contrast; `projector=1`).
+pub(super) fn projector_on() -> bool {
+    PARAMS.with(|p| p.borrow().as_ref().is_some_and(|p| p.projector))
 }
 
 pub(super) fn relay_url() -> String {

@@ -19,7 +19,8 @@ use crate::program::{Plan, Program, RankRun};
 
 use super::bus::request;
 use super::dom::{el, esc, now_ms, set_html, set_text, show_error, show_notice};
-use super::lessons::{exchange, fetch_text, fill_select, lesson_name_ok};
+use super::lessons::{exchange, fetch_text, fill_select};
+use super::params::lesson_name_ok;
 use super::{App, Bus, state};
 
 /// Largest program text the page accepts (a program with explicit values for many ranks).
