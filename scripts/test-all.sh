@@ -81,6 +81,8 @@ say "end-to-end: wrong vs right, the gradient check deciding, at 3, 4 and 8 rank
 node tests/browser/duals.mjs --bin "$bin" --dist dist --out "$out"
 say "end-to-end: values labelled invariant / varying / unreduced, the Megatron MLP lesson at 3, 4 and 8 ranks and a phone's width (tests/browser/kinds.mjs)"
 node tests/browser/kinds.mjs --bin "$bin" --dist dist --out "$out"
+say "end-to-end: one device beside the ranks' gradients, a lesson of each view at 3, 4 and 8 ranks and a phone's width (tests/browser/one_device.mjs)"
+node tests/browser/one_device.mjs --bin "$bin" --dist dist --out "$out"
 say "end-to-end: the first screen, links to a lesson step, projector mode, the compute line (tests/browser/teacher.mjs)"
 node tests/browser/teacher.mjs --bin "$bin" --dist dist --out "$out"
 say "end-to-end: programs and the gradient check in 3 tabs and in single-tab mode (tests/browser/programs.mjs)"

@@ -193,6 +193,12 @@ pub enum ProgramError {
         /// The largest world (`program::MAX_WORLD`).
         max: usize,
     },
+    /// The whole problem could not be computed on one device (`program::one_device`).
+    #[error("one device: {detail}")]
+    OneDevice {
+        /// Why.
+        detail: String,
+    },
     /// A checked program runs on a communicator of another world.
     #[error("the program was checked for world {planned}, the communicator has {communicator}")]
     WorldMismatch {

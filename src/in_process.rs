@@ -64,6 +64,13 @@ where
     })
 }
 
+/// A communicator of one rank, alone in its world (for a tape that never communicates: its
+/// collectives, of one rank, copy).
+pub fn solo() -> LocalComm {
+    let mut ranks = LocalTransport::world(1);
+    P2p::new(ranks.remove(0), CommOptions::default())
+}
+
 /// Run `f(comm)` on `world` ranks interleaved on the calling task (one thread: a browser page's
 /// "simulated ranks", or anywhere threads are unwanted); result index = rank. The ranks' futures are
 /// polled together, so a rank waiting on a peer lets the others progress.

@@ -495,7 +495,7 @@ fn interleaved_and_threaded_ranks_give_the_same_trace() {
             async move { lesson::rank_trace(&comm, l, None).await }
         });
         let traces = results.into_iter().map(|r| r.unwrap()).collect();
-        let b = lesson::assemble(&l, traces).unwrap();
+        let b = futures::executor::block_on(lesson::assemble(&l, traces)).unwrap();
         // The events' times differ between runs; all else must not.
         assert_eq!(untimed(a), untimed(b), "{name}");
     }
@@ -1050,5 +1050,89 @@ fn megatron_mlp_kinds_and_the_hidden_all_reduce() {
                 );
             }
         }
+    }
+}
+
+/// Every lesson but the training ones carries one device's gradients for the whole problem
+/// beside the ranks', and says how far apart they are: distgrad's equal it (exactly, or within
+/// float rounding) at every world; a wrong dual does not, from 3 ranks on. The page's table of it
+/// names every rank.
+#[test]
+fn every_lesson_shows_one_device_beside_the_ranks() {
+    use distgrad::web::lesson_view::one_device_table;
+    for name in all_names() {
+        let l = load(&name);
+        for world in l.min_world.max(2)..=8 {
+            let t = simulate(&l, world);
+            let Some(o) = &t.one_device else {
+                assert!(l.trains(), "{name} at {world}: no one-device view");
+                continue;
+            };
+            assert_eq!(o.ranks.len(), world, "{name} at {world}: {}", o.label);
+            let text = lesson::render(&t);
+            assert!(
+                text.contains(&o.label),
+                "{name}: distgrad run does not print it"
+            );
+            for part in o.label.split(": ").nth(1).unwrap().split("; ") {
+                let right = part.starts_with("distgrad");
+                let agrees =
+                    part.ends_with("equals it exactly") || part.ends_with("(float rounding)");
+                if right {
+                    assert!(agrees, "{name} at {world}: {}", o.label);
+                } else if world >= 3 && name != "wrong_max_tie" {
+                    assert!(
+                        !agrees,
+                        "{name} at {world}: a wrong dual agrees: {}",
+                        o.label
+                    );
+                }
+            }
+            // The columns line up: every rank names the same values.
+            let names: Vec<_> = o.ranks[0].iter().map(|n| &n.name).collect();
+            assert!(
+                o.ranks
+                    .iter()
+                    .all(|r| r.iter().map(|n| &n.name).collect::<Vec<_>>() == names)
+            );
+            let html = one_device_table(o, Some(1)).into_string();
+            assert!(
+                html.contains("1 (you)") && html.contains(&o.label[..20]),
+                "{html}"
+            );
+        }
+    }
+}
+
+/// Hand-derived: all_reduce(MAX) on 4 ranks, the lesson's inputs x_r = [r + 1, 8 − 2r] and
+/// cotangents c_r = [1, r + 1]: one device's gradient goes to the rank holding each maximum, the
+/// sum of all 4 ranks' cotangents there: rank 3 gets 1+1+1+1 = 4 in the first coordinate, rank 0
+/// gets 1+2+3+4 = 10 in the second.
+#[test]
+fn one_device_hand_derived_for_all_reduce_max() {
+    let t = simulate(&load("all_reduce_max"), 4);
+    assert_eq!(t.steps[0].ranks[0][0].show(), "[1, 8]");
+    assert_eq!(t.steps[0].ranks[3][0].show(), "[4, 2]");
+    assert_eq!(t.steps[2].ranks[3][0].show(), "[1, 4]");
+    let o = t.one_device.expect("one device");
+    let g = |r: usize| o.ranks[r][0].show();
+    assert_eq!(
+        [g(0), g(1), g(2), g(3)],
+        ["[0, 10]", "[0, 0]", "[0, 0]", "[4, 0]"].map(String::from)
+    );
+    assert!(
+        o.label.ends_with("distgrad equals it exactly"),
+        "{}",
+        o.label
+    );
+    // The page's table: a row per rank and gradient, the differences beside one device's.
+    let html = distgrad::web::lesson_view::one_device_table(&o, None).into_string();
+    for want in [
+        "<th scope=\"col\">one device</th>",
+        "<th scope=\"col\">distgrad − one device</th>",
+        "[0, 10]",
+        "dL/dx",
+    ] {
+        assert!(html.contains(want), "{want} not in {html}");
     }
 }

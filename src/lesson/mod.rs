@@ -61,6 +61,7 @@ pub mod algorithm;
 mod collective;
 mod duals;
 mod objectives;
+mod one_device;
 mod steps;
 mod trace;
 mod training;
@@ -75,6 +76,7 @@ use crate::tensor::Tensor;
 use crate::transport::Transport;
 use crate::vjp::{self, TensorJson};
 
+pub use one_device::OneDeviceView;
 pub use trace::{Named, Phase, RankStep, RankTrace, Step, Trace, assemble, render};
 
 /// A lesson: a program, its narrative and how it is shown (see the module docs). Its JSON is
@@ -611,5 +613,5 @@ pub async fn run_simulated_with(
     for (r, t) in results.into_iter().enumerate() {
         traces.push(t.map_err(|e| Error::Input(format!("rank {r}: {e}")))?);
     }
-    assemble(lesson, traces)
+    assemble(lesson, traces).await
 }

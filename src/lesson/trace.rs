@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::Lesson;
 use super::algorithm::{CallAcross, collate};
+use super::one_device::{self, OneDeviceView};
 use crate::collective::events::CallRecord;
 use crate::error::{Error, Result};
 use crate::vjp::{self, TensorJson};
@@ -147,12 +148,17 @@ pub struct Trace {
     pub world: usize,
     /// The steps.
     pub steps: Vec<Step>,
+    /// Every rank's gradient beside one device's for the whole problem, shown with the last
+    /// step (`None`: a training lesson).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub one_device: Option<OneDeviceView>,
 }
 
 /// Put the ranks' traces (index = rank) together; every rank must have run the same steps. A step
 /// takes rank 0's label, arrows and collective (or, where rank 0 names none, the first rank's that
-/// does: in a pipeline only two stages take part in a step).
-pub fn assemble(lesson: &Lesson, traces: Vec<RankTrace>) -> Result<Trace> {
+/// does: in a pipeline only two stages take part in a step). One device's gradients for the whole
+/// problem are computed here, once for the group.
+pub async fn assemble(lesson: &Lesson, traces: Vec<RankTrace>) -> Result<Trace> {
     let world = traces.len();
     let first = traces
         .first()
@@ -197,12 +203,14 @@ pub fn assemble(lesson: &Lesson, traces: Vec<RankTrace>) -> Result<Trace> {
             s.calls = collate(s.phase, ev);
         }
     }
+    let one_device = one_device::view(lesson, &steps, world).await;
     Ok(Trace {
         lesson: lesson.name.clone(),
         title: lesson.title.clone(),
         why: lesson.why.clone(),
         world,
         steps,
+        one_device,
     })
 }
 
@@ -236,6 +244,16 @@ pub fn render(trace: &Trace) -> String {
                     Some(k) => format!("{} ({k}) = {}", n.name, n.show()),
                     None => format!("{} = {}", n.name, n.show()),
                 })
+                .collect();
+            s.push_str(&format!("  rank {r}: {}\n", v.join(", ")));
+        }
+    }
+    if let Some(o) = &trace.one_device {
+        s.push_str(&format!("\n{}\n", o.label));
+        for (r, vals) in o.ranks.iter().enumerate() {
+            let v: Vec<String> = vals
+                .iter()
+                .map(|n| format!("{} = {}", n.name, n.show()))
                 .collect();
             s.push_str(&format!("  rank {r}: {}\n", v.join(", ")));
         }

@@ -62,6 +62,7 @@
 
 mod check;
 mod inputs;
+mod one_device;
 mod random;
 mod repeat;
 mod runner;
@@ -75,6 +76,7 @@ use crate::collective::Spec;
 use crate::error::{ProgramError, Result};
 
 pub use check::Plan;
+pub use one_device::{MAX_ONE_DEVICE_ELEMENTS, OneDevice, one_device};
 pub use random::{RandomOptions, random_program};
 pub use repeat::{Block, MAX_EXPANDED_BYTES, MAX_EXPANDED_STEPS};
 pub(crate) use runner::loss_weight;

@@ -65,7 +65,8 @@ pub(crate) fn input_vars<C: Communicator>(
         .collect()
 }
 
-fn local(op: &LocalOp, xs: &[Var]) -> Result<Var> {
+/// A local step on this rank's inputs `xs`.
+pub(super) fn local(op: &LocalOp, xs: &[Var]) -> Result<Var> {
     let a = &xs[0];
     match op {
         LocalOp::Add {} => a.add(&xs[1]),

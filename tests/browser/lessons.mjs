@@ -44,6 +44,29 @@ const untimedCalls = (st) => JSON.stringify((st.calls ?? []).map((c) => ({
   ranks: c.ranks.map(({ total_us: _t, call: _c, ...r }) => ({ ...r, events: r.events.map(({ t_us: _u, ...e }) => e) })),
 })));
 
+/** Where two lists of every rank's values differ (`where`: what they are), or null. */
+function diffValues(got, want, where, hashes) {
+  for (const [r, wvals] of want.entries()) {
+    const gvals = got[r];
+    if (!gvals || gvals.length !== wvals.length) return `${where} rank ${r}: ${gvals?.length} values, expected ${wvals.length}`;
+    for (const [i, wv] of wvals.entries()) {
+      const gv = gvals[i];
+      if (gv.name !== wv.name) return `${where} rank ${r}: value ${gv.name}, expected ${wv.name}`;
+      if (wv.text !== undefined) {
+        if (hashes && gv.text !== wv.text) return `${where} rank ${r} ${wv.name}: ${gv.text}, expected ${wv.text}`;
+        continue;
+      }
+      for (const [j, wt] of wv.tensors.entries()) {
+        const gt = gv.tensors[j];
+        if (!gt || JSON.stringify(gt.shape) !== JSON.stringify(wt.shape)) return `${where} rank ${r} ${wv.name}: shape differs`;
+        for (const [e, x] of wt.data.entries())
+          if (!close(gt.data[e], x)) return `${where} rank ${r} ${wv.name}[${e}] = ${gt.data[e]}, expected ${x}`;
+      }
+    }
+  }
+  return null;
+}
+
 // Compare two traces; hashes (text values) are compared only when `hashes` is true.
 function diffTrace(got, want, hashes) {
   if (got.steps.length !== want.steps.length) return `${got.steps.length} steps, expected ${want.steps.length}`;
@@ -56,24 +79,18 @@ function diffTrace(got, want, hashes) {
     // same algorithm: lessons that name theirs (a room's own choice for small all_reduces, the
     // star, is not the CLI's exchange).
     if (want.algorithm_named && untimedCalls(gs) !== untimedCalls(ws)) return `step ${k}: the recorded events differ`;
-    for (const [r, wvals] of ws.ranks.entries()) {
-      const gvals = gs.ranks[r];
-      if (!gvals || gvals.length !== wvals.length) return `step ${k} rank ${r}: ${gvals?.length} values, expected ${wvals.length}`;
-      for (const [i, wv] of wvals.entries()) {
-        const gv = gvals[i];
-        if (gv.name !== wv.name) return `step ${k} rank ${r}: value ${gv.name}, expected ${wv.name}`;
-        if (wv.text !== undefined) {
-          if (hashes && gv.text !== wv.text) return `step ${k} rank ${r} ${wv.name}: ${gv.text}, expected ${wv.text}`;
-          continue;
-        }
-        for (const [j, wt] of wv.tensors.entries()) {
-          const gt = gv.tensors[j];
-          if (!gt || JSON.stringify(gt.shape) !== JSON.stringify(wt.shape)) return `step ${k} rank ${r} ${wv.name}: shape differs`;
-          for (const [e, x] of wt.data.entries())
-            if (!close(gt.data[e], x)) return `step ${k} rank ${r} ${wv.name}[${e}] = ${gt.data[e]}, expected ${x}`;
-        }
-      }
-    }
+    const d = diffValues(gs.ranks, ws.ranks, `step ${k}`, hashes);
+    if (d) return d;
+  }
+  // One device's gradients beside the ranks' (src/lesson/one_device.rs): the same values, and the
+  // same verdict on each gradient compared (a tab on the GPU may differ from the CLI by rounding).
+  const [go, wo] = [got.one_device ?? null, want.one_device ?? null];
+  if ((go === null) !== (wo === null)) return `one device: ${go ? 'shown' : 'missing'}, expected ${wo ? 'shown' : 'none'}`;
+  if (wo) {
+    const agrees = (label) => label.split('; ').map((p) => /equals it exactly$|\(float rounding\)$/.test(p));
+    if (hashes ? go.label !== wo.label : JSON.stringify(agrees(go.label)) !== JSON.stringify(agrees(wo.label))) return `one device: "${go.label}", expected "${wo.label}"`;
+    const d = diffValues(go.ranks, wo.ranks, 'one device', hashes);
+    if (d) return d;
   }
   return null;
 }

@@ -82,13 +82,19 @@ pub(super) fn diagram(
                 if let Some(t) = &n.text {
                     return t.split_whitespace().next().unwrap_or_default().to_string();
                 }
-                let v = n.show();
-                let v = if v.chars().count() > 26 {
-                    format!("{}…", v.chars().take(25).collect::<String>())
+                // Short enough that side-by-side labels do not run into each other (from 4
+                // ranks, ranks sit beside each other); the table has the whole value.
+                let v = format!("{} = {}", n.name, n.show());
+                let most = match world {
+                    0..=3 => 34,
+                    4..=5 => 24,
+                    _ => 15,
+                };
+                if v.chars().count() > most {
+                    format!("{}…", v.chars().take(most - 1).collect::<String>())
                 } else {
                     v
-                };
-                format!("{} = {v}", n.name)
+                }
             })
             .unwrap_or_default();
         let (lx, ly) = label_pos(r);

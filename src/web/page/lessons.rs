@@ -17,7 +17,7 @@ use crate::transport::Transport;
 use crate::transport::browser::BrowserTransport;
 use crate::vjp::TensorJson;
 use crate::web::algorithm_view::{call_svg, caption, messages_text};
-use crate::web::lesson_view::{step_note, step_table};
+use crate::web::lesson_view::{one_device_table, step_note, step_table};
 
 use super::bus::{next_tag, request};
 use super::diagram::{diagram, loss_plot};
@@ -127,7 +127,7 @@ pub(super) async fn run_lesson(app: &App, name: &str, algorithm: Option<Algorith
             let own = inputs.get(comm.rank()).cloned().flatten();
             let mine = lesson::rank_trace(comm, &lesson, own).await?;
             let all = exchange(app, comm, mine).await?;
-            lesson::assemble(&lesson, all)?
+            lesson::assemble(&lesson, all).await?
         }
     };
     let steps = trace.steps.len();
@@ -212,6 +212,11 @@ pub(super) fn render_lesson() {
         let table = step_table(st, me).into_string();
         let note = step_note(st, lesson.trains()).into_string();
         let plot = lesson.trains().then(|| loss_plot(trace, k));
+        // One device's gradients for the whole problem, with the last step.
+        let one = (k + 1 == trace.steps.len())
+            .then_some(trace.one_device.as_ref())
+            .flatten()
+            .map(|o| one_device_table(o, me).into_string());
         Some((
             format!("{} ", esc(&trace.title)),
             esc(&trace.why),
@@ -220,13 +225,15 @@ pub(super) fn render_lesson() {
             table,
             note,
             plot,
+            one,
             k,
             trace.steps.len(),
             matches!(lesson.view, lesson::View::Collective(_)),
             v.playing,
         ))
     });
-    let Some((title, why, label, svg, table, note, plot, k, len, editable, playing)) = html else {
+    let Some((title, why, label, svg, table, note, plot, one, k, len, editable, playing)) = html
+    else {
         return;
     };
     state(|s| {
@@ -252,6 +259,8 @@ pub(super) fn render_lesson() {
         }
         None => set_hidden("lesson-plot", true),
     }
+    set_html("one-device", one.as_deref().unwrap_or(""));
+    set_hidden("one-device", one.is_none());
     set_hidden("edit-form", !editable);
     render_algorithm();
     let failed = state(|s| s.phase == "failed");

@@ -1,0 +1,331 @@
+//! Every rank's gradient beside the one a single device computes for the whole, unsharded
+//! problem ([`crate::program::one_device`]: no collectives, no duals, ordinary autograd), and
+//! their difference. A lesson's trace carries it ([`Trace::one_device`]); the page shows it on
+//! the last step, `distgrad run` after the steps. Training lessons have none (their reference
+//! is full-batch training, in the tests).
+
+use serde::{Deserialize, Serialize};
+
+use super::trace::{Named, Phase, Step};
+use super::{Lesson, View, lesson_case};
+use crate::error::Result;
+use crate::program::{ObjectiveName, OneDevice, Plan, one_device};
+use crate::tensor::Tensor;
+use crate::vjp::TensorJson;
+
+/// One device's gradients beside the ranks' (see the module docs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OneDeviceView {
+    /// What it shows and the largest difference, per gradient compared ("distgrad's gradients
+    /// equal it exactly"), or why it could not be computed.
+    pub label: String,
+    /// Every rank's values (index = rank): per gradient, one device's (`one device: dF/dx`, the
+    /// objective after it where the lesson has two), then each compared gradient minus it
+    /// (`distgrad − one device: x`).
+    pub ranks: Vec<Vec<Named>>,
+}
+
+/// A gradient of the trace set beside one device's: who computed it, at which step, under which
+/// of the one-device runs.
+struct Compared {
+    /// In the label: `distgrad`, `the seed's dual`, `distgrad (one replicated loss)`.
+    who: String,
+    /// In the difference's name: `distgrad`, `the seed's dual` (the objective is in the run's).
+    short: String,
+    step: usize,
+    run: usize,
+}
+
+/// The one-device view of a lesson's assembled `steps` on `world` ranks (`None` for a training
+/// lesson); a failure is said in the label.
+pub(super) async fn view(lesson: &Lesson, steps: &[Step], world: usize) -> Option<OneDeviceView> {
+    if matches!(lesson.view, View::Train { .. }) {
+        return None;
+    }
+    Some(match build(lesson, steps, world).await {
+        Ok(v) => v,
+        Err(e) => OneDeviceView {
+            label: format!("One device: not computed here ({e})"),
+            ranks: Vec::new(),
+        },
+    })
+}
+
+/// The name of a gradient in the lesson's steps, and of one device's run.
+struct Runs {
+    /// Per run: the plan, what its objective is called (empty with one run), its result.
+    runs: Vec<(Plan, String, OneDevice)>,
+    /// The gradients of the trace compared.
+    compared: Vec<Compared>,
+    /// How the trace names the gradient of input `x`: `<prefix>x`.
+    prefix: &'static str,
+}
+
+async fn build(lesson: &Lesson, steps: &[Step], world: usize) -> Result<OneDeviceView> {
+    let holds = |k: usize, name: &str| steps[k].ranks.iter().flatten().any(|n| n.name == name);
+    let last_with = |name: &str| (0..steps.len()).rev().find(|&k| holds(k, name));
+    let runs = match &lesson.view {
+        View::Collective(_) => {
+            // The case with the inputs the ranks ran (a rank may have edited its own).
+            let mut case = lesson_case(lesson, world)?;
+            for (r, x) in case.inputs.iter_mut().enumerate() {
+                if let Some(n) = steps.first().and_then(|s| find(s, r, "x")) {
+                    *x = n.tensors.clone();
+                }
+            }
+            let plan = case.program()?.plan(None)?;
+            let one = run(&plan).await?;
+            Runs {
+                runs: vec![(plan, String::new(), one)],
+                compared: last_with("dL/dx")
+                    .map(|step| Compared {
+                        who: "distgrad".into(),
+                        short: "distgrad".into(),
+                        step,
+                        run: 0,
+                    })
+                    .into_iter()
+                    .collect(),
+                prefix: "dL/d",
+            }
+        }
+        View::Steps | View::CompareDuals => {
+            // One device has no duals: the program as written, wrong dual or not.
+            let plan = lesson.plan_for(world)?;
+            let one = run(&plan).await?;
+            let first = plan
+                .program()
+                .inputs
+                .iter()
+                .find(|i| i.grad)
+                .map(|i| format!("dF/d{}", i.name))
+                .unwrap_or_default();
+            let compared = if matches!(lesson.view, View::Steps) {
+                last_with(&first)
+                    .map(|step| Compared {
+                        who: "distgrad".into(),
+                        short: "distgrad".into(),
+                        step,
+                        run: 0,
+                    })
+                    .into_iter()
+                    .collect()
+            } else {
+                // The wrong dual's backward, then distgrad's.
+                (0..steps.len())
+                    .filter(|&k| steps[k].phase == Phase::Backward && holds(k, &first))
+                    .map(|step| {
+                        let who = steps[step].label.trim_start_matches("backward with ");
+                        Compared {
+                            who: who.to_string(),
+                            short: who.to_string(),
+                            step,
+                            run: 0,
+                        }
+                    })
+                    .collect()
+            };
+            Runs {
+                runs: vec![(plan, String::new(), one)],
+                compared,
+                prefix: "dF/d",
+            }
+        }
+        View::CompareObjectives => {
+            let mut runs = Vec::new();
+            for (objective, said) in [
+                (ObjectiveName::SumOfRankLosses, "sum of rank losses"),
+                (ObjectiveName::Replicated, "one replicated loss"),
+            ] {
+                let mut p = lesson.program_for(world)?;
+                p.objective = objective;
+                let plan = lesson.plan_program(&p, world)?;
+                let one = run(&plan).await?;
+                runs.push((plan, said.to_string(), one));
+            }
+            let first = runs[0]
+                .0
+                .program()
+                .inputs
+                .iter()
+                .find(|i| i.grad)
+                .map(|i| format!("dL/d{}", i.name))
+                .unwrap_or_default();
+            // The backward under each objective, in order.
+            let compared = (0..steps.len())
+                .filter(|&k| steps[k].phase == Phase::Backward && holds(k, &first))
+                .zip(0..2)
+                .map(|(step, run)| Compared {
+                    who: format!("distgrad ({})", runs[run].1),
+                    short: "distgrad".into(),
+                    step,
+                    run,
+                })
+                .collect();
+            Runs {
+                runs,
+                compared,
+                prefix: "dL/d",
+            }
+        }
+        View::Train { .. } => Runs {
+            runs: Vec::new(),
+            compared: Vec::new(),
+            prefix: "dF/d",
+        },
+    };
+    lay_out(
+        &runs,
+        steps,
+        world,
+        matches!(lesson.view, View::Collective(_)),
+    )
+}
+
+/// One device's run of `plan` from every rank's inputs.
+async fn run(plan: &Plan) -> Result<OneDevice> {
+    let inputs: Vec<Vec<Tensor>> = (0..plan.world()).map(|r| plan.inputs(r).to_vec()).collect();
+    one_device(plan, &inputs).await
+}
+
+/// Rank `r`'s value called `name` at step `s`.
+fn find<'a>(s: &'a Step, r: usize, name: &str) -> Option<&'a Named> {
+    s.ranks.get(r)?.iter().find(|n| n.name == name)
+}
+
+/// The rows of every rank, and the label with the largest differences. A collective lesson
+/// (`listed`) names its inputs' gradients as one list `dL/dx`; a program lesson one value per input.
+fn lay_out(runs: &Runs, steps: &[Step], world: usize, listed: bool) -> Result<OneDeviceView> {
+    let mut rows: Vec<Vec<Named>> = vec![Vec::new(); world];
+    // Per compared gradient: the largest difference, absolute and relative.
+    let mut worst = vec![(0f32, 0f32); runs.compared.len()];
+    for (k, (plan, said, one)) in runs.runs.iter().enumerate() {
+        let suffix = if said.is_empty() {
+            String::new()
+        } else {
+            format!(" ({said})")
+        };
+        let inputs: Vec<(usize, &str)> = plan
+            .program()
+            .inputs
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| i.grad)
+            .map(|(i, inp)| (i, inp.name.as_str()))
+            .collect();
+        for (r, row) in rows.iter_mut().enumerate() {
+            // Every rank a column per input (empty where it holds none), so the rows line up.
+            let mine: Vec<(&str, Option<TensorJson>)> = inputs
+                .iter()
+                .map(|&(i, name)| {
+                    let g = one
+                        .grads
+                        .get(r)
+                        .and_then(|g| g.get(i))
+                        .and_then(Option::as_ref);
+                    let shape = plan.shape(r, name).map(<[usize]>::to_vec);
+                    (name, g.zip(shape).map(|(g, shape)| json(shape, g)))
+                })
+                .collect();
+            // (name in the trace, one device's tensors)
+            let groups: Vec<(String, Vec<TensorJson>)> = if listed {
+                vec![(
+                    format!("{}x", runs.prefix),
+                    mine.into_iter().filter_map(|(_, t)| t).collect(),
+                )]
+            } else {
+                mine.into_iter()
+                    .map(|(name, t)| (format!("{}{name}", runs.prefix), t.into_iter().collect()))
+                    .collect()
+            };
+            for (name, one_t) in &groups {
+                row.push(Named::tensors(
+                    &format!("one device: {name}{suffix}"),
+                    one_t.clone(),
+                ));
+                for (c, worst) in runs
+                    .compared
+                    .iter()
+                    .zip(&mut worst)
+                    .filter(|(c, _)| c.run == k)
+                {
+                    let theirs = find(&steps[c.step], r, name).map(|n| n.tensors.as_slice());
+                    let diff = match theirs {
+                        Some(t) if !t.is_empty() => difference(t, one_t, worst),
+                        _ => Vec::new(),
+                    };
+                    let input = name.trim_start_matches(runs.prefix);
+                    row.push(Named::tensors(
+                        &format!("{} − one device: {input}", c.short),
+                        diff,
+                    ));
+                }
+            }
+        }
+    }
+    let said: Vec<String> = runs
+        .compared
+        .iter()
+        .zip(&worst)
+        .map(|(c, &(abs, rel))| {
+            if abs == 0.0 {
+                format!("{} equals it exactly", c.who)
+            } else if abs.is_nan() || rel.is_nan() {
+                format!("{} gives NaN where one device has a number", c.who)
+            } else if rel <= 1e-5 {
+                format!("{} differs by at most {abs:.1e} (float rounding)", c.who)
+            } else {
+                format!("{} differs by up to {abs:.3}", c.who)
+            }
+        })
+        .collect();
+    Ok(OneDeviceView {
+        label: format!(
+            "One device, the whole problem (the collectives as plain sums and copies, no duals): {}",
+            said.join("; ")
+        ),
+        ranks: rows,
+    })
+}
+
+fn json(shape: Vec<usize>, data: &[f32]) -> TensorJson {
+    TensorJson {
+        shape,
+        data: data.iter().map(|&v| (!v.is_nan()).then_some(v)).collect(),
+    }
+}
+
+/// `a − b` tensor by tensor (`None`, NaN, where either is); the largest magnitude into `worst`,
+/// absolute and relative to the values where they exceed 1 (NaN where one side is NaN and the
+/// other not).
+fn difference(a: &[TensorJson], b: &[TensorJson], worst: &mut (f32, f32)) -> Vec<TensorJson> {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| TensorJson {
+            shape: x.shape.clone(),
+            data: x
+                .data
+                .iter()
+                .zip(&y.data)
+                .map(|(p, q)| match (p, q) {
+                    (Some(p), Some(q)) => {
+                        let d = p - q;
+                        let rel = d.abs() / p.abs().max(q.abs()).max(1.0);
+                        if !worst.0.is_nan() && (d.abs() > worst.0 || d.is_nan()) {
+                            worst.0 = d.abs();
+                        }
+                        if !worst.1.is_nan() && (rel > worst.1 || rel.is_nan()) {
+                            worst.1 = rel;
+                        }
+                        Some(d)
+                    }
+                    (None, None) => None,
+                    _ => {
+                        *worst = (f32::NAN, f32::NAN);
+                        None
+                    }
+                })
+                .collect(),
+        })
+        .collect()
+}

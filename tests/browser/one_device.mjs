@@ -1,0 +1,86 @@
+// One device beside the ranks (src/lesson/one_device.rs) in a real browser, single-tab mode: a
+// lesson of each view (a collective, a program with steps, wrong vs right, both objectives) at 3,
+// 4 and 8 ranks: the page's one-device values equal `distgrad run <lesson> --world n --json`'s,
+// the table is shown with the last step only, and says that distgrad's gradients equal one
+// device's (a wrong dual's do not); screenshots of the last step of the Megatron MLP at 3, 4 and
+// 8 ranks and at a phone's width, which must not scroll sideways.
+//
+//   node tests/browser/one_device.mjs --bin target/debug/distgrad --dist dist --out <dir>
+import { execFileSync } from 'node:child_process';
+import { mkdirSync } from 'node:fs';
+import { join } from 'node:path';
+import { checkScript, close, parseArgs, waitFor, watch } from './common.mjs';
+
+const args = parseArgs(process.argv.slice(2));
+const OUT = join(args.out ?? '/tmp', 'one_device');
+mkdirSync(OUT, { recursive: true });
+
+// Lesson → what the label must say of each gradient compared, in order.
+const LESSONS = {
+  all_reduce_max: [/^distgrad equals it exactly$/],
+  megatron_mlp: [/^distgrad (equals it exactly|differs by at most .* \(float rounding\))$/],
+  wrong_all_reduce_prod: [/^the dividing dual gives NaN where one device has a number$/, /^distgrad's dual equals it exactly$/],
+  objectives: [/^distgrad \(sum of rank losses\) equals it exactly$/, /^distgrad \(one replicated loss\) equals it exactly$/],
+};
+
+/** Open `lesson` in single-tab mode with n ranks at step 0. */
+async function open({ base, errors }, ctx, lesson, n) {
+  const page = await ctx.newPage();
+  watch(page, `${lesson} n=${n}`, errors);
+  await page.goto(`${base}?sim=${n}&lesson=${lesson}&step=0`);
+  await waitFor([page], (s) => s.lesson === lesson && s.phase === 'ready' && s.lesson_steps > 0, 120000, `${lesson} at ${n} ranks`);
+  return page;
+}
+
+/** Step to the last step with the → key. */
+async function toLast(page, steps, name) {
+  for (let k = 1; k < steps; k++) {
+    await page.focus('#step');
+    await page.keyboard.press('ArrowRight');
+    await waitFor([page], (s) => s.lesson_step === k, 10000, `${name} step ${k}`);
+  }
+}
+
+await checkScript('one_device', args, OUT, async (t) => {
+  const { browser, fail, log } = t;
+  const ctx = await browser.newContext({ viewport: { width: 1280, height: 800 } });
+  for (const [lesson, verdicts] of Object.entries(LESSONS)) {
+    for (const n of [3, 4, 8]) {
+      const name = `${lesson} n=${n}`;
+      const page = await open(t, ctx, lesson, n);
+      const trace = JSON.parse(await page.evaluate(() => window.distgrad.lessonTrace()));
+      const cli = JSON.parse(execFileSync(args.bin, ['run', `www/lessons/${lesson}.json`, '--world', String(n), '--json'], { encoding: 'utf8' }));
+      const [got, want] = [trace.one_device, cli.one_device];
+      if (!got || !want) { fail(`${name}: one device missing (page ${!!got}, CLI ${!!want})`); await page.close(); continue; }
+      if (got.label !== want.label) fail(`${name}: label "${got.label}", distgrad run says "${want.label}"`);
+      const parts = got.label.split(': ').slice(1).join(': ').split('; ');
+      if (parts.length !== verdicts.length || !verdicts.every((re, i) => re.test(parts[i]))) fail(`${name}: label "${got.label}"`);
+      want.ranks.forEach((vals, r) => vals.forEach((v, i) => v.tensors.forEach((tj, j) => tj.data.forEach((x, e) => {
+        const y = got.ranks[r]?.[i]?.tensors?.[j]?.data?.[e];
+        if (got.ranks[r][i].name !== v.name || !close(y, x)) fail(`${name}: rank ${r} ${v.name}[${e}] = ${y}, distgrad run says ${x}`);
+      }))));
+      if (got.ranks.length !== n) fail(`${name}: ${got.ranks.length} rows`);
+      // Hidden until the last step, then shown with its label and a row per rank.
+      if (await page.isVisible('#one-device')) fail(`${name}: one device shown at step 0`);
+      await toLast(page, trace.steps.length, name);
+      if (!(await page.isVisible('#one-device'))) fail(`${name}: one device not shown at the last step`);
+      const text = await page.textContent('#one-device');
+      if (!text.includes(parts[parts.length - 1]) || !text.includes(`${n - 1}`)) fail(`${name}: the table says "${text.slice(0, 200)}"`);
+      if (lesson === 'megatron_mlp') {
+        await page.screenshot({ path: join(OUT, `${lesson}-${n}-last.png`), fullPage: true });
+        if (n === 4) await page.locator('#lesson-panel').screenshot({ path: join(OUT, `${lesson}-${n}-panel.png`) });
+      }
+      log(`${name}: "${got.label}", == distgrad run --json, shown at step ${trace.steps.length - 1}`);
+      await page.close();
+    }
+  }
+  await ctx.close();
+  const phone = await browser.newContext({ viewport: { width: 390, height: 844 }, deviceScaleFactor: 2 });
+  const page = await open(t, phone, 'megatron_mlp', 4);
+  const steps = JSON.parse(await page.evaluate(() => window.distgrad.lessonTrace())).steps.length;
+  await toLast(page, steps, 'phone');
+  await page.screenshot({ path: join(OUT, 'megatron_mlp-4-phone-last.png'), fullPage: true });
+  const wide = await page.evaluate(() => document.documentElement.scrollWidth);
+  if (wide > 390) fail(`phone width: the page is ${wide} px wide (scrolls sideways)`);
+  await phone.close();
+});
