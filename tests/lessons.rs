@@ -201,20 +201,37 @@ fn objectives_differ_by_exactly_the_world_size() {
         let t = simulate(&l, n);
         // x_r = [r+1, 2]: s = [n(n+1)/2, 2n]; per-rank-sum objective: N·s; replicated: s.
         let s = [(n * (n + 1) / 2) as f32, 2.0 * n as f32];
-        // Steps: 0 inputs, 1-4 forward (all_reduce, square, sum, scale), 5 backward under the
-        // sum of rank losses, 6 under the replicated loss, 7 the ratio.
-        assert_eq!(t.steps.len(), 8);
+        // Steps: 0 inputs, 1-4 forward (all_reduce, square, sum, scale), 5 the cotangents and
+        // 6 the backward under the sum of rank losses, 7 and 8 under the replicated loss, 9 the
+        // ratios.
+        assert_eq!(t.steps.len(), 10);
         let loss = 0.5 * (s[0] * s[0] + s[1] * s[1]);
         for r in 0..n {
             assert_eq!(vals(&t, 0, r, "x"), [r as f32 + 1.0, 2.0]);
             assert_eq!(vals(&t, 1, r, "s"), s);
             assert_eq!(vals(&t, 4, r, "loss"), [loss]);
-            assert_eq!(vals(&t, 5, r, "dL/dx"), [n as f32 * s[0], n as f32 * s[1]]);
-            assert_eq!(vals(&t, 6, r, "dL/dx"), s);
-            assert_eq!(vals(&t, 7, r, "ratio x"), [n as f32, n as f32]);
+            // d(½·sum(s²))/ds = s per rank under both; the loss's own cotangent 1.
+            for k in [5, 7] {
+                assert_eq!(vals(&t, k, r, "dL/ds"), s);
+                assert_eq!(vals(&t, k, r, "dL/dloss"), [1.0]);
+            }
+            assert_eq!(vals(&t, 6, r, "dL/dx"), [n as f32 * s[0], n as f32 * s[1]]);
+            assert_eq!(vals(&t, 8, r, "dL/dx"), s);
+            assert_eq!(vals(&t, 9, r, "ratio x"), [n as f32, n as f32]);
+            assert_eq!(vals(&t, 9, r, "ratio s"), [1.0, 1.0]);
+            assert_eq!(vals(&t, 9, r, "ratio loss"), [1.0]);
+            // The kinds are the replicated objective's: s and the loss are invariant.
+            let kind = |k: usize, name: &str| {
+                t.steps[k].ranks[r]
+                    .iter()
+                    .find(|v| v.name == name)
+                    .and_then(|v| v.kind.clone())
+            };
+            assert_eq!(kind(1, "s").as_deref(), Some("invariant"));
+            assert_eq!(kind(4, "loss").as_deref(), Some("invariant"));
         }
-        assert_eq!(t.steps[5].collective.as_deref(), Some("all_reduce(op=sum)"));
-        assert_eq!(t.steps[6].collective.as_deref(), Some("nothing"));
+        assert_eq!(t.steps[6].collective.as_deref(), Some("all_reduce(op=sum)"));
+        assert_eq!(t.steps[8].collective.as_deref(), Some("nothing"));
     }
 }
 
