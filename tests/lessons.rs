@@ -411,7 +411,7 @@ fn data_parallel_replicas_stay_identical_and_the_loss_falls() {
     let l = load("data_parallel");
     for n in [1, 3, 5] {
         let t = simulate(&l, n);
-        let lesson::View::Train { steps, lr } = l.view else {
+        let lesson::View::Train { steps, lr, .. } = l.view else {
             panic!("data_parallel trains");
         };
         assert_eq!(t.steps.len(), steps + 1);
@@ -865,6 +865,9 @@ fn every_lesson_is_a_program_whose_gradients_check() {
         if l.view == lesson::View::CompareDuals {
             continue;
         }
+        // A training lesson that runs a wrong dual (a tensor-parallel layer forgetting its
+        // reduce) must fail the check.
+        let wrong = l.program.steps.iter().any(|s| s.dual.is_some());
         for world in [2, 3, 5].into_iter().filter(|&w| w >= l.min_world) {
             let plan = l
                 .plan_for(world)
@@ -874,7 +877,7 @@ fn every_lesson_is_a_program_whose_gradients_check() {
                 .unwrap_or_else(|e| panic!("{name} on {world} ranks: {e}"));
             assert_eq!(
                 report.verdict(),
-                "PASS",
+                if wrong { "FAIL" } else { "PASS" },
                 "{name} on {world} ranks:\n{}",
                 report.render()
             );
@@ -1091,6 +1094,17 @@ fn every_lesson_shows_one_device_beside_the_ranks() {
                 text.contains(&o.label),
                 "{name}: distgrad run does not print it"
             );
+            // A training lesson: one device trains the whole problem; the group's loss follows
+            // it, unless the lesson runs a wrong dual.
+            if l.trains() {
+                let wrong = l.program.steps.iter().any(|s| s.dual.is_some());
+                let follows = o.label.ends_with("equals it at every step")
+                    || o.label.ends_with("(float rounding)");
+                assert_eq!(follows, !wrong, "{name} at {world}: {}", o.label);
+                let steps = t.steps.len() - 1;
+                assert_eq!(o.curve.len(), steps, "{name} at {world}");
+                continue;
+            }
             for part in o.label.split(": ").nth(1).unwrap().split("; ") {
                 let right = part.starts_with("distgrad");
                 let agrees =

@@ -221,6 +221,7 @@ fn every_lesson_matches_one_device_and_wrong_duals_do_not() {
         "wrong_all_reduce_prod",
         "wrong_replicated_sum",
         "wrong_broadcast_subgroup",
+        "wrong_tp_forgot_reduce",
     ] {
         assert!(
             (3..=8).all(|w| wrong_differs.contains(&format!("{name}@{w}"))),

@@ -466,3 +466,68 @@ fn gradcheck_cli_fails_a_wrong_dual() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `forget_reduce`: the backward without its reduce. all_gather of x_r then loss_r = Σ_i x_i·w_r[i]
+/// (w_r = [1 + r, 2 + r, ...]): distgrad's dF/dx_r = Σ_s w_s[r] (every rank's loss uses x_r, the
+/// reduce_scatter sums them), the forgetting dual's w_r[r] (own loss only). all_reduce(SUM) of x
+/// then loss_r = sum(m ⊙ c_r): distgrad's Σ_s c_s, the forgetting dual's c_r. The check fails
+/// both and passes distgrad's, at worlds 2..8; at 1 rank there is nothing to forget.
+#[test]
+fn forget_reduce_hand_derived_and_failed_by_the_check() {
+    for world in 1..=8usize {
+        let gather = |rule: &str| {
+            let text = serde_json::json!({
+                "world": world,
+                "inputs": [
+                    {"name": "x", "shape": [1], "value": [0.5], "per_rank": [0.25]},
+                    {"name": "w", "shape": [world],
+                     "value": (1..=world).map(|i| i as f32).collect::<Vec<_>>(),
+                     "per_rank": vec![1.0; world], "grad": false}
+                ],
+                "steps": [
+                    {"collective": "all_gather", "in": ["x"], "out": "xs", "dual": rule},
+                    {"op": "concat", "dim": 0, "in": ["xs.*"], "out": "X"},
+                    {"op": "mul", "in": ["X", "w"], "out": "p"},
+                    {"op": "sum", "in": ["p"], "out": "loss"}
+                ],
+                "loss": "loss"
+            });
+            Program::parse(&text.to_string()).unwrap()
+        };
+        // w_s[r] = (r + 1) + s.
+        let w = |s: usize, r: usize| (r + 1 + s) as f32;
+        let (right, wrong) = (grads(&gather("distgrad")), grads(&gather("forget_reduce")));
+        for r in 0..world {
+            let sum: f32 = (0..world).map(|s| w(s, r)).sum();
+            close(
+                &right[r],
+                &[sum],
+                &format!("all_gather distgrad, world {world} rank {r}"),
+            );
+            close(
+                &wrong[r],
+                &[w(r, r)],
+                &format!("all_gather forget, world {world} rank {r}"),
+            );
+        }
+        let c = ([1.0, -2.0, 0.5], [1.0, 1.0, -1.0]);
+        let x = ([0.3, 0.1, -0.2], [0.1, 0.2, 0.3]);
+        let wrong = grads(&reduce_program(world, "sum", "forget_reduce", x, c));
+        for (r, g) in wrong.iter().enumerate() {
+            close(
+                g,
+                &per_rank(c, r),
+                &format!("all_reduce forget, world {world} rank {r}"),
+            );
+        }
+        if world >= 2 {
+            assert_eq!(verdict(&gather("forget_reduce")), "FAIL", "world {world}");
+            assert_eq!(verdict(&gather("distgrad")), "PASS", "world {world}");
+            assert_eq!(
+                verdict(&reduce_program(world, "sum", "forget_reduce", x, c)),
+                "FAIL",
+                "world {world}"
+            );
+        }
+    }
+}

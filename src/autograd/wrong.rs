@@ -9,6 +9,7 @@
 //! | `seed` | reduce(root, op) | broadcast(root) of the root's cotangent, whatever the op | right for SUM only |
 //! | `divide` | all_reduce(PROD) | Σ cotangents × product / own input | 0 / 0 where this rank's input is 0 (the product of the others is not) |
 //! | `global_root` | broadcast(root) on a subgroup | reduce(SUM) to the root, kept where this rank's GROUP rank equals the root's GLOBAL rank (PyTorch #130515) | on a subgroup where they differ the root's gradient is zeroed |
+//! | `forget_reduce` | all_gather, all_reduce(SUM) | this rank's own cotangent only: all_gather's own chunk (no reduce_scatter), all_reduce's own (identity) | the other ranks' use of this rank's value is lost: a tensor-parallel shard learns only from its own rank's loss |
 
 use serde::{Deserialize, Serialize};
 
@@ -33,15 +34,19 @@ pub enum DualRule {
     Divide,
     /// broadcast on a subgroup: the root's GLOBAL rank compared with this rank's GROUP rank.
     GlobalRoot,
+    /// all_gather / all_reduce(SUM) without the reduce in backward: this rank's own cotangent
+    /// only (a tensor-parallel layer's classic bug).
+    ForgetReduce,
 }
 
 impl DualRule {
     /// Every rule, distgrad's first.
-    pub const ALL: [DualRule; 4] = [
+    pub const ALL: [DualRule; 5] = [
         DualRule::Distgrad,
         DualRule::Seed,
         DualRule::Divide,
         DualRule::GlobalRoot,
+        DualRule::ForgetReduce,
     ];
 
     /// The name in JSON and in messages.
@@ -51,6 +56,7 @@ impl DualRule {
             DualRule::Seed => "seed",
             DualRule::Divide => "divide",
             DualRule::GlobalRoot => "global_root",
+            DualRule::ForgetReduce => "forget_reduce",
         }
     }
 
@@ -61,6 +67,7 @@ impl DualRule {
             DualRule::Seed => "the seed's dual",
             DualRule::Divide => "the dividing dual",
             DualRule::GlobalRoot => "the global-root dual",
+            DualRule::ForgetReduce => "the dual that forgets the reduce",
         }
     }
 
@@ -75,6 +82,9 @@ impl DualRule {
             DualRule::GlobalRoot => {
                 "the root's global rank compared with this rank's group rank (PyTorch #130515)"
             }
+            DualRule::ForgetReduce => {
+                "the backward without its reduce: this rank's own cotangent only (all_gather's own chunk, all_reduce's own)"
+            }
         }
     }
 
@@ -87,6 +97,8 @@ impl DualRule {
             (DualRule::Seed, Spec::AllReduce { .. } | Spec::Reduce { .. }) => true,
             (DualRule::Divide, Spec::AllReduce { op }) => *op == ReduceOp::Prod,
             (DualRule::GlobalRoot, Spec::Broadcast { .. }) => true,
+            (DualRule::ForgetReduce, Spec::AllGather {}) => true,
+            (DualRule::ForgetReduce, Spec::AllReduce { op }) => *op == ReduceOp::Sum,
             _ => false,
         };
         if ok {
@@ -97,6 +109,7 @@ impl DualRule {
             DualRule::Seed => "all_reduce and reduce",
             DualRule::Divide => "all_reduce(op=prod)",
             DualRule::GlobalRoot => "broadcast",
+            DualRule::ForgetReduce => "all_gather and all_reduce(op=sum)",
         };
         Err(format!(
             "the \"{}\" dual is for {for_what}, not {spec} (the dual rules: {})",
@@ -151,6 +164,16 @@ pub(super) async fn dual<C: Communicator>(
         (DualRule::GlobalRoot, Spec::Broadcast { root }) => {
             vec![global_root(comm, &xs[0], &gs[0], *root, group).await?]
         }
+        (DualRule::ForgetReduce, Spec::AllGather {}) => {
+            let me = group.require_member("all_gather backward")?;
+            vec![gs.get(me).cloned().ok_or_else(|| {
+                Error::invalid(
+                    "all_gather backward",
+                    format!("no cotangent for group rank {me}"),
+                )
+            })?]
+        }
+        (DualRule::ForgetReduce, Spec::AllReduce { op: ReduceOp::Sum }) => vec![gs[0].clone()],
         _ => return Ok(None),
     }))
 }

@@ -16,6 +16,7 @@
 //!                                                           is root in smaller worlds)
 //!  "world": 3,                                              (the world it is written for)
 //!  "steps": 20, "lr": 0.3,                    (kind program: train it data-parallel)
+//!  "sharded": true,                  (with "steps": parameters as the program holds them)
 //!  "compare_objectives": true,             (kind program: differentiate it under both objectives)
 //!  "compare_duals": true,                  (kind program: its wrong "dual" beside distgrad's)
 //!  "program": {...},                                       (kind program: a program's JSON)
@@ -43,7 +44,12 @@
 //!   (`training.rs`): each step every rank runs it forward and backward on its own data, the
 //!   parameters' gradients (inputs with gradient, equal on every rank at the start) are averaged
 //!   with all_reduce(AVG) and every rank steps; per step the loss of this rank and of the group,
-//!   the parameters and a hash of them (equal on every rank: the replicas stay identical).
+//!   the parameters and a hash of them (equal on every rank: the replicas stay identical). With
+//!   `"sharded": true` the parameters are held as the program holds them (a tensor-parallel
+//!   layer's shards): each rank steps its own with its own gradient, no averaging; the
+//!   program's collectives carry everything. Either way the trace carries one device's training
+//!   of the whole problem from the same start ([`OneDeviceView::curve`]), drawn beside the
+//!   group's loss.
 //! - With `"compare_duals": true` ([`View::CompareDuals`]) the program names a wrong backward
 //!   on some collective step (`"dual": "seed"`, see [`crate::autograd::DualRule`]) and is
 //!   differentiated with it and with distgrad's (`duals.rs`): both gradients, their difference,
@@ -113,12 +119,16 @@ pub enum View {
     Collective(CollectiveForm),
     /// Every step of the program forward, then backward through each collective.
     Steps,
-    /// The program trained data-parallel.
+    /// The program trained: data-parallel (the parameters replicated, their gradients averaged
+    /// over the ranks), or as written (`sharded`: each rank steps its own parameters with its
+    /// own gradient; the program's collectives do all the communication).
     Train {
         /// Training steps.
         steps: usize,
         /// Learning rate.
         lr: f32,
+        /// Parameters sharded as the program holds them (`"sharded": true`), not replicated.
+        sharded: bool,
     },
     /// The program differentiated under both objective conventions.
     CompareObjectives,
@@ -235,6 +245,8 @@ struct LessonFile {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     lr: Option<f32>,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    sharded: bool,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     compare_objectives: bool,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     compare_duals: bool,
@@ -319,6 +331,9 @@ impl TryFrom<LessonFile> for Lesson {
 
 /// The view a lesson file asks for, its fields checked against its kind.
 fn view_of(f: &LessonFile) -> std::result::Result<View, String> {
+    if f.sharded && f.steps.is_none() {
+        return Err("\"sharded\" is for training (\"steps\")".into());
+    }
     if f.kind == LessonKind::Collective {
         if f.steps.is_some() || f.lr.is_some() || f.compare_objectives || f.compare_duals {
             return Err(
@@ -371,6 +386,7 @@ fn view_of(f: &LessonFile) -> std::result::Result<View, String> {
             Ok(View::Train {
                 steps: steps.clamp(1, MAX_TRAIN_STEPS),
                 lr,
+                sharded: f.sharded,
             })
         }
     }
@@ -390,6 +406,7 @@ impl From<Lesson> for LessonFile {
             world: Some(l.world),
             steps: None,
             lr: None,
+            sharded: false,
             compare_objectives: false,
             compare_duals: false,
             program: Some(l.program),
@@ -405,9 +422,10 @@ impl From<Lesson> for LessonFile {
                 f.program = None;
             }
             View::Steps => {}
-            View::Train { steps, lr } => {
+            View::Train { steps, lr, sharded } => {
                 f.steps = Some(steps);
                 f.lr = Some(lr);
+                f.sharded = sharded;
             }
             View::CompareObjectives => f.compare_objectives = true,
             View::CompareDuals => f.compare_duals = true,
@@ -554,8 +572,13 @@ async fn run_view<T: Transport>(
     Ok(match &lesson.view {
         View::Collective(form) => collective::run(comm, form, own_input).await?,
         View::Steps => steps::run(comm, &lesson.plan_for(world)?).await?,
-        View::Train { steps, lr } => {
-            training::run(comm, lesson, &lesson.plan_for(world)?, *steps, *lr).await?
+        View::Train { steps, lr, sharded } => {
+            let how = training::How {
+                steps: *steps,
+                lr: *lr,
+                sharded: *sharded,
+            };
+            training::run(comm, lesson, &lesson.plan_for(world)?, how).await?
         }
         View::CompareObjectives => objectives::run(comm, lesson).await?,
         View::CompareDuals => duals::run(comm, lesson).await?,

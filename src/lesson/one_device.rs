@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::trace::{Named, Phase, Step};
 use super::{Lesson, View, lesson_case};
 use crate::error::Result;
-use crate::program::{ObjectiveName, OneDevice, Plan, one_device};
+use crate::program::{ObjectiveName, OneDevice, Plan, one_device, one_device_with};
 use crate::tensor::Tensor;
 use crate::vjp::TensorJson;
 
@@ -21,8 +21,13 @@ pub struct OneDeviceView {
     pub label: String,
     /// Every rank's values (index = rank): per gradient, one device's (`one device: dF/dx`, the
     /// objective after it where the lesson has two), then each compared gradient minus it
-    /// (`distgrad − one device: x`).
+    /// (`distgrad − one device: x`). A training lesson: each rank's parameters after the last
+    /// step on one device, and distgrad's minus them.
     pub ranks: Vec<Vec<Named>>,
+    /// A training lesson: the group's loss (the mean of the ranks' losses) at each training step
+    /// (1, 2, ...) when one device trains the whole problem from the same start; empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub curve: Vec<f32>,
 }
 
 /// A gradient of the trace set beside one device's: who computed it, at which step, under which
@@ -39,14 +44,20 @@ struct Compared {
 /// The one-device view of a lesson's assembled `steps` on `world` ranks (`None` for a training
 /// lesson); a failure is said in the label.
 pub(super) async fn view(lesson: &Lesson, steps: &[Step], world: usize) -> Option<OneDeviceView> {
-    if matches!(lesson.view, View::Train { .. }) {
-        return None;
-    }
-    Some(match build(lesson, steps, world).await {
+    let built = match lesson.view {
+        View::Train {
+            steps: n,
+            lr,
+            sharded,
+        } => train(lesson, steps, world, n, lr, sharded).await,
+        _ => build(lesson, steps, world).await,
+    };
+    Some(match built {
         Ok(v) => v,
         Err(e) => OneDeviceView {
             label: format!("One device: not computed here ({e})"),
             ranks: Vec::new(),
+            curve: Vec::new(),
         },
     })
 }
@@ -280,6 +291,7 @@ fn lay_out(runs: &Runs, steps: &[Step], world: usize, listed: bool) -> Result<On
         })
         .collect();
     Ok(OneDeviceView {
+        curve: Vec::new(),
         label: format!(
             "One device, the whole problem (the collectives as plain sums and copies, no duals): {}",
             said.join("; ")
@@ -328,4 +340,117 @@ fn difference(a: &[TensorJson], b: &[TensorJson], worst: &mut (f32, f32)) -> Vec
                 .collect(),
         })
         .collect()
+}
+
+/// One device trains the whole problem `n` steps at `lr` from the lesson's start, as the ranks
+/// did (data-parallel: one shared copy of each parameter and the mean of the ranks' losses, i.e.
+/// full-batch gradient descent; `sharded`: every rank's parameters as the program holds them),
+/// its group loss per step beside the ranks' (`group loss` in the trace's steps 1..=n).
+async fn train(
+    lesson: &Lesson,
+    steps: &[Step],
+    world: usize,
+    n: usize,
+    lr: f32,
+    sharded: bool,
+) -> Result<OneDeviceView> {
+    let plan = lesson.plan_for(world)?;
+    let trainable = super::training::trainable(&plan);
+    let mut inputs: Vec<Vec<Tensor>> = (0..world).map(|r| plan.inputs(r).to_vec()).collect();
+    let mut curve = Vec::with_capacity(n);
+    for _ in 0..n {
+        let one = one_device_with(&plan, &inputs, !sharded).await?;
+        let held: Vec<f32> = one.losses.iter().flatten().copied().collect();
+        curve.push(held.iter().sum::<f32>() / held.len().max(1) as f32);
+        for (r, row) in inputs.iter_mut().enumerate() {
+            for &i in &trainable {
+                let Some(g) = one
+                    .grads
+                    .get(r)
+                    .and_then(|g| g.get(i))
+                    .and_then(Option::as_ref)
+                else {
+                    continue;
+                };
+                let p = row[i].try_to_vec()?;
+                let next: Vec<f32> = p.iter().zip(g).map(|(w, d)| w - lr * d).collect();
+                row[i] = Tensor::from_vec(next, row[i].shape())?;
+            }
+        }
+    }
+    // The ranks' group loss per step, as rank 0 shows it.
+    let theirs: Vec<Option<f32>> = steps
+        .iter()
+        .skip(1)
+        .map(|s| {
+            find(s, 0, "group loss")
+                .and_then(|n| n.tensors.first())
+                .and_then(|t| t.data.first().copied().flatten())
+        })
+        .collect();
+    let mut worst = (0f32, 0f32);
+    for (a, b) in theirs.iter().zip(&curve) {
+        match a {
+            Some(a) => {
+                let d = (a - b).abs();
+                worst.0 = worst.0.max(d);
+                worst.1 = worst.1.max(d / a.abs().max(b.abs()).max(1e-3));
+            }
+            None => worst = (f32::NAN, f32::NAN),
+        }
+    }
+    // The parameters after the last step, one device's and distgrad's minus them.
+    let last = steps.last();
+    let mut rows = vec![Vec::new(); world];
+    for (r, row) in rows.iter_mut().enumerate() {
+        for &i in &trainable {
+            let name = &plan.program().inputs[i].name;
+            let one_t = if plan.holds(r, i) {
+                vec![TensorJson::from_tensor(&inputs[r][i])?]
+            } else {
+                Vec::new()
+            };
+            let theirs = last
+                .and_then(|s| find(s, r, name))
+                .map(|n| n.tensors.clone());
+            let mut w = (0f32, 0f32);
+            let diff = match theirs {
+                Some(t) if !t.is_empty() && !one_t.is_empty() => difference(&t, &one_t, &mut w),
+                _ => Vec::new(),
+            };
+            row.push(Named::tensors(&format!("one device: {name}"), one_t));
+            row.push(Named::tensors(
+                &format!("distgrad − one device: {name}"),
+                diff,
+            ));
+        }
+    }
+    let how = if sharded {
+        "every rank's parameters as the program holds them"
+    } else {
+        "one copy of the parameters, the mean of the ranks' losses: full-batch gradient descent"
+    };
+    let last_loss = curve.last().copied().unwrap_or(f32::NAN);
+    let said = if worst.0 == 0.0 {
+        "the ranks' group loss equals it at every step".to_string()
+    } else if worst.0.is_nan() {
+        "the ranks' group loss is missing at some step".to_string()
+    } else if worst.1 <= 1e-4 {
+        format!(
+            "the ranks' group loss follows it within {:.1e} (float rounding)",
+            worst.0
+        )
+    } else {
+        format!(
+            "the ranks' group loss drifts from it, by up to {:.3}",
+            worst.0
+        )
+    };
+    Ok(OneDeviceView {
+        label: format!(
+            "One device trains the whole problem from the same start ({how}): its loss at step {n} is {last_loss:.4}; {said}"
+        ),
+        ranks: rows,
+        curve,
+    })
 }

@@ -76,7 +76,7 @@ use crate::collective::Spec;
 use crate::error::{ProgramError, Result};
 
 pub use check::Plan;
-pub use one_device::{MAX_ONE_DEVICE_ELEMENTS, OneDevice, one_device};
+pub use one_device::{MAX_ONE_DEVICE_ELEMENTS, OneDevice, one_device, one_device_with};
 pub use random::{RandomOptions, random_program};
 pub use repeat::{Block, MAX_EXPANDED_BYTES, MAX_EXPANDED_STEPS};
 pub(crate) use runner::loss_weight;

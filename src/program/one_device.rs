@@ -39,6 +39,8 @@ pub const MAX_ONE_DEVICE_ELEMENTS: usize = 1 << 24;
 pub struct OneDevice {
     /// The global objective: `Σ_r weight_r · loss_r`.
     pub objective: f64,
+    /// Each rank's loss (`None` where it has none).
+    pub losses: Vec<Option<f32>>,
     /// `grads[r][i]`: the gradient of the objective with respect to input `i` as rank `r` holds it
     /// (`None` where `r` does not hold it or it takes no gradient); a replicated input under the
     /// replicated objective is one value, so every rank shows its one gradient.
@@ -55,6 +57,18 @@ struct Rank {
 /// the program's order, as [`Plan::inputs`] gives them) and differentiate the global objective
 /// (see the module docs).
 pub async fn one_device(plan: &Plan, inputs: &[Vec<Tensor>]) -> Result<OneDevice> {
+    one_device_with(plan, inputs, false).await
+}
+
+/// [`one_device`], or with `data_parallel` the problem data-parallel training solves: every
+/// input with gradient that starts equal on every rank (a parameter) is ONE value the ranks
+/// share, and the objective is the mean of the ranks' losses, so its gradient is the average of
+/// the ranks' gradients that data-parallel training all_reduces (full-batch gradient descent).
+pub async fn one_device_with(
+    plan: &Plan,
+    inputs: &[Vec<Tensor>],
+    data_parallel: bool,
+) -> Result<OneDevice> {
     let world = plan.world;
     let err = |detail: String| -> Error { ProgramError::OneDevice { detail }.into() };
     if inputs.len() != world {
@@ -87,8 +101,11 @@ pub async fn one_device(plan: &Plan, inputs: &[Vec<Tensor>]) -> Result<OneDevice
                 .get(i)
                 .ok_or_else(|| err(format!("rank {r} has no value for input `{}`", inp.name)))?
                 .to_device(&crate::backend::Device::Cpu)?;
-            // Under the replicated objective a replicated input is one value, used by every rank.
-            let v = if replicated && inp.replicated {
+            // Under the replicated objective a replicated input is one value, used by every rank
+            // (and, data-parallel, every parameter).
+            let one_value = (replicated && inp.replicated)
+                || (data_parallel && inp.grad && plan.same_on_every_rank(i));
+            let v = if one_value {
                 shared
                     .entry(i)
                     .or_insert_with(|| tape.leaf(t, inp.grad, None))
@@ -104,16 +121,24 @@ pub async fn one_device(plan: &Plan, inputs: &[Vec<Tensor>]) -> Result<OneDevice
     }
     run_steps(plan, &tape, &mut ranks)?;
     // The global objective, on the tape.
+    let holders = ranks
+        .iter()
+        .filter(|r| r.env.contains_key(&plan.program.loss))
+        .count()
+        .max(1);
     let mut total: Option<Var> = None;
+    let mut losses = vec![None; world];
     for (r, rank) in ranks.iter().enumerate() {
         let Some(loss) = rank.env.get(&plan.program.loss) else {
             continue;
         };
+        losses[r] = Some(loss.value().item()?);
         let weight = match plan
             .invariant
             .get(r)
             .and_then(|m| m.get(&plan.program.loss))
         {
+            _ if data_parallel => 1.0 / holders as f32,
             Some(group) if replicated => 1.0 / group.len() as f32,
             _ => 1.0,
         };
@@ -144,7 +169,11 @@ pub async fn one_device(plan: &Plan, inputs: &[Vec<Tensor>]) -> Result<OneDevice
         }
         grads.push(row);
     }
-    Ok(OneDevice { objective, grads })
+    Ok(OneDevice {
+        objective,
+        losses,
+        grads,
+    })
 }
 
 /// What a rank waits for when it cannot go on.

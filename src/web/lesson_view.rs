@@ -29,7 +29,13 @@ pub fn one_device_table(o: &OneDeviceView, me: Option<usize>) -> Markup {
     let Some(first) = o.ranks.first().map(|r| group(r)) else {
         return m;
     };
-    let mut head = vec!["rank".to_string(), "gradient".into(), "one device".into()];
+    // Gradients (`dF/dx`), or a training lesson's parameters after its last step.
+    let what = if first.iter().all(|g| g[0].name.starts_with("one device: d")) {
+        "gradient"
+    } else {
+        "parameter"
+    };
+    let mut head = vec!["rank".to_string(), what.into(), "one device".into()];
     if let Some(g) = first.first() {
         head.extend(g[1..].iter().map(|n| match n.name.split_once(": ") {
             Some((who, _)) => who.to_string(),
@@ -171,6 +177,10 @@ pub fn step_note(st: &Step, trains: bool) -> Markup {
             })
             .collect();
         let same = hashes.windows(2).all(|w| w[0] == w[1]);
+        // A sharded layer has no replicas: nothing to compare.
+        if hashes.is_empty() {
+            return m;
+        }
         m.text(&format!(
             " replica hashes: {} — {}",
             hashes.join(", "),

@@ -3,7 +3,10 @@
 // 4 and 8 ranks: the page's one-device values equal `distgrad run <lesson> --world n --json`'s,
 // the table is shown with the last step only, and says that distgrad's gradients equal one
 // device's (a wrong dual's do not); screenshots of the last step of the Megatron MLP at 3, 4 and
-// 8 ranks and at a phone's width, which must not scroll sideways.
+// 8 ranks and at a phone's width, which must not scroll sideways. The training lessons of a
+// tensor-parallel layer (right, and forgetting its reduce): one device's loss curve equal to the
+// CLI's, drawn dashed beside the group's, which follows it (right) or drifts (wrong); every step
+// of the wrong one at 4 ranks and its last at 3, 8 and a phone's width in screenshots.
 //
 //   node tests/browser/one_device.mjs --bin target/debug/distgrad --dist dist --out <dir>
 import { execFileSync } from 'node:child_process';
@@ -41,9 +44,45 @@ async function toLast(page, steps, name) {
   }
 }
 
+// Training lessons → whether the group's loss must follow one device's.
+const TRAINING = { tp_training: true, wrong_tp_forgot_reduce: false };
+
 await checkScript('one_device', args, OUT, async (t) => {
   const { browser, fail, log } = t;
   const ctx = await browser.newContext({ viewport: { width: 1280, height: 800 } });
+  for (const [lesson, follows] of Object.entries(TRAINING)) {
+    for (const n of [3, 4, 8]) {
+      const name = `${lesson} n=${n}`;
+      const page = await open(t, ctx, lesson, n);
+      const trace = JSON.parse(await page.evaluate(() => window.distgrad.lessonTrace()));
+      const cli = JSON.parse(execFileSync(args.bin, ['run', `www/lessons/${lesson}.json`, '--world', String(n), '--json'], { encoding: 'utf8' }));
+      const [got, want] = [trace.one_device, cli.one_device];
+      if (!got || !want) { fail(`${name}: one device missing (page ${!!got}, CLI ${!!want})`); await page.close(); continue; }
+      if (got.curve.length !== trace.steps.length - 1 || !want.curve.every((x, i) => close(got.curve[i], x))) fail(`${name}: the page's one-device curve differs from distgrad run's`);
+      const said = /equals it at every step$|\(float rounding\)$/.test(got.label);
+      if (said !== follows) fail(`${name}: label "${got.label}"`);
+      // The group's loss beside one device's, step by step, as the page holds them.
+      const group = trace.steps.slice(1).map((st) => st.ranks[0].find((v) => v.name === 'group loss').tensors[0].data[0]);
+      const apart = Math.max(...group.map((g, i) => Math.abs(g - got.curve[i])));
+      if (follows ? apart > 1e-4 : apart < 0.1) fail(`${name}: group and one device apart by ${apart}`);
+      const wrongShots = lesson === 'wrong_tp_forgot_reduce';
+      for (let k = 1; k < trace.steps.length; k++) {
+        await page.focus('#step');
+        await page.keyboard.press('ArrowRight');
+        await waitFor([page], (s) => s.lesson_step === k, 10000, `${name} step ${k}`);
+        if (wrongShots && n === 4 && (k <= 3 || k % 10 === 0)) await page.screenshot({ path: join(OUT, `${lesson}-${n}-s${k}.png`), fullPage: true });
+      }
+      const dashed = await page.locator('#lesson-plot .one-device-curve').count();
+      if (dashed !== 1) fail(`${name}: ${dashed} one-device curves drawn at the last step`);
+      if (!(await page.isVisible('#one-device'))) fail(`${name}: one device not shown at the last step`);
+      if (wrongShots) {
+        await page.screenshot({ path: join(OUT, `${lesson}-${n}-last.png`), fullPage: true });
+        if (n === 4) await page.locator('#lesson-panel').screenshot({ path: join(OUT, `${lesson}-${n}-panel.png`) });
+      }
+      log(`${name}: "${got.label}", group vs one device apart by up to ${apart.toExponential(2)}`);
+      await page.close();
+    }
+  }
   for (const [lesson, verdicts] of Object.entries(LESSONS)) {
     for (const n of [3, 4, 8]) {
       const name = `${lesson} n=${n}`;
@@ -76,11 +115,14 @@ await checkScript('one_device', args, OUT, async (t) => {
   }
   await ctx.close();
   const phone = await browser.newContext({ viewport: { width: 390, height: 844 }, deviceScaleFactor: 2 });
-  const page = await open(t, phone, 'megatron_mlp', 4);
-  const steps = JSON.parse(await page.evaluate(() => window.distgrad.lessonTrace())).steps.length;
-  await toLast(page, steps, 'phone');
-  await page.screenshot({ path: join(OUT, 'megatron_mlp-4-phone-last.png'), fullPage: true });
-  const wide = await page.evaluate(() => document.documentElement.scrollWidth);
-  if (wide > 390) fail(`phone width: the page is ${wide} px wide (scrolls sideways)`);
+  for (const lesson of ['megatron_mlp', 'wrong_tp_forgot_reduce']) {
+    const page = await open(t, phone, lesson, 4);
+    const steps = JSON.parse(await page.evaluate(() => window.distgrad.lessonTrace())).steps.length;
+    await toLast(page, steps, `${lesson} phone`);
+    await page.screenshot({ path: join(OUT, `${lesson}-4-phone-last.png`), fullPage: true });
+    const wide = await page.evaluate(() => document.documentElement.scrollWidth);
+    if (wide > 390) fail(`${lesson} at a phone's width: the page is ${wide} px wide (scrolls sideways)`);
+    await page.close();
+  }
   await phone.close();
 });

@@ -115,7 +115,8 @@ pub(super) fn diagram(
     s
 }
 
-/// Loss per rank (thin) and of the group (thick) up to the shown step (a lesson that trains its program).
+/// Loss per rank (thin) and of the group (thick) up to the shown step (a lesson that trains its
+/// program), and one device's for the whole problem trained from the same start (dashed).
 pub(super) fn loss_plot(trace: &Trace, upto: usize) -> String {
     let value = |st: &lesson::Step, r: usize, name: &str| -> Option<f64> {
         st.ranks
@@ -136,9 +137,19 @@ pub(super) fn loss_plot(trace: &Trace, upto: usize) -> String {
         .filter(|s| s.phase == Phase::Train)
         .collect();
     let n = steps.len().max(1);
+    let reference: &[f32] = trace
+        .one_device
+        .as_ref()
+        .map_or(&[], |o| o.curve.as_slice());
     let max = steps
         .iter()
         .flat_map(|st| (0..trace.world).filter_map(|r| value(st, r, "loss")))
+        .chain(
+            reference
+                .iter()
+                .map(|&v| f64::from(v))
+                .filter(|v| v.is_finite()),
+        )
         .fold(0.0f64, f64::max)
         .max(1e-12);
     let (w, h, l, b) = (480.0, 200.0, 40.0, 170.0);
@@ -176,9 +187,23 @@ pub(super) fn loss_plot(trace: &Trace, upto: usize) -> String {
         ));
     }
     s.push_str(&format!(
-        "<polyline points=\"{}\" fill=\"none\" stroke=\"#1b1f24\" stroke-width=\"3\"><title>group</title></polyline></svg>",
+        "<polyline points=\"{}\" fill=\"none\" stroke=\"#1b1f24\" stroke-width=\"3\"><title>group</title></polyline>",
         line("group loss", 0)
     ));
+    let one: Vec<String> = reference
+        .iter()
+        .take(shown.len())
+        .enumerate()
+        .filter(|(_, v)| v.is_finite())
+        .map(|(i, &v)| format!("{:.1},{:.1}", x(i + 1), y(f64::from(v))))
+        .collect();
+    if !one.is_empty() {
+        s.push_str(&format!(
+            "<polyline class=\"one-device-curve\" points=\"{}\" fill=\"none\" stroke=\"#d55e00\" stroke-width=\"2.5\" stroke-dasharray=\"6 4\"><title>one device</title></polyline>",
+            one.join(" ")
+        ));
+    }
+    s.push_str("</svg>");
     let mut legend = String::from("<p class=\"legend\">");
     for r in 0..trace.world {
         legend.push_str(&format!(
@@ -186,6 +211,10 @@ pub(super) fn loss_plot(trace: &Trace, upto: usize) -> String {
             colors[r % colors.len()]
         ));
     }
-    legend.push_str("<span>▬ group (mean)</span></p>");
+    legend.push_str("<span>▬ group (mean)</span>");
+    if !reference.is_empty() {
+        legend.push_str(" <span style=\"color:#d55e00\">╍ one device, the whole problem</span>");
+    }
+    legend.push_str("</p>");
     s + &legend
 }
