@@ -105,7 +105,13 @@ const traceOf = async (page) => JSON.parse(await page.evaluate(() => window.dist
 async function checkShown(page, trace, k, label) {
   const text = await page.textContent('#lesson-table');
   const fmt = (t) => {
-    const v = t.data.map((x) => (x === null ? 'nan' : String(x)));
+    // As the tables print a value (src/vjp/table.rs): exponent form where |x| >= 1e7 or < 1e-4.
+    const num = (x) => {
+      if (x === null) return 'nan';
+      const a = Math.abs(x);
+      return a !== 0 && Number.isFinite(a) && (a < 1e-4 || a >= 1e7) ? x.toExponential() : String(x);
+    };
+    const v = t.data.map(num);
     if (t.shape.length === 0 && v.length === 1) return v[0];
     if (t.shape.length === 1) return `[${v.join(', ')}]`;
     return `[${t.shape.join(', ')}]:[${v.join(', ')}]`;
