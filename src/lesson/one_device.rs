@@ -72,59 +72,62 @@ struct Runs {
     prefix: &'static str,
 }
 
-async fn build(lesson: &Lesson, steps: &[Step], world: usize) -> Result<OneDeviceView> {
-    let holds = |k: usize, name: &str| steps[k].ranks.iter().flatten().any(|n| n.name == name);
-    let last_with = |name: &str| (0..steps.len()).rev().find(|&k| holds(k, name));
-    let runs = match &lesson.view {
-        View::Collective(_) => {
-            // The case with the inputs the ranks ran (a rank may have edited its own).
-            let mut case = lesson_case(lesson, world)?;
-            for (r, x) in case.inputs.iter_mut().enumerate() {
-                if let Some(n) = steps.first().and_then(|s| find(s, r, "x")) {
-                    *x = n.tensors.clone();
-                }
-            }
-            let plan = case.program()?.plan(None)?;
-            let one = run(&plan).await?;
-            Runs {
-                runs: vec![(plan, String::new(), one)],
-                compared: last_with("dL/dx")
-                    .map(|step| Compared {
-                        who: "distgrad".into(),
-                        short: "distgrad".into(),
-                        step,
-                        run: 0,
-                    })
-                    .into_iter()
-                    .collect(),
-                prefix: "dL/d",
-            }
+impl Compared {
+    /// distgrad's gradient at `step`, under one device's only run.
+    fn distgrad(step: usize) -> Compared {
+        Compared {
+            who: "distgrad".into(),
+            short: "distgrad".into(),
+            step,
+            run: 0,
         }
+    }
+}
+
+/// Whether step `k` holds a value called `name` on some rank.
+fn holds(steps: &[Step], k: usize, name: &str) -> bool {
+    steps[k].ranks.iter().flatten().any(|n| n.name == name)
+}
+
+/// The last step holding `name`.
+fn last_with(steps: &[Step], name: &str) -> Option<usize> {
+    (0..steps.len()).rev().find(|&k| holds(steps, k, name))
+}
+
+/// The backward steps holding `name`, in order.
+fn backward_with(steps: &[Step], name: &str) -> Vec<usize> {
+    (0..steps.len())
+        .filter(|&k| steps[k].phase == Phase::Backward && holds(steps, k, name))
+        .collect()
+}
+
+/// How the trace names the gradient of the plan's first input with one: `<prefix><input>`.
+fn first_grad(plan: &Plan, prefix: &str) -> String {
+    plan.program()
+        .inputs
+        .iter()
+        .find(|i| i.grad)
+        .map(|i| format!("{prefix}{}", i.name))
+        .unwrap_or_default()
+}
+
+async fn build(lesson: &Lesson, steps: &[Step], world: usize) -> Result<OneDeviceView> {
+    let runs = match &lesson.view {
+        View::Collective(_) => collective(lesson, steps, world).await?,
         View::Steps | View::CompareDuals => {
             // One device has no duals: the program as written, wrong dual or not.
             let plan = lesson.plan_for(world)?;
             let one = run(&plan).await?;
-            let first = plan
-                .program()
-                .inputs
-                .iter()
-                .find(|i| i.grad)
-                .map(|i| format!("dF/d{}", i.name))
-                .unwrap_or_default();
+            let first = first_grad(&plan, "dF/d");
             let compared = if matches!(lesson.view, View::Steps) {
-                last_with(&first)
-                    .map(|step| Compared {
-                        who: "distgrad".into(),
-                        short: "distgrad".into(),
-                        step,
-                        run: 0,
-                    })
+                last_with(steps, &first)
+                    .map(Compared::distgrad)
                     .into_iter()
                     .collect()
             } else {
                 // The wrong dual's backward, then distgrad's.
-                (0..steps.len())
-                    .filter(|&k| steps[k].phase == Phase::Backward && holds(k, &first))
+                backward_with(steps, &first)
+                    .into_iter()
                     .map(|step| {
                         let who = steps[step].label.trim_start_matches("backward with ");
                         Compared {
@@ -142,43 +145,7 @@ async fn build(lesson: &Lesson, steps: &[Step], world: usize) -> Result<OneDevic
                 prefix: "dF/d",
             }
         }
-        View::CompareObjectives => {
-            let mut runs = Vec::new();
-            for (objective, said) in [
-                (ObjectiveName::SumOfRankLosses, "sum of rank losses"),
-                (ObjectiveName::Replicated, "one replicated loss"),
-            ] {
-                let mut p = lesson.program_for(world)?;
-                p.objective = objective;
-                let plan = lesson.plan_program(&p, world)?;
-                let one = run(&plan).await?;
-                runs.push((plan, said.to_string(), one));
-            }
-            let first = runs[0]
-                .0
-                .program()
-                .inputs
-                .iter()
-                .find(|i| i.grad)
-                .map(|i| format!("dL/d{}", i.name))
-                .unwrap_or_default();
-            // The backward under each objective, in order.
-            let compared = (0..steps.len())
-                .filter(|&k| steps[k].phase == Phase::Backward && holds(k, &first))
-                .zip(0..2)
-                .map(|(step, run)| Compared {
-                    who: format!("distgrad ({})", runs[run].1),
-                    short: "distgrad".into(),
-                    step,
-                    run,
-                })
-                .collect();
-            Runs {
-                runs,
-                compared,
-                prefix: "dL/d",
-            }
-        }
+        View::CompareObjectives => objectives(lesson, steps, world).await?,
         View::Train { .. } => Runs {
             runs: Vec::new(),
             compared: Vec::new(),
@@ -191,6 +158,57 @@ async fn build(lesson: &Lesson, steps: &[Step], world: usize) -> Result<OneDevic
         world,
         matches!(lesson.view, View::Collective(_)),
     )
+}
+
+/// A collective lesson: its case with the inputs the ranks ran (a rank may have edited its own).
+async fn collective(lesson: &Lesson, steps: &[Step], world: usize) -> Result<Runs> {
+    let mut case = lesson_case(lesson, world)?;
+    for (r, x) in case.inputs.iter_mut().enumerate() {
+        if let Some(n) = steps.first().and_then(|s| find(s, r, "x")) {
+            *x = n.tensors.clone();
+        }
+    }
+    let plan = case.program()?.plan(None)?;
+    let one = run(&plan).await?;
+    Ok(Runs {
+        runs: vec![(plan, String::new(), one)],
+        compared: last_with(steps, "dL/dx")
+            .map(Compared::distgrad)
+            .into_iter()
+            .collect(),
+        prefix: "dL/d",
+    })
+}
+
+/// The two-objectives lesson: one device under each objective, beside the backward under each.
+async fn objectives(lesson: &Lesson, steps: &[Step], world: usize) -> Result<Runs> {
+    let mut runs = Vec::new();
+    for (objective, said) in [
+        (ObjectiveName::SumOfRankLosses, "sum of rank losses"),
+        (ObjectiveName::Replicated, "one replicated loss"),
+    ] {
+        let mut p = lesson.program_for(world)?;
+        p.objective = objective;
+        let plan = lesson.plan_program(&p, world)?;
+        let one = run(&plan).await?;
+        runs.push((plan, said.to_string(), one));
+    }
+    let first = first_grad(&runs[0].0, "dL/d");
+    let compared = backward_with(steps, &first)
+        .into_iter()
+        .zip(0..runs.len())
+        .map(|(step, run)| Compared {
+            who: format!("distgrad ({})", runs[run].1),
+            short: "distgrad".into(),
+            step,
+            run,
+        })
+        .collect();
+    Ok(Runs {
+        runs,
+        compared,
+        prefix: "dL/d",
+    })
 }
 
 /// One device's run of `plan` from every rank's inputs.

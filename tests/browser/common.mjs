@@ -128,3 +128,15 @@ export function startStun() {
     sock.bind(0, '127.0.0.1', () => resolve({ port: sock.address().port, requests: () => requests, close: () => sock.close() }));
   });
 }
+
+/**
+ * Open `lesson` in single-tab mode with n simulated ranks at step 0 (in browser context `ctx`,
+ * errors collected into `errors`); resolves to the page once the lesson is shown.
+ */
+export async function openLesson({ base, errors }, ctx, lesson, n) {
+  const page = await ctx.newPage();
+  watch(page, `${lesson} n=${n}`, errors);
+  await page.goto(`${base}?sim=${n}&lesson=${lesson}&step=0`);
+  await waitFor([page], (s) => s.lesson === lesson && s.phase === 'ready' && s.lesson_steps > 0, 120000, `${lesson} at ${n} ranks`);
+  return page;
+}

@@ -9,7 +9,7 @@
 import { execFileSync } from 'node:child_process';
 import { mkdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { checkScript, parseArgs, sleep, waitFor, watch } from './common.mjs';
+import { checkScript, openLesson, parseArgs, sleep, waitFor, watch } from './common.mjs';
 
 const args = parseArgs(process.argv.slice(2));
 const OUT = join(args.out ?? '/tmp', 'duals');
@@ -27,14 +27,7 @@ const index = JSON.parse(readFileSync('www/lessons/index.json', 'utf8')).lessons
 /** A trace without what may differ between runs (times, events). */
 const plain = (t) => JSON.stringify(t.steps.map((s) => ({ label: s.label, phase: s.phase, collective: s.collective, ranks: s.ranks })));
 
-/** Open `lesson` in single-tab mode with n ranks at step 0; the page once the lesson is shown. */
-async function open({ base, errors }, ctx, lesson, n) {
-  const page = await ctx.newPage();
-  watch(page, `${lesson} n=${n}`, errors);
-  await page.goto(`${base}?sim=${n}&lesson=${lesson}&step=0`);
-  await waitFor([page], (s) => s.lesson === lesson && s.phase === 'ready' && s.lesson_steps > 0, 120000, `${lesson} at ${n} ranks`);
-  return page;
-}
+const open = openLesson;
 
 /** Step through every step with the Step button; a screenshot of each as `<name>-s<k>.png`. */
 async function walk(page, name, steps, shots) {

@@ -12,7 +12,7 @@
 import { execFileSync } from 'node:child_process';
 import { mkdirSync } from 'node:fs';
 import { join } from 'node:path';
-import { checkScript, close, parseArgs, waitFor, watch } from './common.mjs';
+import { checkScript, close, openLesson, parseArgs, waitFor } from './common.mjs';
 
 const args = parseArgs(process.argv.slice(2));
 const OUT = join(args.out ?? '/tmp', 'one_device');
@@ -26,13 +26,14 @@ const LESSONS = {
   objectives: [/^distgrad \(sum of rank losses\) equals it exactly$/, /^distgrad \(one replicated loss\) equals it exactly$/],
 };
 
-/** Open `lesson` in single-tab mode with n ranks at step 0. */
-async function open({ base, errors }, ctx, lesson, n) {
-  const page = await ctx.newPage();
-  watch(page, `${lesson} n=${n}`, errors);
-  await page.goto(`${base}?sim=${n}&lesson=${lesson}&step=0`);
-  await waitFor([page], (s) => s.lesson === lesson && s.phase === 'ready' && s.lesson_steps > 0, 120000, `${lesson} at ${n} ranks`);
-  return page;
+const open = openLesson;
+
+/** The lesson at n ranks in the page: its trace and one-device view, and `distgrad run`'s. */
+async function both(t, ctx, lesson, n) {
+  const page = await open(t, ctx, lesson, n);
+  const trace = JSON.parse(await page.evaluate(() => window.distgrad.lessonTrace()));
+  const cli = JSON.parse(execFileSync(args.bin, ['run', `www/lessons/${lesson}.json`, '--world', String(n), '--json'], { encoding: 'utf8' }));
+  return { page, trace, got: trace.one_device, want: cli.one_device };
 }
 
 /** Step to the last step with the → key. */
@@ -53,10 +54,7 @@ await checkScript('one_device', args, OUT, async (t) => {
   for (const [lesson, follows] of Object.entries(TRAINING)) {
     for (const n of [3, 4, 8]) {
       const name = `${lesson} n=${n}`;
-      const page = await open(t, ctx, lesson, n);
-      const trace = JSON.parse(await page.evaluate(() => window.distgrad.lessonTrace()));
-      const cli = JSON.parse(execFileSync(args.bin, ['run', `www/lessons/${lesson}.json`, '--world', String(n), '--json'], { encoding: 'utf8' }));
-      const [got, want] = [trace.one_device, cli.one_device];
+      const { page, trace, got, want } = await both(t, ctx, lesson, n);
       if (!got || !want) { fail(`${name}: one device missing (page ${!!got}, CLI ${!!want})`); await page.close(); continue; }
       if (got.curve.length !== trace.steps.length - 1 || !want.curve.every((x, i) => close(got.curve[i], x))) fail(`${name}: the page's one-device curve differs from distgrad run's`);
       const said = /equals it at every step$|\(float rounding\)$/.test(got.label);
@@ -86,10 +84,7 @@ await checkScript('one_device', args, OUT, async (t) => {
   for (const [lesson, verdicts] of Object.entries(LESSONS)) {
     for (const n of [3, 4, 8]) {
       const name = `${lesson} n=${n}`;
-      const page = await open(t, ctx, lesson, n);
-      const trace = JSON.parse(await page.evaluate(() => window.distgrad.lessonTrace()));
-      const cli = JSON.parse(execFileSync(args.bin, ['run', `www/lessons/${lesson}.json`, '--world', String(n), '--json'], { encoding: 'utf8' }));
-      const [got, want] = [trace.one_device, cli.one_device];
+      const { page, trace, got, want } = await both(t, ctx, lesson, n);
       if (!got || !want) { fail(`${name}: one device missing (page ${!!got}, CLI ${!!want})`); await page.close(); continue; }
       if (got.label !== want.label) fail(`${name}: label "${got.label}", distgrad run says "${want.label}"`);
       const parts = got.label.split(': ').slice(1).join(': ').split('; ');
