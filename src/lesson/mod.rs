@@ -82,8 +82,16 @@ use crate::tensor::Tensor;
 use crate::transport::Transport;
 use crate::vjp::{self, TensorJson};
 
-pub use one_device::OneDeviceView;
-pub use trace::{Named, Phase, RankStep, RankTrace, Step, Trace, assemble, render};
+pub use trace::{Named, OneDeviceView, Phase, RankStep, RankTrace, Step, Trace, render};
+
+/// Put the ranks' traces (index = rank) together (every rank must have run the same steps; see
+/// `trace.rs`) and compute, once for the group, one device's gradients for the
+/// whole problem beside theirs (`one_device.rs`).
+pub async fn assemble(lesson: &Lesson, traces: Vec<RankTrace>) -> Result<Trace> {
+    let mut trace = trace::assemble_steps(lesson, traces)?;
+    trace.one_device = one_device::view(lesson, &trace.steps, trace.world).await;
+    Ok(trace)
+}
 
 /// A lesson: a program, its narrative and how it is shown (see the module docs). Its JSON is
 /// the lesson file's ([`parse`]).

@@ -4,31 +4,12 @@
 //! the last step, `distgrad run` after the steps. Training lessons have none (their reference
 //! is full-batch training, in the tests).
 
-use serde::{Deserialize, Serialize};
-
-use super::trace::{Named, Phase, Step};
+use super::trace::{Named, OneDeviceView, Phase, Step};
 use super::{Lesson, View, lesson_case};
 use crate::error::Result;
 use crate::program::{ObjectiveName, OneDevice, Plan, one_device, one_device_with};
 use crate::tensor::Tensor;
 use crate::vjp::TensorJson;
-
-/// One device's gradients beside the ranks' (see the module docs).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct OneDeviceView {
-    /// What it shows and the largest difference, per gradient compared ("distgrad's gradients
-    /// equal it exactly"), or why it could not be computed.
-    pub label: String,
-    /// Every rank's values (index = rank): per gradient, one device's (`one device: dF/dx`, the
-    /// objective after it where the lesson has two), then each compared gradient minus it
-    /// (`distgrad − one device: x`). A training lesson: each rank's parameters after the last
-    /// step on one device, and distgrad's minus them.
-    pub ranks: Vec<Vec<Named>>,
-    /// A training lesson: the group's loss (the mean of the ranks' losses) at each training step
-    /// (1, 2, ...) when one device trains the whole problem from the same start; empty otherwise.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub curve: Vec<f32>,
-}
 
 /// A gradient of the trace set beside one device's: who computed it, at which step, under which
 /// of the one-device runs.

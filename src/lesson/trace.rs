@@ -6,7 +6,6 @@ use serde::{Deserialize, Serialize};
 
 use super::Lesson;
 use super::algorithm::{CallAcross, collate};
-use super::one_device::{self, OneDeviceView};
 use crate::collective::events::CallRecord;
 use crate::error::{Error, Result};
 use crate::vjp::{self, TensorJson};
@@ -135,6 +134,23 @@ pub struct Step {
     pub calls: Vec<CallAcross>,
 }
 
+/// One device's gradients for the whole problem beside the ranks' (`one_device.rs`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OneDeviceView {
+    /// What it shows and the largest difference, per gradient compared ("distgrad's gradients
+    /// equal it exactly"), or why it could not be computed.
+    pub label: String,
+    /// Every rank's values (index = rank): per gradient, one device's (`one device: dF/dx`, the
+    /// objective after it where the lesson has two), then each compared gradient minus it
+    /// (`distgrad − one device: x`). A training lesson: each rank's parameters after the last
+    /// step on one device, and distgrad's minus them.
+    pub ranks: Vec<Vec<Named>>,
+    /// A training lesson: the group's loss (the mean of the ranks' losses) at each training step
+    /// (1, 2, ...) when one device trains the whole problem from the same start; empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub curve: Vec<f32>,
+}
+
 /// A lesson's trace: what the page shows and `distgrad run` prints.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Trace {
@@ -156,9 +172,9 @@ pub struct Trace {
 
 /// Put the ranks' traces (index = rank) together; every rank must have run the same steps. A step
 /// takes rank 0's label, arrows and collective (or, where rank 0 names none, the first rank's that
-/// does: in a pipeline only two stages take part in a step). One device's gradients for the whole
-/// problem are computed here, once for the group.
-pub async fn assemble(lesson: &Lesson, traces: Vec<RankTrace>) -> Result<Trace> {
+/// does: in a pipeline only two stages take part in a step). Without one device's view
+/// ([`super::assemble`] adds it).
+pub(super) fn assemble_steps(lesson: &Lesson, traces: Vec<RankTrace>) -> Result<Trace> {
     let world = traces.len();
     let first = traces
         .first()
@@ -203,14 +219,13 @@ pub async fn assemble(lesson: &Lesson, traces: Vec<RankTrace>) -> Result<Trace> 
             s.calls = collate(s.phase, ev);
         }
     }
-    let one_device = one_device::view(lesson, &steps, world).await;
     Ok(Trace {
         lesson: lesson.name.clone(),
         title: lesson.title.clone(),
         why: lesson.why.clone(),
         world,
         steps,
-        one_device,
+        one_device: None,
     })
 }
 
