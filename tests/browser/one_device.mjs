@@ -6,7 +6,8 @@
 // 8 ranks and at a phone's width, which must not scroll sideways. The training lessons of a
 // tensor-parallel layer (right, and forgetting its reduce): one device's loss curve equal to the
 // CLI's, drawn dashed beside the group's, which follows it (right) or drifts (wrong); every step
-// of the wrong one at 4 ranks and its last at 3, 8 and a phone's width in screenshots.
+// of the wrong one at 4 ranks and its last at 3, 8 and a phone's width in screenshots; the last
+// step of the two-objectives lesson (every value's cotangent under each, divided) likewise.
 //
 //   node tests/browser/one_device.mjs --bin target/debug/distgrad --dist dist --out <dir>
 import { execFileSync } from 'node:child_process';
@@ -100,6 +101,7 @@ await checkScript('one_device', args, OUT, async (t) => {
       if (!(await page.isVisible('#one-device'))) fail(`${name}: one device not shown at the last step`);
       const text = await page.textContent('#one-device');
       if (!text.includes(parts[parts.length - 1]) || !text.includes(`${n - 1}`)) fail(`${name}: the table says "${text.slice(0, 200)}"`);
+      if (lesson === 'objectives') await page.screenshot({ path: join(OUT, `${lesson}-${n}-last.png`), fullPage: true });
       if (lesson === 'megatron_mlp') {
         await page.screenshot({ path: join(OUT, `${lesson}-${n}-last.png`), fullPage: true });
         if (n === 4) await page.locator('#lesson-panel').screenshot({ path: join(OUT, `${lesson}-${n}-panel.png`) });
@@ -110,7 +112,7 @@ await checkScript('one_device', args, OUT, async (t) => {
   }
   await ctx.close();
   const phone = await browser.newContext({ viewport: { width: 390, height: 844 }, deviceScaleFactor: 2 });
-  for (const lesson of ['megatron_mlp', 'wrong_tp_forgot_reduce']) {
+  for (const lesson of ['megatron_mlp', 'wrong_tp_forgot_reduce', 'objectives']) {
     const page = await open(t, phone, lesson, 4);
     const steps = JSON.parse(await page.evaluate(() => window.distgrad.lessonTrace())).steps.length;
     await toLast(page, steps, `${lesson} phone`);
