@@ -89,7 +89,7 @@ pub use trace::{Named, OneDeviceView, Phase, RankStep, RankTrace, Step, Trace, r
 /// whole problem beside theirs (`one_device.rs`).
 pub async fn assemble(lesson: &Lesson, traces: Vec<RankTrace>) -> Result<Trace> {
     let mut trace = trace::assemble_steps(lesson, traces)?;
-    trace.one_device = one_device::view(lesson, &trace.steps, trace.world).await;
+    trace.one_device = Some(one_device::view(lesson, &trace.steps, trace.world).await);
     Ok(trace)
 }
 

@@ -1,8 +1,8 @@
 //! Every rank's gradient beside the one a single device computes for the whole, unsharded
 //! problem ([`crate::program::one_device`]: no collectives, no duals, ordinary autograd), and
-//! their difference. A lesson's trace carries it ([`Trace::one_device`]); the page shows it on
-//! the last step, `distgrad run` after the steps. Training lessons have none (their reference
-//! is full-batch training, in the tests).
+//! their difference. A lesson's trace carries it ([`super::Trace::one_device`]); the page shows
+//! it on the last step, `distgrad run` after the steps. A training lesson's is one device
+//! training the whole problem from the same start, its loss per step beside the group's.
 
 use super::trace::{Named, OneDeviceView, Phase, Step};
 use super::{Lesson, View, lesson_case};
@@ -22,24 +22,29 @@ struct Compared {
     run: usize,
 }
 
-/// The one-device view of a lesson's assembled `steps` on `world` ranks (`None` for a training
-/// lesson); a failure is said in the label.
-pub(super) async fn view(lesson: &Lesson, steps: &[Step], world: usize) -> Option<OneDeviceView> {
+/// The one-device view of a lesson's assembled `steps` on `world` ranks; a failure is said in
+/// the label.
+pub(super) async fn view(lesson: &Lesson, steps: &[Step], world: usize) -> OneDeviceView {
     let built = match lesson.view {
         View::Train {
             steps: n,
             lr,
             sharded,
         } => train(lesson, steps, world, n, lr, sharded).await,
-        _ => build(lesson, steps, world).await,
+        View::Collective(_) => collective(lesson, steps, world)
+            .await
+            .and_then(|r| lay_out(&r, steps, world, true)),
+        View::Steps | View::CompareDuals => program(lesson, steps, world)
+            .await
+            .and_then(|r| lay_out(&r, steps, world, false)),
+        View::CompareObjectives => objectives(lesson, steps, world)
+            .await
+            .and_then(|r| lay_out(&r, steps, world, false)),
     };
-    Some(match built {
-        Ok(v) => v,
-        Err(e) => OneDeviceView {
-            label: format!("One device: not computed here ({e})"),
-            ranks: Vec::new(),
-            curve: Vec::new(),
-        },
+    built.unwrap_or_else(|e| OneDeviceView {
+        label: format!("One device: not computed here ({e})"),
+        ranks: Vec::new(),
+        curve: Vec::new(),
     })
 }
 
@@ -92,53 +97,36 @@ fn first_grad(plan: &Plan, prefix: &str) -> String {
         .unwrap_or_default()
 }
 
-async fn build(lesson: &Lesson, steps: &[Step], world: usize) -> Result<OneDeviceView> {
-    let runs = match &lesson.view {
-        View::Collective(_) => collective(lesson, steps, world).await?,
-        View::Steps | View::CompareDuals => {
-            // One device has no duals: the program as written, wrong dual or not.
-            let plan = lesson.plan_for(world)?;
-            let one = run(&plan).await?;
-            let first = first_grad(&plan, "dF/d");
-            let compared = if matches!(lesson.view, View::Steps) {
-                last_with(steps, &first)
-                    .map(Compared::distgrad)
-                    .into_iter()
-                    .collect()
-            } else {
-                // The wrong dual's backward, then distgrad's.
-                backward_with(steps, &first)
-                    .into_iter()
-                    .map(|step| {
-                        let who = steps[step].label.trim_start_matches("backward with ");
-                        Compared {
-                            who: who.to_string(),
-                            short: who.to_string(),
-                            step,
-                            run: 0,
-                        }
-                    })
-                    .collect()
-            };
-            Runs {
-                runs: vec![(plan, String::new(), one)],
-                compared,
-                prefix: "dF/d",
-            }
-        }
-        View::CompareObjectives => objectives(lesson, steps, world).await?,
-        View::Train { .. } => Runs {
-            runs: Vec::new(),
-            compared: Vec::new(),
-            prefix: "dF/d",
-        },
+/// A program lesson (its wrong duals too: one device has no duals, it runs the program as
+/// written): distgrad's gradients, or the wrong dual's backward then distgrad's.
+async fn program(lesson: &Lesson, steps: &[Step], world: usize) -> Result<Runs> {
+    let plan = lesson.plan_for(world)?;
+    let one = run(&plan).await?;
+    let first = first_grad(&plan, "dF/d");
+    let compared = if matches!(lesson.view, View::CompareDuals) {
+        backward_with(steps, &first)
+            .into_iter()
+            .map(|step| {
+                let who = steps[step].label.trim_start_matches("backward with ");
+                Compared {
+                    who: who.to_string(),
+                    short: who.to_string(),
+                    step,
+                    run: 0,
+                }
+            })
+            .collect()
+    } else {
+        last_with(steps, &first)
+            .map(Compared::distgrad)
+            .into_iter()
+            .collect()
     };
-    lay_out(
-        &runs,
-        steps,
-        world,
-        matches!(lesson.view, View::Collective(_)),
-    )
+    Ok(Runs {
+        runs: vec![(plan, String::new(), one)],
+        compared,
+        prefix: "dF/d",
+    })
 }
 
 /// A collective lesson: its case with the inputs the ranks ran (a rank may have edited its own).

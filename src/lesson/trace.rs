@@ -164,8 +164,8 @@ pub struct Trace {
     pub world: usize,
     /// The steps.
     pub steps: Vec<Step>,
-    /// Every rank's gradient beside one device's for the whole problem, shown with the last
-    /// step (`None`: a training lesson).
+    /// Every rank's gradient beside one device's for the whole problem (a training lesson: one
+    /// device's training), shown with the last step; `None` in traces made before it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub one_device: Option<OneDeviceView>,
 }
