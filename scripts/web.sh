@@ -9,4 +9,7 @@ trunk build --release
 cargo build --release --locked --bin distgrad
 port="${PORT:-8080}"
 echo "open http://127.0.0.1:$port/?world=${WORLD:-4}"
-exec "$CARGO_TARGET_DIR/release/distgrad" relay --addr "127.0.0.1:$port" --static dist
+# The page comes from the relay itself: its own origin, the only one a relay takes by default
+# (named anyway, so that a page opened under either name is taken whatever Host a proxy sends).
+exec "$CARGO_TARGET_DIR/release/distgrad" relay --addr "127.0.0.1:$port" --static dist \
+  --allowed-origin "http://127.0.0.1:$port,http://localhost:$port"

@@ -166,6 +166,11 @@ where
     let url = format!("ws://{}/ws", listener.local_addr().map_err(io)?);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let max_payload = relay.max_frame;
+    // Its own relay, whose ranks all start with the token made here.
+    let relay = crate::relay::RelayConfig {
+        client_tokens: true,
+        ..relay
+    };
     let server = rt.spawn(crate::relay::serve(listener, relay, async {
         let _ = stop_rx.await;
     }));

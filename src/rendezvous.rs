@@ -13,6 +13,13 @@
 //! or `DENIED\n` and closes, comparing in constant time. A `MASTER_ADDR` that is not a loopback
 //! address needs one: anyone who reached the store could otherwise read the NCCL id or plant a
 //! false one. The store listens only where `MASTER_ADDR` says.
+//!
+//! **Bounds**: at most [`MAX_CONNS`] connections at once (one more is answered `BUSY\n` and
+//! closed), [`MAX_KEYS`] keys and [`MAX_BYTES`] bytes of values (a `SET` of a new key beyond them
+//! is answered `FULL\n`), so that a local user who reaches the port cannot grow the store's
+//! threads or memory without end. Our launcher binds the store's listener itself and serves the
+//! store from that same socket ([`StoreServer::from_listener`], [`SERVED_VAR`]): no port is freed
+//! and bound again, which another local user could take in between.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -31,6 +38,22 @@ pub const MAX_LINE: usize = 512;
 /// The environment variable holding the store's shared secret.
 pub const SECRET_VAR: &str = "DISTGRAD_STORE_SECRET";
 
+/// The environment variable our launcher sets (to `1`) where it serves the store itself: rank 0
+/// then connects to it like the others instead of serving one.
+pub const SERVED_VAR: &str = "DISTGRAD_STORE_SERVED";
+
+/// Most connections the store serves at once.
+pub const MAX_CONNS: usize = 1024;
+
+/// The store's answer to a connection beyond [`MAX_CONNS`] (then it closes it).
+const BUSY: &str = "BUSY\n";
+
+/// Most keys the store holds.
+pub const MAX_KEYS: usize = 4096;
+
+/// Most bytes of values the store holds in all.
+pub const MAX_BYTES: usize = 64 << 20;
+
 fn err(detail: impl Into<String>) -> Error {
     Error::Input(format!("rendezvous: {}", detail.into()))
 }
@@ -48,6 +71,8 @@ pub struct LaunchEnv {
     pub master: String,
     /// The store's shared secret ([`SECRET_VAR`]); required unless `MASTER_ADDR` is loopback.
     pub secret: Option<String>,
+    /// The launcher serves the store ([`SERVED_VAR`] is `1`): rank 0 does not.
+    pub served: bool,
 }
 
 impl LaunchEnv {
@@ -108,12 +133,18 @@ impl LaunchEnv {
                 MAX_LINE / 2
             )));
         }
+        let served = match get(SERVED_VAR).as_deref().map(str::trim) {
+            None | Some("" | "0") => false,
+            Some("1") => true,
+            Some(v) => return Err(err(format!("{SERVED_VAR}={v:?} must be 0 or 1"))),
+        };
         Ok(Some(LaunchEnv {
             rank,
             world,
             local_rank,
             master,
             secret,
+            served,
         }))
     }
 
@@ -126,6 +157,22 @@ impl LaunchEnv {
 #[derive(Default)]
 struct Table {
     values: HashMap<String, Vec<u8>>,
+    /// Bytes of all values.
+    bytes: usize,
+}
+
+impl Table {
+    /// Store `v` under `key` unless a new key or the bytes it adds go beyond the bounds.
+    fn set(&mut self, key: &str, v: Vec<u8>) -> bool {
+        let old = self.values.get(key).map(Vec::len);
+        let bytes = self.bytes - old.unwrap_or(0) + v.len();
+        if (old.is_none() && self.values.len() >= MAX_KEYS) || bytes > MAX_BYTES {
+            return false;
+        }
+        self.bytes = bytes;
+        self.values.insert(key.to_string(), v);
+        true
+    }
 }
 
 /// The store's server (rank 0). Stops when dropped.
@@ -138,28 +185,56 @@ impl StoreServer {
     /// Listen on `addr` (port 0: any free port) and serve in background threads; with `secret`,
     /// only to connections that present it.
     pub fn start(addr: &str, secret: Option<&str>) -> Result<StoreServer> {
-        let secret: Arc<Option<String>> = Arc::new(secret.map(str::to_string));
         let listener =
             TcpListener::bind(addr).map_err(|e| err(format!("cannot listen on {addr}: {e}")))?;
+        StoreServer::from_listener(listener, secret)
+    }
+
+    /// Serve on `listener`, already bound (a launcher binds it before it names the port to its
+    /// ranks, so nobody can take the port in between); with `secret`, only to connections that
+    /// present it.
+    pub fn from_listener(listener: TcpListener, secret: Option<&str>) -> Result<StoreServer> {
+        StoreServer::serve_on(listener, secret, MAX_CONNS)
+    }
+
+    /// [`StoreServer::from_listener`] serving at most `max_conns` connections at once.
+    fn serve_on(
+        listener: TcpListener,
+        secret: Option<&str>,
+        max_conns: usize,
+    ) -> Result<StoreServer> {
+        let secret: Arc<Option<String>> = Arc::new(secret.map(str::to_string));
         let addr = listener.local_addr().map_err(|e| err(e.to_string()))?;
         listener
             .set_nonblocking(true)
             .map_err(|e| err(e.to_string()))?;
         let table = Arc::new((Mutex::new(Table::default()), Condvar::new()));
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let st = stop.clone();
         std::thread::Builder::new()
             .name("rendezvous".into())
             .spawn(move || {
                 while !st.load(std::sync::atomic::Ordering::Relaxed) {
                     match listener.accept() {
-                        Ok((s, _)) => {
-                            let t = table.clone();
-                            let st = st.clone();
-                            let secret = secret.clone();
-                            let _ = std::thread::Builder::new()
+                        Ok((mut s, _)) => {
+                            if open.load(std::sync::atomic::Ordering::Relaxed) >= max_conns {
+                                let _ = s.set_nonblocking(false);
+                                let _ = s.write_all(BUSY.as_bytes());
+                                continue;
+                            }
+                            open.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let (t, st, secret, count) =
+                                (table.clone(), st.clone(), secret.clone(), open.clone());
+                            let spawned = std::thread::Builder::new()
                                 .name("rendezvous-conn".into())
-                                .spawn(move || serve(s, &t, &st, secret.as_deref()));
+                                .spawn(move || {
+                                    serve(s, &t, &st, secret.as_deref());
+                                    count.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                                });
+                            if spawned.is_err() {
+                                open.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                            }
                         }
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                             std::thread::sleep(Duration::from_millis(5));
@@ -244,9 +319,12 @@ fn serve(s: TcpStream, table: &Shared, stop: &std::sync::atomic::AtomicBool, sec
                 }
                 let (m, cv) = table;
                 let mut t = m.lock().unwrap_or_else(|p| p.into_inner());
-                t.values.insert((*key).to_string(), v);
-                cv.notify_all();
-                b"OK\n".to_vec()
+                if t.set(key, v) {
+                    cv.notify_all();
+                    b"OK\n".to_vec()
+                } else {
+                    b"FULL\n".to_vec()
+                }
             }
             ["GET", key] => {
                 let (m, cv) = table;
@@ -312,6 +390,11 @@ impl Store {
                 .write_all(format!("AUTH {secret}\n").as_bytes())
                 .map_err(|e| err(format!("sending the secret to {addr}: {e}")))?;
             let answer = store.answer_line().unwrap_or_default();
+            if answer == BUSY {
+                return Err(err(format!(
+                    "the store at {addr} is serving its most connections ({MAX_CONNS})"
+                )));
+            }
             if answer != "OK\n" {
                 return Err(err(format!(
                     "the store at {addr} refused this rank's {SECRET_VAR} (it must be the same \
@@ -355,8 +438,20 @@ impl Store {
         let line = self
             .answer_line()
             .map_err(|e| err(format!("SET {key}: {e}")))?;
-        if line != "OK\n" {
-            return Err(err(format!("SET {key}: unexpected answer {line:?}")));
+        match line.as_str() {
+            "OK\n" => {}
+            "FULL\n" => {
+                return Err(err(format!(
+                    "SET {key}: the store is full (at most {MAX_KEYS} keys and {MAX_BYTES} bytes \
+                     of values)"
+                )));
+            }
+            BUSY => {
+                return Err(err(format!(
+                    "SET {key}: the store is serving its most connections ({MAX_CONNS})"
+                )));
+            }
+            _ => return Err(err(format!("SET {key}: unexpected answer {line:?}"))),
         }
         Ok(())
     }
@@ -373,6 +468,11 @@ impl Store {
                 self.timeout
             ))
         })?;
+        if line == BUSY {
+            return Err(err(format!(
+                "GET {key}: the store is serving its most connections ({MAX_CONNS})"
+            )));
+        }
         let len: usize = line
             .trim_end()
             .parse()
@@ -420,6 +520,7 @@ mod tests {
                 local_rank: 2,
                 master: "10.0.0.1:29500".into(),
                 secret: Some("f00d".into()),
+                served: false,
             }
         );
         // Reachable from other machines without a secret: refused, saying how to set one.
@@ -554,5 +655,57 @@ mod tests {
         let mut rest = Vec::new();
         let n = raw.read_to_end(&mut rest).unwrap_or(0);
         assert_eq!(n, 0, "the store answered a {}-byte line", 4 * MAX_LINE);
+    }
+
+    /// The store bounds what a local user who reaches its port can make it hold: connections
+    /// beyond its cap are answered `BUSY` (and one closing frees its place), new keys beyond
+    /// [`MAX_KEYS`] and values beyond [`MAX_BYTES`] in all are refused (`FULL`); overwriting a
+    /// key within the bounds still works. Served on a listener bound by the caller.
+    #[test]
+    fn the_store_bounds_connections_keys_and_bytes() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let server = StoreServer::serve_on(listener, None, 4).unwrap();
+        let addr = server.addr().to_string();
+        let t = Duration::from_secs(5);
+        let mut st = Store::connect(&addr, t, None).unwrap();
+        for k in 0..MAX_KEYS {
+            st.set(&format!("k{k}"), b"").unwrap();
+        }
+        let e = st.set("one-more", b"x").unwrap_err().to_string();
+        assert!(e.contains("the store is full"), "{e}");
+        st.set("k0", b"still fits").unwrap();
+        assert_eq!(st.get("k0").unwrap(), b"still fits");
+        // Bytes: a second store, filled with 1 MiB values up to MAX_BYTES.
+        let server2 = StoreServer::start("127.0.0.1:0", None).unwrap();
+        let mut st2 = Store::connect(&server2.addr().to_string(), t, None).unwrap();
+        let big = vec![7u8; MAX_VALUE];
+        for k in 0..MAX_BYTES / MAX_VALUE {
+            st2.set(&format!("v{k}"), &big).unwrap();
+        }
+        let e = st2.set("v-more", b"x").unwrap_err().to_string();
+        assert!(e.contains("the store is full"), "{e}");
+        // Connections: 4 served (st is one), the 5th told BUSY.
+        let held: Vec<Store> = (0..3)
+            .map(|_| Store::connect(&addr, t, None).unwrap())
+            .collect();
+        let mut fifth = Store::connect(&addr, t, None).unwrap();
+        let e = fifth.get("k0").unwrap_err().to_string();
+        assert!(e.contains("most connections"), "{e}");
+        drop(held);
+        let t0 = Instant::now();
+        loop {
+            let mut again = Store::connect(&addr, t, None).unwrap();
+            match again.get("k0") {
+                Ok(v) => {
+                    assert_eq!(v, b"still fits");
+                    break;
+                }
+                Err(e) if t0.elapsed() < t => {
+                    assert!(e.to_string().contains("most connections"), "{e}");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => panic!("closed connections did not free their places: {e}"),
+            }
+        }
     }
 }

@@ -12,8 +12,10 @@ mod common_relay;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use common_relay::{Raw, TestRelay, WAIT, all_ok, join_opts, rank_runtime, run_ranks, tok};
-use distgrad::relay::{RelayConfig, token_bits};
+use common_relay::{
+    Raw, TestRelay, WAIT, all_ok, join_opts, rank_runtime, run_ranks, scripted, tok,
+};
+use distgrad::relay::{RelayConfig, is_token_form};
 use distgrad::{CommOptions, Communicator, ReduceOp, Tensor};
 
 const FLOODER: [u8; 4] = [127, 0, 0, 2];
@@ -51,16 +53,17 @@ async fn connect_when_free(url: &str, relay: &TestRelay, from: IpAddr) -> Raw {
 }
 
 /// One address opens connections up to its cap (the next is refused with HTTP 429 and the reason)
-/// and creates half-full rooms up to its cap (the next is refused, saying so); meanwhile a
-/// legitimate 2-rank room from another address forms and computes the right all_reduce, and a
-/// third address still creates rooms. A flooder's room that fills stops counting against it.
+/// and creates rooms up to its cap (the next is refused, saying so); meanwhile a legitimate 2-rank
+/// room from another address forms and computes the right all_reduce, and a third address still
+/// creates rooms. A flooder's room that fills (or starts at once, world 1) still counts against
+/// it; one that closes does not.
 #[test]
 fn one_address_flooding_cannot_lock_out_a_legitimate_room() {
     let relay = TestRelay::start(RelayConfig {
         max_rooms: 16,
         max_conns_per_addr: 8,
-        max_waiting_rooms_per_addr: 4,
-        ..RelayConfig::default()
+        max_rooms_per_addr: 4,
+        ..scripted()
     });
     let url = relay.url();
     let rt = rank_runtime();
@@ -87,7 +90,7 @@ fn one_address_flooding_cannot_lock_out_a_legitimate_room() {
     assert_eq!(legitimate_room(&url, "during-conn-flood"), want);
     drop(held);
 
-    // Waiting rooms: 4 created, the 5th refused; they last while the legitimate room runs.
+    // Rooms: 4 created, the 5th refused; they last while the legitimate room runs.
     let (rooms, tokens) = rt.block_on(async {
         let mut rooms = Vec::new();
         let mut tokens = Vec::new();
@@ -104,7 +107,7 @@ fn one_address_flooding_cannot_lock_out_a_legitimate_room() {
         let r = c.send_join("flood-4", None, 2, 0, false).await.unwrap_err();
         let e = r.error.expect("an error message");
         assert!(
-            e.contains("127.0.0.2 already has 4 rooms waiting for members"),
+            e.contains("127.0.0.2 already has 4 rooms open"),
             "the refusal says: {e}"
         );
         // Another address is not affected.
@@ -118,18 +121,72 @@ fn one_address_flooding_cannot_lock_out_a_legitimate_room() {
     });
     assert_eq!(legitimate_room(&url, "during-room-flood"), want);
 
-    // Filling one of its rooms frees a slot for the flooder.
+    // A room that fills still counts (before the fix a full room, and so every world-1 room,
+    // stopped counting: one address could hold every room of the relay); one that closes does not.
     rt.block_on(async {
-        let mut c = connect_when_free(&url, &relay, flooder).await;
-        c.send_join("flood-0", Some(tokens[0].clone()), 2, 1, false)
+        let mut second = connect_when_free(&url, &relay, flooder).await;
+        second
+            .send_join("flood-0", Some(tokens[0].clone()), 2, 1, false)
             .await
             .expect("the second member fills flood-0");
-        let mut c = connect_when_free(&url, &relay, flooder).await;
-        c.send_join("flood-5", None, 2, 0, false)
-            .await
-            .expect("a full room no longer counts as waiting");
+        for (room, world) in [("flood-5", 2), ("flood-solo", 1)] {
+            let mut c = connect_when_free(&url, &relay, flooder).await;
+            let e = c
+                .send_join(room, None, world, 0, false)
+                .await
+                .expect_err("a started room still counts against its creator")
+                .error
+                .unwrap_or_default();
+            assert!(e.contains("already has 4 rooms open"), "{room}: told {e:?}");
+        }
+        let mut rooms = rooms;
+        drop(rooms.remove(0));
+        drop(second);
+        let t0 = Instant::now();
+        loop {
+            let mut c = connect_when_free(&url, &relay, flooder).await;
+            match c.send_join("flood-6", None, 1, 0, false).await {
+                Ok(_) => break,
+                Err(r) if t0.elapsed() < WAIT => {
+                    let e = r.error.unwrap_or_default();
+                    assert!(e.contains("rooms open"), "told {e:?}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(r) => panic!("flood-0 closed but its slot is not free: {r:?}"),
+            }
+        }
+        drop(rooms);
     });
-    drop(rooms);
+}
+
+/// The relay's connections in all are capped (below its file limit, so that accepting never fails
+/// for want of descriptors): past the cap a connection from any address is answered 429 saying
+/// so; one closing frees its place.
+#[test]
+fn the_relay_caps_its_connections_in_all() {
+    let relay = TestRelay::start(RelayConfig {
+        max_conns: 3,
+        ..scripted()
+    });
+    let url = relay.url();
+    rank_runtime().block_on(async {
+        let mut held = Vec::new();
+        for last in 2..=4u8 {
+            let c = Raw::connect_from(&url, relay.addr, IpAddr::from([127, 0, 0, last])).await;
+            held.push(c.unwrap_or_else(|e| panic!("connection from 127.0.0.{last}: {e}")));
+        }
+        let e = Raw::connect_from(&url, relay.addr, IpAddr::from([127, 0, 0, 5]))
+            .await
+            .err()
+            .expect("the 4th connection in all must be refused");
+        assert!(
+            e.starts_with("HTTP 429")
+                && e.contains("the relay is at its connection limit (3 open)"),
+            "the refusal says: {e}"
+        );
+        held.pop();
+        connect_when_free(&url, &relay, IpAddr::from([127, 0, 0, 5])).await;
+    });
 }
 
 /// A room that does not fill within `room_fill_timeout` is closed; every member is told why (how
@@ -138,7 +195,7 @@ fn one_address_flooding_cannot_lock_out_a_legitimate_room() {
 fn a_room_that_never_fills_is_closed_and_its_members_told() {
     let relay = TestRelay::start(RelayConfig {
         room_fill_timeout: Duration::from_secs(1),
-        ..RelayConfig::default()
+        ..scripted()
     });
     let url = relay.url();
     rank_runtime().block_on(async {
@@ -164,6 +221,88 @@ fn a_room_that_never_fills_is_closed_and_its_members_told() {
     });
 }
 
+/// Slowloris: a client that sends a request's headers a byte at a time is closed once the join
+/// timeout has passed since the request's first byte, and a keep-alive connection that moves
+/// nothing between requests is closed after the idle timeout (before the fix both held their
+/// connection, and their address's place, for as long as they liked). A WebSocket member, past
+/// its handshake, is not subject to either: it stays past both limits while it answers pings.
+#[test]
+fn slow_headers_and_idle_http_connections_are_closed() {
+    let relay = TestRelay::start(RelayConfig {
+        join_timeout: Duration::from_secs(1),
+        idle_timeout: Duration::from_secs(2),
+        ..scripted()
+    });
+    let url = relay.url();
+    rank_runtime().block_on(async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        // Headers a byte every 200 ms: 40 bytes would take 8 s.
+        let mut slow = tokio::net::TcpStream::connect(relay.addr).await.unwrap();
+        let t0 = Instant::now();
+        let request = b"GET /x HTTP/1.1\r\nHost: a\r\nX-Slow: aaaaaaaaaaa\r\n\r\n";
+        let mut closed = None;
+        for b in request {
+            if slow.write_all(&[*b]).await.is_err() {
+                closed = Some(t0.elapsed());
+                break;
+            }
+            let mut buf = [0u8; 256];
+            match tokio::time::timeout(Duration::from_millis(200), slow.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => {
+                    closed = Some(t0.elapsed());
+                    break;
+                }
+                _ => {}
+            }
+        }
+        let closed = closed.expect("a request dribbled a byte at a time must be cut off");
+        assert!(
+            closed >= Duration::from_millis(900) && closed < Duration::from_secs(4),
+            "closed after {closed:?}; the join timeout is 1 s"
+        );
+        // A whole request, answered (404: no files here), then nothing: closed after the idle
+        // timeout.
+        let mut idle = tokio::net::TcpStream::connect(relay.addr).await.unwrap();
+        idle.write_all(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .unwrap();
+        let t0 = Instant::now();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1024];
+        loop {
+            match tokio::time::timeout(WAIT, idle.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => break,
+                Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+                Err(_) => panic!("an idle keep-alive connection stayed open {WAIT:?}"),
+            }
+        }
+        let took = t0.elapsed();
+        assert!(
+            String::from_utf8_lossy(&got).starts_with("HTTP/1.1 404"),
+            "answered: {:?}",
+            String::from_utf8_lossy(&got)
+        );
+        assert!(
+            took >= Duration::from_millis(1900) && took < Duration::from_secs(5),
+            "closed after {took:?}; the idle timeout is 2 s"
+        );
+        // A member waiting in its room (reading, so answering the relay's pings), well past both
+        // limits, is still there when the second joins.
+        let (mut member, _) = Raw::join(&url, "patient", Some("p"), 2, 0).await;
+        let late = async {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            Raw::join(&url, "patient", Some("p"), 2, 1).await
+        };
+        let (ready, (_other, w)) = tokio::join!(member.wait_ready(), late);
+        assert_eq!(
+            w.members,
+            vec![0, 1],
+            "the first member is still in its room"
+        );
+        assert_eq!(ready, vec![0, 1]);
+    });
+}
+
 /// Connections that send nothing, or connect but never join, are dropped within the join timeout
 /// and stop counting against their address.
 #[test]
@@ -171,7 +310,7 @@ fn silent_and_never_joining_connections_are_freed() {
     let relay = TestRelay::start(RelayConfig {
         join_timeout: Duration::from_secs(1),
         max_conns_per_addr: 2,
-        ..RelayConfig::default()
+        ..scripted()
     });
     let url = relay.url();
     let from = IpAddr::from([127, 0, 0, 4]);
@@ -216,7 +355,7 @@ fn silent_and_never_joining_connections_are_freed() {
 fn an_announced_stream_that_never_attaches_ends_its_member() {
     let relay = TestRelay::start(RelayConfig {
         join_timeout: Duration::from_secs(1),
-        ..RelayConfig::default()
+        ..scripted()
     });
     let url = relay.url();
     rank_runtime().block_on(async {
@@ -232,70 +371,120 @@ fn an_announced_stream_that_never_attaches_ends_its_member() {
     });
 }
 
-/// Tokens a client chooses must be strong; the refusal says how to get one. Joining with a strong
-/// but wrong token is refused; a relay set to take any token takes a weak one.
+/// The relay makes every room's token: by default a join that brings a token for a room that does
+/// not exist is refused (saying to leave it out) and creates nothing; one without gets 32 hex
+/// digits from the relay, which then open the room. A relay for scripted setups
+/// (`client_tokens`) takes a chosen token only in that same form: words, patterns and the old
+/// estimate's loophole (`"ab"` × 70, which it rated above 128 bits) are refused.
 #[test]
-fn weak_and_wrong_tokens_are_refused() {
-    // The estimate the relay applies: generator output passes, words and patterns do not.
-    for (t, strong) in [
+fn room_tokens_are_made_by_the_relay() {
+    for (t, ok) in [
         ("5e0c2b9f71a84d36b0e5a97c1d2f4386", true),
-        ("Xq3_vT9kLm2PzR8wYc4bNd", true),
-        ("tok", false),
+        ("5E0C2B9F71A84D36B0E5A97C1D2F4386", true),
+        ("Xq3_vT9kLm2PzR8wYc4bNd", false),
         ("correcthorsebattery", false),
         ("", false),
-        (&"ab".repeat(40), false),
-        ("00000000000000000000000000000000", false),
+        ("5e0c2b9f71a84d36b0e5a97c1d2f438", false),
+        ("5e0c2b9f71a84d36b0e5a97c1d2f4386a", false),
+        ("5e0c2b9f71a84d36b0e5a97c1d2f438g", false),
     ] {
-        assert_eq!(
-            token_bits(t) >= 128,
-            strong,
-            "{t:?}: {} bits",
-            token_bits(t)
-        );
+        assert_eq!(is_token_form(t), ok, "{t:?}");
     }
-    let relay = TestRelay::default_config();
+    let relay = TestRelay::start(RelayConfig::default());
     let url = relay.url();
     rank_runtime().block_on(async {
-        for weak in [
+        let mut c = Raw::connect(&url).await;
+        let e = c
+            .send_join("mine", Some(tok("chosen")), 2, 0, false)
+            .await
+            .expect_err("a chosen token cannot create a room on a default relay")
+            .error
+            .unwrap_or_default();
+        assert!(
+            e.contains("this relay makes room tokens: leave the token out"),
+            "told {e:?}"
+        );
+        // Nothing was created: the name is free, and the relay makes its token.
+        let (_a, w) = Raw::join(&url, "mine", None, 2, 0).await;
+        assert!(is_token_form(&w.token), "the relay's token: {:?}", w.token);
+        let mut c = Raw::connect(&url).await;
+        let e = c
+            .send_join("mine", Some(tok("guess")), 2, 1, false)
+            .await
+            .expect_err("a wrong token")
+            .error
+            .unwrap_or_default();
+        assert!(e.contains("wrong token"), "told {e:?}");
+        let mut c = Raw::connect(&url).await;
+        c.send_join("mine", Some(w.token.clone()), 2, 1, false)
+            .await
+            .expect("the relay's token opens the room");
+    });
+    let scripted = TestRelay::default_config();
+    let url = scripted.url();
+    rank_runtime().block_on(async {
+        let ab = "ab".repeat(70);
+        for bad in [
             "tok",
             "password123",
             "",
-            "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+            ab.as_str(),
+            "zzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzz",
         ] {
             let mut c = Raw::connect(&url).await;
-            let r = c
-                .send_join("weak", Some(weak.into()), 2, 0, false)
+            let e = c
+                .send_join("weak", Some(bad.into()), 2, 0, false)
                 .await
-                .unwrap_err();
-            let e = r.error.unwrap_or_default();
+                .expect_err("not the generated form")
+                .error
+                .unwrap_or_default();
             assert!(
-                e.contains("room token is too weak") && e.contains("leave the token out"),
-                "{weak:?}: told {e:?}"
+                e.contains("must be 32 hex digits") && e.contains("leave it out"),
+                "{bad:?}: told {e:?}"
             );
         }
-        // The weak joins created nothing: a strong token takes the name.
+        // The refused joins created nothing: a token of the right form takes the name.
         let (_a, w) = Raw::join(&url, "weak", Some("strong"), 2, 0).await;
         assert_eq!(w.token, tok("strong"));
-        let mut c = Raw::connect(&url).await;
-        let r = c
-            .send_join("weak", Some(tok("guess")), 2, 1, false)
-            .await
-            .unwrap_err();
-        let e = r.error.unwrap_or_default();
-        assert!(e.contains("wrong token"), "told {e:?}");
     });
-    let lax = TestRelay::start(RelayConfig {
-        min_token_bits: 0,
-        ..RelayConfig::default()
-    });
-    let url = lax.url();
-    rank_runtime().block_on(async {
-        let mut c = Raw::connect(&url).await;
-        let w = c
-            .send_join("lax", Some("tok".into()), 1, 0, false)
-            .await
-            .expect("min_token_bits 0 takes any token");
-        assert_eq!(w.token, "tok");
+}
+
+/// The token's check and the room's creation are one step: while one client creates and closes
+/// room "race" with a good token again and again, another keeps trying to create it with a bad
+/// one. Before the fix the check was skipped whenever the room existed at that moment, and a room
+/// closing between the check and the creation let the bad token in.
+#[test]
+fn a_bad_token_cannot_slip_in_while_a_room_closes() {
+    let relay = TestRelay::default_config();
+    let url = relay.url();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let churn = s.spawn(|| {
+            rank_runtime().block_on(async {
+                for _ in 0..300 {
+                    let mut c = Raw::connect(&url).await;
+                    let _ = c.send_join("race", Some(tok("good")), 2, 0, false).await;
+                }
+            });
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+        let (mut tries, mut created) = (0, Vec::new());
+        rank_runtime().block_on(async {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let mut c = Raw::connect(&url).await;
+                tries += 1;
+                if let Ok(w) = c.send_join("race", Some("bad".into()), 2, 0, false).await {
+                    created.push(w.token);
+                }
+            }
+        });
+        churn.join().expect("churn thread");
+        assert!(tries > 0);
+        assert!(
+            created.is_empty(),
+            "a bad token created the room {} times in {tries} tries",
+            created.len()
+        );
     });
 }
 

@@ -43,6 +43,7 @@ fn env(rank: usize, world: usize, port: u16) -> LaunchEnv {
         local_rank: rank,
         master: format!("127.0.0.1:{port}"),
         secret: Some("nccl-test-secret".into()),
+        served: false,
     }
 }
 

@@ -348,7 +348,7 @@ fn large_all_reduce_is_fragmented_and_bitwise_equal_to_local() {
     const FRAME: usize = 64 << 10;
     let relay = TestRelay::start(RelayConfig {
         max_frame: FRAME,
-        ..RelayConfig::default()
+        ..scripted()
     });
     let url = relay.url();
     // Values with fractional parts, so the summation order shows in the bits.
@@ -466,7 +466,7 @@ fn fragment_boundaries_round_trip() {
     const P: usize = 1000; // tiny fragments: many frames per message
     let relay = TestRelay::start(RelayConfig {
         max_frame: P + HEADER_LEN,
-        ..RelayConfig::default()
+        ..scripted()
     });
     let url = relay.url();
     let sizes = [0, 1, P - 1, P, P + 1, 2 * P, 2 * P + 1, 37 * P + 13];
@@ -526,7 +526,7 @@ fn close_right_after_a_large_collective_loses_nothing() {
     const N: usize = 1 << 18; // 1 MiB per rank: ring, 256 KiB per step
     let relay = TestRelay::start(RelayConfig {
         max_frame: 64 << 10,
-        ..RelayConfig::default()
+        ..scripted()
     });
     let url = relay.url();
     let opts = CommOptions {
@@ -650,7 +650,7 @@ fn close_after_sending_to_a_slow_reader(stream: bool) {
     let relay = TestRelay::start(RelayConfig {
         max_frame: FRAME,
         max_pending_bytes: 256 << 10,
-        ..RelayConfig::default()
+        ..scripted()
     });
     let url = relay.url();
     let content =
@@ -1035,7 +1035,7 @@ fn the_web_apps_files_come_cross_origin_isolated() {
         let relay = TestRelay::start(RelayConfig {
             static_dir: Some(dir.clone()),
             cross_origin_isolated: isolate,
-            ..RelayConfig::default()
+            ..scripted()
         });
         let get = |path: &str| {
             let mut s = std::net::TcpStream::connect(relay.addr).unwrap();

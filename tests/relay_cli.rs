@@ -29,7 +29,7 @@ use distgrad::{CommOptions, Communicator, ReduceOp, Tensor};
 fn members_fragment_to_the_relays_frame_limit() {
     let relay = TestRelay::start(RelayConfig {
         max_frame: 4096,
-        ..RelayConfig::default()
+        ..scripted()
     });
     let url = relay.url();
     let joins = (0..2)
@@ -66,7 +66,7 @@ fn the_welcome_names_only_a_non_default_frame_limit() {
     ] {
         let relay = TestRelay::start(RelayConfig {
             max_frame,
-            ..RelayConfig::default()
+            ..scripted()
         });
         let url = relay.url();
         let got = rank_runtime().block_on(async {

@@ -45,7 +45,7 @@ fn join_refusals_say_why_and_leave_the_room_unchanged() {
     let relay = TestRelay::start(RelayConfig {
         max_members: 8,
         max_rooms: 2,
-        ..RelayConfig::default()
+        ..scripted()
     });
     let url = relay.url();
     rank_runtime().block_on(async {
@@ -201,14 +201,42 @@ fn room_without_token_gets_a_random_one() {
     });
 }
 
-/// `allowed_origins`: a browser with another Origin is refused at the handshake; an allowed one and
-/// a native client (no Origin) get in.
+/// Browser origins: by default only the relay's own page (its Origin names the host the request
+/// went to) may open a WebSocket: any other web page a student visits is refused at the handshake
+/// (before the fix any page could, using up the class's per-address quota); an origin named in
+/// `allowed_origins` and a native client (no Origin) get in.
 #[test]
-fn allowed_origins_refuse_other_browsers() {
+fn only_the_relays_own_page_and_named_origins_may_connect() {
     use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let refused =
+        |r: std::result::Result<_, tokio_tungstenite::tungstenite::Error>, who: &str| match r {
+            Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => {
+                assert_eq!(resp.status().as_u16(), 403, "status for {who}")
+            }
+            Err(e) => panic!("{who}: expected HTTP 403, got {e}"),
+            Ok(_) => panic!("{who} was let in"),
+        };
+    let default = TestRelay::default_config();
+    let own = format!("http://{}", default.addr);
+    let url = default.url();
+    rank_runtime().block_on(async {
+        let with_origin = |o: &str| {
+            let mut req = url.as_str().into_client_request().unwrap();
+            req.headers_mut().insert("origin", o.parse().unwrap());
+            req
+        };
+        let other = tokio_tungstenite::connect_async(with_origin("http://evil.example")).await;
+        refused(other, "a page of another origin");
+        let mine = tokio_tungstenite::connect_async(with_origin(&own)).await;
+        assert!(
+            mine.is_ok(),
+            "the relay's own page refused: {:?}",
+            mine.err()
+        );
+    });
     let relay = TestRelay::start(RelayConfig {
-        allowed_origins: Some(vec!["http://good.example".into()]),
-        ..RelayConfig::default()
+        allowed_origins: vec!["http://good.example".into()],
+        ..scripted()
     });
     let url = relay.url();
     rank_runtime().block_on(async {
@@ -218,13 +246,7 @@ fn allowed_origins_refuse_other_browsers() {
             req
         };
         let bad = tokio_tungstenite::connect_async(with_origin("http://evil.example")).await;
-        match bad {
-            Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => {
-                assert_eq!(resp.status().as_u16(), 403, "status for a foreign origin")
-            }
-            Err(e) => panic!("foreign origin: expected HTTP 403, got {e}"),
-            Ok(_) => panic!("foreign origin was let in"),
-        }
+        refused(bad, "a foreign origin");
         let good = tokio_tungstenite::connect_async(with_origin("http://good.example")).await;
         assert!(good.is_ok(), "allowed origin refused: {:?}", good.err());
         let (_native, w) = Raw::join(&url, "o", None, 1, 0).await;
@@ -430,7 +452,7 @@ fn hostile_client_gets_error_and_close_and_the_relay_survives() {
     let relay = TestRelay::start(RelayConfig {
         max_frame: MAX_FRAME,
         join_timeout: Duration::from_millis(500),
-        ..RelayConfig::default()
+        ..scripted()
     });
     let url = relay.url();
 
@@ -696,7 +718,7 @@ fn frame_size_limit_edges() {
     const MAX_FRAME: usize = 4096;
     let relay = TestRelay::start(RelayConfig {
         max_frame: MAX_FRAME,
-        ..RelayConfig::default()
+        ..scripted()
     });
     let url = relay.url();
     rank_runtime().block_on(async {
@@ -764,7 +786,7 @@ fn idle_client_is_dropped_and_peers_get_peer_lost() {
     let idle_timeout = Duration::from_millis(600);
     let relay = TestRelay::start(RelayConfig {
         idle_timeout,
-        ..RelayConfig::default()
+        ..scripted()
     });
     let url = relay.url();
     rank_runtime().block_on(async {
@@ -857,7 +879,7 @@ fn slow_receiver_gets_everything_intact_and_in_order() {
     let relay = TestRelay::start(RelayConfig {
         max_frame: FRAME,
         max_pending_bytes: 256 << 10,
-        ..RelayConfig::default()
+        ..scripted()
     });
     let url = relay.url();
     let sizes: Vec<usize> = (0..80)
@@ -952,7 +974,7 @@ fn slow_receiver_gets_everything_intact_and_in_order() {
 fn refused_join_creates_no_room() {
     let relay = TestRelay::start(RelayConfig {
         max_rooms: 1,
-        ..RelayConfig::default()
+        ..scripted()
     });
     let url = relay.url();
     rank_runtime().block_on(async {
@@ -981,7 +1003,7 @@ fn a_receiver_that_never_reads_stops_its_sender() {
     let relay = TestRelay::start(RelayConfig {
         max_frame: 64 << 10,
         max_pending_bytes: 256 << 10,
-        ..RelayConfig::default()
+        ..scripted()
     });
     let url = relay.url();
     rank_runtime().block_on(async {
@@ -1017,7 +1039,7 @@ fn an_abort_reaches_the_others_while_a_member_is_frozen() {
         max_frame: 64 << 10,
         max_pending_bytes: 256 << 10,
         idle_timeout: Duration::from_secs(20),
-        ..RelayConfig::default()
+        ..scripted()
     });
     let url = relay.url();
     const SEND_TIMEOUT: Duration = Duration::from_secs(3);

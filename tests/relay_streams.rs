@@ -213,25 +213,25 @@ fn streams_fall_back_and_both_forwarding_loops_are_exact() {
         (
             RelayConfig {
                 streams: false,
-                ..RelayConfig::default()
+                ..scripted()
             },
             None,
         ),
         (
             RelayConfig {
                 splice: false,
-                ..RelayConfig::default()
+                ..scripted()
             },
             Some(StreamRoute::Unix),
         ),
         (
             RelayConfig {
                 local_streams: false,
-                ..RelayConfig::default()
+                ..scripted()
             },
             Some(StreamRoute::Tcp),
         ),
-        (RelayConfig::default(), Some(StreamRoute::Unix)),
+        (scripted(), Some(StreamRoute::Unix)),
     ] {
         let ctx = format!(
             "streams={} splice={} local_streams={}",
@@ -497,7 +497,7 @@ fn netns_only_loopback_members_are_told_the_unix_socket() {
     must(&["addr", "add", "192.0.2.1/24", "dev", dev]);
     must(&["link", "set", dev, "up"]);
 
-    let relay = TestRelay::start_on("0.0.0.0:0", RelayConfig::default());
+    let relay = TestRelay::start_on("0.0.0.0:0", scripted());
     let port = relay.addr.port();
     let (far, near) = (
         format!("ws://192.0.2.1:{port}/ws"),
@@ -554,7 +554,7 @@ fn a_stream_that_is_never_read_is_cut_off_and_its_sender_told() {
     use distgrad::wire::StreamHello;
     let relay = TestRelay::start(RelayConfig {
         idle_timeout: Duration::from_secs(2),
-        ..RelayConfig::default()
+        ..scripted()
     });
     let (url, addr) = (relay.url(), relay.addr);
     let (stalled_tx, stalled_rx) = mpsc::channel::<String>();

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common_relay::{TestRelay, all_ok, join_opts, run_ranks};
+use common_relay::{TestRelay, all_ok, join_opts, run_ranks, scripted};
 use distgrad::relay::{RelayConfig, tls_config};
 use distgrad::transport::ws::WsTransport;
 use distgrad::{CommOptions, Communicator, Error, ReduceOp, Tensor};
@@ -46,7 +46,7 @@ impl Site {
         TestRelay::start(RelayConfig {
             tls: Some(tls),
             static_dir: Some(self.dir.join("www")),
-            ..RelayConfig::default()
+            ..scripted()
         })
     }
 }
@@ -158,7 +158,7 @@ fn ice_servers_reach_the_members_and_bad_lists_are_refused() {
     ]);
     let relay = TestRelay::start(RelayConfig {
         ice_servers: Some(ice.clone()),
-        ..RelayConfig::default()
+        ..scripted()
     });
     let url = relay.url();
     let rt = common_relay::rank_runtime();
@@ -197,7 +197,7 @@ fn ice_servers_reach_the_members_and_bad_lists_are_refused() {
     ] {
         let cfg = RelayConfig {
             ice_servers: Some(bad.clone()),
-            ..RelayConfig::default()
+            ..scripted()
         };
         let e = cfg.check().unwrap_err().to_string();
         assert!(e.contains(why), "{bad}: {e}");

@@ -257,6 +257,8 @@ fn collectives(a: &BenchArgs, child: Option<BenchChild>) -> distgrad::Result<()>
     };
     let relay_cfg = distgrad::relay::RelayConfig {
         splice: a.transport != Transport::RelayBuffered,
+        // Its own relay, whose rank processes all start with the token it made.
+        client_tokens: true,
         ..Default::default()
     };
     if let (Some(child), Some(route)) = (&child, route) {

@@ -74,7 +74,11 @@ pub fn workers_over_relay(
     direct: bool,
     args: &[String],
 ) -> distgrad::Result<Vec<Finished>> {
-    let relay = LocalRelay::start(distgrad::relay::RelayConfig::default())?;
+    // Its own relay: the workers all start with the token made here.
+    let relay = LocalRelay::start(distgrad::relay::RelayConfig {
+        client_tokens: true,
+        ..Default::default()
+    })?;
     let url = relay.url.clone();
     let token =
         distgrad::relay::random_token().map_err(|e| distgrad::Error::Input(e.to_string()))?;
@@ -253,17 +257,19 @@ pub fn per_gpu(world: usize, what: &str) -> distgrad::Result<()> {
             ),
         });
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| distgrad::Error::Input(format!("no free port: {e}")))?
-        .port();
+    // Only this launch's ranks may use the store (other users of the machine reach loopback too).
+    let secret =
+        distgrad::relay::random_token().map_err(|e| distgrad::Error::Input(e.to_string()))?;
+    // Served from here, on the socket bound here: no port freed and bound again, which another
+    // local user could take in between.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")
+        .map_err(|e| distgrad::Error::Input(format!("no free port: {e}")))?;
+    let store = distgrad::rendezvous::StoreServer::from_listener(listener, Some(&secret))?;
+    let port = store.addr().port();
     let exe = std::env::current_exe()
         .map_err(|e| distgrad::Error::Input(format!("cannot find this program: {e}")))?;
     let args: Vec<String> = std::env::args().skip(1).collect();
     eprintln!("{what}: {world} processes (one per GPU), store at 127.0.0.1:{port}");
-    // Only this launch's ranks may use the store (other users of the machine reach loopback too).
-    let secret =
-        distgrad::relay::random_token().map_err(|e| distgrad::Error::Input(e.to_string()))?;
     let children: Vec<_> = (0..world)
         .map(|r| {
             std::process::Command::new(&exe)
@@ -274,6 +280,7 @@ pub fn per_gpu(world: usize, what: &str) -> distgrad::Result<()> {
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
                 .env(distgrad::rendezvous::SECRET_VAR, &secret)
+                .env(distgrad::rendezvous::SERVED_VAR, "1")
                 .spawn()
                 .map_err(|e| distgrad::Error::Input(format!("starting rank {r}: {e}")))
         })

@@ -39,15 +39,20 @@ pub struct RelayArgs {
     /// Most connections open at once from one address (a class behind one NAT shares one).
     #[arg(long, default_value_t = 512)]
     max_conns_per_addr: usize,
-    /// Most rooms that have not filled yet, per address that created them.
+    /// Most rooms open at once (started or not) per address that created them; an IPv6
+    /// address counts as its /64.
     #[arg(long, default_value_t = 64)]
-    max_waiting_rooms_per_addr: usize,
+    max_rooms_per_addr: usize,
+    /// Most connections open at once in all (default: half the open-file limit, less 64).
+    #[arg(long)]
+    max_conns: Option<usize>,
     /// Close a room that has not filled this many seconds after it was created.
     #[arg(long, default_value_t = 300)]
     room_fill_secs: u64,
-    /// Least estimated strength in bits of a room token a client chooses (0: any token).
-    #[arg(long, default_value_t = 128)]
-    min_token_bits: u32,
+    /// Let clients create rooms with a token of their own (32 hex digits), for scripted setups
+    /// whose ranks all start with the token. Default: the relay makes every room's token.
+    #[arg(long)]
+    client_tokens: bool,
     /// Serve HTTPS and wss:// with this PEM certificate chain (browsers give WebGPU only to
     /// secure pages); needs --tls-key.
     #[arg(long, requires = "tls_key")]
@@ -63,9 +68,11 @@ pub struct RelayArgs {
     /// (`[{"urls": "turn:…", "username": "…", "credential": "…"}]`), added to --ice-server.
     #[arg(long)]
     ice_servers_file: Option<std::path::PathBuf>,
-    /// Allowed browser origins (repeat or comma-separate); default: any.
+    /// Browser origins that may use the relay besides the page it serves itself (repeat or
+    /// comma-separate; e.g. http://127.0.0.1:8080 for `trunk serve`); `*` lets any page in.
+    /// Default: only the relay's own page.
     #[arg(long, value_delimiter = ',')]
-    allowed_origin: Option<Vec<String>>,
+    allowed_origin: Vec<String>,
     /// Refuse data streams: native members send their data on the WebSocket too.
     #[arg(long)]
     no_streams: bool,
@@ -117,9 +124,12 @@ pub fn run(a: RelayArgs) -> distgrad::Result<()> {
         idle_timeout: std::time::Duration::from_secs(a.idle_timeout_secs),
         join_timeout: std::time::Duration::from_secs(a.join_timeout_secs),
         max_conns_per_addr: a.max_conns_per_addr,
-        max_waiting_rooms_per_addr: a.max_waiting_rooms_per_addr,
+        max_conns: a
+            .max_conns
+            .unwrap_or_else(distgrad::relay::default_max_conns),
+        max_rooms_per_addr: a.max_rooms_per_addr,
         room_fill_timeout: std::time::Duration::from_secs(a.room_fill_secs),
-        min_token_bits: a.min_token_bits,
+        client_tokens: a.client_tokens,
         allowed_origins: a.allowed_origin,
         static_dir: a.static_dir,
         cross_origin_isolated: !a.no_isolation,
@@ -170,21 +180,28 @@ fn serve(addr: &str, cfg: distgrad::relay::RelayConfig) -> distgrad::Result<()> 
             );
         }
         println!(
-            "limits: rooms {} (world <= {}); per address {} connections, {} rooms waiting to \
-             fill; a room fills within {}s; join within {}s; idle {}s; frames <= {} bytes; \
-             client-chosen tokens >= {} bits; origins: {}",
+            "limits: rooms {} (world <= {}); connections {}; per address {} connections, {} \
+             rooms open; a room fills within {}s; join within {}s; idle {}s; frames <= {} bytes; \
+             room tokens: {}; origins: {}",
             cfg.max_rooms,
             cfg.max_members,
+            cfg.max_conns,
             cfg.max_conns_per_addr,
-            cfg.max_waiting_rooms_per_addr,
+            cfg.max_rooms_per_addr,
             cfg.room_fill_timeout.as_secs(),
             cfg.join_timeout.as_secs(),
             cfg.idle_timeout.as_secs(),
             cfg.max_frame,
-            cfg.min_token_bits,
-            cfg.allowed_origins
-                .as_ref()
-                .map_or_else(|| "any".to_string(), |o| o.join(", ")),
+            if cfg.client_tokens {
+                "made by the relay, or chosen by the creator (32 hex digits)"
+            } else {
+                "made by the relay"
+            },
+            if cfg.allowed_origins.is_empty() {
+                "its own page".to_string()
+            } else {
+                format!("its own page, {}", cfg.allowed_origins.join(", "))
+            },
         );
         match cfg.ice_servers.as_ref().and_then(|v| v.as_array()) {
             Some(list) => println!(

@@ -98,9 +98,10 @@ fn check_gpu(env: &LaunchEnv) -> Result<()> {
     Ok(())
 }
 
-/// On rank 0, the store's server at `env.master`; `None` elsewhere.
+/// On rank 0, the store's server at `env.master`; `None` elsewhere, and where the launcher serves
+/// the store itself (`env.served`).
 fn serve_store(env: &LaunchEnv) -> Result<Option<StoreServer>> {
-    if env.rank != 0 {
+    if env.rank != 0 || env.served {
         return Ok(None);
     }
     // Only where MASTER_ADDR says (never every interface): it must be rank 0's address.

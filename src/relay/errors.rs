@@ -17,6 +17,12 @@ pub enum Refusal {
         /// Its connections open now.
         open: usize,
     },
+    /// The relay has as many connections open as it allows (a bound below its file limit).
+    #[error("the relay is at its connection limit ({open} open): try again shortly")]
+    RelayBusy {
+        /// Connections open now.
+        open: usize,
+    },
     /// No join message came in time.
     #[error("no join within {0:?}")]
     NoJoin(Duration),
@@ -54,15 +60,23 @@ pub enum Refusal {
         /// The world.
         world: u32,
     },
-    /// A new room's token too easy to guess (the message says how to make one).
+    /// A new room's token chosen by the client, on a relay that makes every room's token.
     #[error(
-        "the room token is too weak (about {bits} bits; this relay asks for at least {min}): use 32 random hex digits or 22 random letters and digits, or leave the token out and the relay makes one"
+        "this relay makes room tokens: leave the token out to create room {room:?} (a token of your own needs a relay started with --client-tokens); to join an existing room, check its name"
     )]
-    WeakToken {
-        /// The token's estimated strength.
-        bits: u32,
-        /// The relay's minimum.
-        min: u32,
+    ClientToken {
+        /// The room that does not exist.
+        room: String,
+    },
+    /// A client-chosen token not in the form the relay makes (32 hex digits).
+    #[error(
+        "a room token chosen by a client must be 32 hex digits, what `openssl rand -hex 16` prints (this one has {len} characters{why}); leave it out and the relay makes one"
+    )]
+    TokenForm {
+        /// Its length in characters.
+        len: usize,
+        /// What else is wrong with it (empty, or ", not all hex digits").
+        why: &'static str,
     },
     /// The relay could not make a token or key (the OS's random number generator failed).
     #[error("{0}")]
@@ -95,15 +109,15 @@ pub enum Refusal {
         /// Its limit.
         rooms: usize,
     },
-    /// The address already has as many rooms waiting for members as it may.
+    /// The address already has as many rooms open as it may create.
     #[error(
-        "{ip} already has {waiting} rooms waiting for members (the relay's limit per address): join one of them, or wait until they fill or close"
+        "{ip} already has {open} rooms open (the relay's limit per address, started rooms included): join one of them, or wait until one closes"
     )]
-    WaitingRooms {
-        /// The creator's address.
+    RoomsPerAddress {
+        /// The creator's address (an IPv6 address's /64, where the rest is zero).
         ip: IpAddr,
-        /// Its rooms waiting.
-        waiting: usize,
+        /// Its rooms open.
+        open: usize,
     },
     /// The rank asked for has a member.
     #[error("rank {rank} is taken in room {room:?}")]
@@ -159,12 +173,14 @@ pub enum ConfigError {
     ZeroTimeout,
     /// No connection or no waiting room per address would be allowed.
     #[error(
-        "max_conns_per_addr ({conns}) and max_waiting_rooms_per_addr ({rooms}) must be at least 1"
+        "max_conns ({total}), max_conns_per_addr ({conns}) and max_rooms_per_addr ({rooms}) must be at least 1"
     )]
     PerAddress {
+        /// `max_conns`.
+        total: usize,
         /// `max_conns_per_addr`.
         conns: usize,
-        /// `max_waiting_rooms_per_addr`.
+        /// `max_rooms_per_addr`.
         rooms: usize,
     },
     /// The ICE servers are not a WebRTC `iceServers` array.

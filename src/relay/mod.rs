@@ -10,14 +10,16 @@
 //! ([`RelayConfig::local_streams`]); see `src/relay/stream.rs`.
 //!
 //! **Admission** (with [`serve`], which sees each connection's source address): at most
-//! [`RelayConfig::max_conns_per_addr`] open connections and
-//! [`RelayConfig::max_waiting_rooms_per_addr`] rooms that have not filled yet per source address,
-//! so one address flooding connections or half-full rooms cannot lock others out; a room must
+//! [`RelayConfig::max_conns`] connections in all (below the process's file limit),
+//! [`RelayConfig::max_conns_per_addr`] open connections and [`RelayConfig::max_rooms_per_addr`]
+//! open rooms (started or not) per source address ([`addr_bucket`]: an IPv6 address counts as
+//! its /64), so one address flooding connections or rooms cannot lock others out; a room must
 //! fill within [`RelayConfig::room_fill_timeout`] (its members are told why it closed), an
 //! announced data stream must attach within [`RelayConfig::join_timeout`], and a connection that
-//! sends nothing within that time is dropped. Room tokens chosen by clients must be at least
-//! [`RelayConfig::min_token_bits`] strong ([`token_bits`]); tokens the relay makes are 128 bits
-//! from the OS generator ([`random_token`]). Tokens and stream keys are compared in constant time.
+//! sends nothing within that time is dropped. The relay makes every room's token (128 bits from
+//! the OS generator, [`random_token`]); a token chosen by a client creates a room only where
+//! [`RelayConfig::client_tokens`] allows it, and only in that same form ([`is_token_form`]).
+//! Tokens and stream keys are compared in constant time.
 //!
 //! One connection = one task reading the socket plus one writer task draining a queue. The queue of
 //! each member is bounded in BYTES (`max_pending_bytes`): a sender whose destination is slow waits
@@ -50,6 +52,7 @@ use crate::wire::{
 
 mod errors;
 mod stream;
+mod watch;
 
 pub use errors::{ConfigError, Refusal};
 use stream::StreamOut;
@@ -74,12 +77,19 @@ pub struct RelayConfig {
     /// Most connections open at once from one source address (WebSockets, data streams, page
     /// loads). A class behind one NAT address shares it. Only with [`serve`].
     pub max_conns_per_addr: usize,
-    /// Most rooms created from one source address that have not filled yet. Only with [`serve`].
-    pub max_waiting_rooms_per_addr: usize,
+    /// Most connections open at once in all (default: [`default_max_conns`], below the process's
+    /// file limit, so that accepting never fails for want of descriptors). Only with [`serve`].
+    pub max_conns: usize,
+    /// Most rooms created from one source address open at once, started or not (a class behind
+    /// one NAT address shares it). Only with [`serve`].
+    pub max_rooms_per_addr: usize,
     /// A room that has not filled this long after it was created is closed; its members are told.
     pub room_fill_timeout: Duration,
-    /// Least estimated strength ([`token_bits`]) of a room token a client chooses; 0 takes any.
-    pub min_token_bits: u32,
+    /// Let a client create a room with a token of its own choosing (for scripted setups such as
+    /// `distgrad launch`, whose ranks all start with the token), in the form the relay makes
+    /// ([`is_token_form`]). Off by default: the relay makes every room's token and tells it in
+    /// the creator's `welcome`.
+    pub client_tokens: bool,
     /// Serve HTTPS and `wss://` with this certificate ([`tls_config`]) on the same port (plain
     /// HTTP and data streams still work there; a connection opening with a TLS handshake gets
     /// TLS). Only with [`serve`].
@@ -87,8 +97,11 @@ pub struct RelayConfig {
     /// STUN/TURN servers handed to the tabs for WebRTC, as an `iceServers` array
     /// ([`check_ice_servers`]); `None`: tabs use host candidates only.
     pub ice_servers: Option<serde_json::Value>,
-    /// If set, browsers must present one of these `Origin` headers.
-    pub allowed_origins: Option<Vec<String>>,
+    /// Browser origins that may open WebSockets besides the relay's own (a page whose `Origin`
+    /// names the host the request was sent to: the page the relay serves); `"*"` lets any page
+    /// in. Native clients send no `Origin` and are not subject to it. By default none: any other
+    /// web page a student visits cannot use the relay (and the class's per-address quota).
+    pub allowed_origins: Vec<String>,
     /// Serve this folder (the built web app) at `/`.
     pub static_dir: Option<PathBuf>,
     /// Serve `static_dir`'s files with the headers that make the page cross-origin isolated
@@ -138,10 +151,11 @@ impl RelayConfig {
         {
             return Err(ConfigError::ZeroTimeout);
         }
-        if self.max_conns_per_addr == 0 || self.max_waiting_rooms_per_addr == 0 {
+        if self.max_conns == 0 || self.max_conns_per_addr == 0 || self.max_rooms_per_addr == 0 {
             return Err(ConfigError::PerAddress {
+                total: self.max_conns,
                 conns: self.max_conns_per_addr,
-                rooms: self.max_waiting_rooms_per_addr,
+                rooms: self.max_rooms_per_addr,
             });
         }
         if let Some(ice) = &self.ice_servers {
@@ -167,12 +181,13 @@ impl Default for RelayConfig {
             join_timeout: Duration::from_secs(10),
             // A class of 60 behind one NAT address, a few tabs each, plus page loads.
             max_conns_per_addr: 512,
-            max_waiting_rooms_per_addr: 64,
+            max_conns: default_max_conns(),
+            max_rooms_per_addr: 64,
             room_fill_timeout: Duration::from_secs(300),
-            min_token_bits: 128,
+            client_tokens: false,
             tls: None,
             ice_servers: None,
-            allowed_origins: None,
+            allowed_origins: Vec::new(),
             static_dir: None,
             cross_origin_isolated: true,
             streams: true,
@@ -238,8 +253,8 @@ struct Shared {
     conns: Arc<Semaphore>,
     /// The path of the Unix-domain socket for local data streams, once it listens.
     local_path: OnceLock<String>,
-    /// Open connections per source address.
-    addr_conns: Mutex<HashMap<IpAddr, usize>>,
+    /// Open connections per source address ([`addr_bucket`]) and in all.
+    addr_conns: Mutex<ConnCount>,
     /// The next room's id.
     next_room: AtomicU64,
 }
@@ -310,22 +325,35 @@ fn pair_keys(world: u32) -> Option<impl Fn(u32, u32) -> String> {
     })
 }
 
-/// One open connection counted against its source address (uncounted when dropped).
+/// Connections open: per source address ([`addr_bucket`]) and in all.
+#[derive(Default)]
+struct ConnCount {
+    per_addr: HashMap<IpAddr, usize>,
+    total: usize,
+}
+
+/// One open connection counted against its source address and the relay's total (uncounted when
+/// dropped).
 pub(super) struct AddrSlot {
     shared: Arc<Shared>,
     ip: IpAddr,
 }
 
 impl AddrSlot {
-    /// Count a new connection from `ip`, or say why it is refused (the address is at its cap).
+    /// Count a new connection from `ip`, or say why it is refused (the relay or the address is
+    /// at its cap).
     fn take(shared: &Arc<Shared>, ip: IpAddr) -> Result<AddrSlot, Refusal> {
-        let ip = ip.to_canonical();
+        let ip = addr_bucket(ip);
         let mut conns = shared.addr_conns.lock().unwrap_or_else(|e| e.into_inner());
-        let n = conns.entry(ip).or_insert(0);
+        if conns.total >= shared.cfg.max_conns {
+            return Err(Refusal::RelayBusy { open: conns.total });
+        }
+        let n = conns.per_addr.entry(ip).or_insert(0);
         if *n >= shared.cfg.max_conns_per_addr {
             return Err(Refusal::TooManyConnections { ip, open: *n });
         }
         *n += 1;
+        conns.total += 1;
         Ok(AddrSlot {
             shared: shared.clone(),
             ip,
@@ -340,10 +368,11 @@ impl Drop for AddrSlot {
             .addr_conns
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = conns.get_mut(&self.ip) {
+        conns.total = conns.total.saturating_sub(1);
+        if let Some(n) = conns.per_addr.get_mut(&self.ip) {
             *n -= 1;
             if *n == 0 {
-                conns.remove(&self.ip);
+                conns.per_addr.remove(&self.ip);
             }
         }
     }
@@ -372,62 +401,60 @@ pub fn random_token() -> std::io::Result<String> {
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
-/// Estimated bits of guessing work a token chosen by a client offers: its length times the bits
-/// per character of the smallest alphabet it fits (hex digits 4, letters and digits and `-_.~`
-/// about 6, other characters 6.6), or of its distinct characters when it repeats a few (so
-/// `aaaa…` or `abab…` count for little). An estimate, not a proof: a token from a generator
-/// (32 hex digits, 22 base64url characters) reaches 128; words and names do not.
-pub fn token_bits(token: &str) -> u32 {
-    let chars: Vec<char> = token.chars().collect();
-    if chars.is_empty() {
-        return 0;
-    }
-    let hex = chars.iter().all(char::is_ascii_hexdigit)
-        && !(chars.iter().any(char::is_ascii_lowercase)
-            && chars.iter().any(char::is_ascii_uppercase));
-    let mut alphabet = 0u32;
-    if hex {
-        alphabet = 16;
-    } else {
-        let has = |f: fn(&char) -> bool| chars.iter().any(f);
-        for (present, size) in [
-            (has(char::is_ascii_digit), 10),
-            (has(char::is_ascii_lowercase), 26),
-            (has(char::is_ascii_uppercase), 26),
-            (has(|c| "-_.~".contains(*c)), 4),
-            (
-                has(|c| !c.is_ascii_alphanumeric() && !"-_.~".contains(*c)),
-                30,
-            ),
-        ] {
-            if present {
-                alphabet += size;
-            }
-        }
-    }
-    let mut distinct = chars.clone();
-    distinct.sort_unstable();
-    distinct.dedup();
-    // A generator's output of this length shows at least this many distinct characters (all but
-    // certainly): fewer means a pattern, and only the distinct ones count.
-    let expected = chars.len().min(8);
-    let per_char = if distinct.len() >= expected {
-        f64::from(alphabet).log2()
-    } else {
-        (distinct.len().max(1) as f64).log2()
-    };
-    (per_char * chars.len() as f64)
-        .floor()
-        .min(f64::from(u32::MAX)) as u32
+/// Whether `token` has the form the relay's own tokens have ([`random_token`]): exactly 32 hex
+/// digits. The only form a client-chosen token may take ([`RelayConfig::client_tokens`]): a form
+/// with no room for words, names or patterns shorter than 128 bits written out.
+pub fn is_token_form(token: &str) -> bool {
+    token.len() == 32 && token.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
-/// Why a token a client chose is too weak for `cfg`, if it is.
-fn weak_token(cfg: &RelayConfig, token: &str) -> Option<Refusal> {
-    let bits = token_bits(token);
-    (bits < cfg.min_token_bits).then_some(Refusal::WeakToken {
-        bits,
-        min: cfg.min_token_bits,
+/// Why `token`, chosen by a client to create `room`, is refused under `cfg`, if it is.
+fn client_token_refusal(cfg: &RelayConfig, room: &str, token: &str) -> Option<Refusal> {
+    if !cfg.client_tokens {
+        return Some(Refusal::ClientToken {
+            room: room.to_string(),
+        });
+    }
+    (!is_token_form(token)).then(|| Refusal::TokenForm {
+        len: token.chars().count(),
+        why: if token.chars().all(|c| c.is_ascii_hexdigit()) {
+            ""
+        } else {
+            ", not all hex digits"
+        },
     })
+}
+
+/// The default of [`RelayConfig::max_conns`]: half the process's soft limit on open files, less
+/// 64 for the relay's own (a relayed data stream may hold a pipe pair besides its socket), at
+/// least 16 and at most 65,536; 4,096 where the limit cannot be read.
+pub fn default_max_conns() -> usize {
+    #[cfg(unix)]
+    {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes one rlimit through a valid pointer to a local.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+            let soft = usize::try_from(lim.rlim_cur).unwrap_or(usize::MAX);
+            return (soft.saturating_sub(64) / 2).clamp(16, 65_536);
+        }
+    }
+    4096
+}
+
+/// The address `ip` is counted under: itself (IPv4-mapped IPv6 as IPv4), or for IPv6 its /64
+/// (the rest zero): one host or site is handed a whole /64, so per-address caps on single IPv6
+/// addresses would not hold.
+pub fn addr_bucket(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => {
+            let bits = u128::from(v6) & !((1u128 << 64) - 1);
+            IpAddr::V6(std::net::Ipv6Addr::from(bits))
+        }
+        v4 => v4,
+    }
 }
 
 /// Whether `ice` is a WebRTC `iceServers` array: objects with `urls` (a `stun:`, `turn:` or
@@ -627,13 +654,20 @@ async fn ws_handler(
 ) -> Response {
     let peer = peer.map(|Extension(ConnectInfo(a))| a.0);
     let on_host = on_host(peer);
-    if let Some(allowed) = &shared.cfg.allowed_origins {
-        let origin = headers.get("origin").and_then(|o| o.to_str().ok());
-        // Native clients send no Origin; only browsers are subject to the list.
-        if let Some(o) = origin
-            && !allowed.iter().any(|a| a == o)
-        {
-            return (StatusCode::FORBIDDEN, format!("origin {o} is not allowed")).into_response();
+    // Native clients send no Origin; only browsers are subject to the check.
+    if let Some(o) = headers.get("origin") {
+        let o = o.to_str().unwrap_or("(not text)");
+        let host = headers.get("host").and_then(|h| h.to_str().ok());
+        if !origin_allowed(&shared.cfg.allowed_origins, o, host) {
+            let o = truncate(o, 200);
+            return (
+                StatusCode::FORBIDDEN,
+                format!(
+                    "origin {o} may not use this relay: it takes pages it serves itself, and \
+                     origins named with --allowed-origin"
+                ),
+            )
+                .into_response();
         }
     }
     // The socket layer refuses frames far above the limit; we check the exact limit ourselves so
@@ -642,6 +676,19 @@ async fn ws_handler(
     ws.max_message_size(hard)
         .max_frame_size(hard)
         .on_upgrade(move |socket| connection(socket, shared, on_host, peer.map(|a| a.ip())))
+}
+
+/// Whether a browser page of `origin` may open a WebSocket sent to `host` (the request's `Host`
+/// header): it is the relay's own page (the origin's `host[:port]` is `host`), or `allowed` names
+/// it (or holds `"*"`).
+fn origin_allowed(allowed: &[String], origin: &str, host: Option<&str>) -> bool {
+    if allowed.iter().any(|a| a == "*" || a == origin) {
+        return true;
+    }
+    let authority = origin
+        .strip_prefix("https://")
+        .or_else(|| origin.strip_prefix("http://"));
+    authority.is_some_and(|a| host.is_some_and(|h| a.eq_ignore_ascii_case(h)))
 }
 
 /// Whether a member connected from `peer` is on the relay's host (a loopback address, IPv4-mapped
@@ -831,12 +878,6 @@ async fn join(
     {
         return Err(Refusal::RankOutside { rank: k, world });
     }
-    if let Some(t) = &token
-        && !shared.rooms().contains_key(&room)
-        && let Some(why) = weak_token(cfg, t)
-    {
-        return Err(why);
-    }
     // Made before the lock (it may fail); used only if this join creates the room.
     let fresh_token = match &token {
         Some(_) => None,
@@ -846,12 +887,12 @@ async fn join(
         true => Some(random_token().map_err(|e| Refusal::Random(e.to_string()))?),
         false => None,
     };
-    let peer = peer.map(|ip| ip.to_canonical());
+    let peer = peer.map(addr_bucket);
     let mut rooms = shared.rooms();
     let n_rooms = rooms.len();
-    let waiting_here = rooms
+    let open_here = rooms
         .values()
-        .filter(|r| !r.started && peer.is_some() && r.creator == peer)
+        .filter(|r| peer.is_some() && r.creator == peer)
         .count();
     let mut created = None;
     let r = match rooms.get_mut(&room) {
@@ -878,12 +919,20 @@ async fn join(
                 });
             }
             if let Some(ip) = peer
-                && waiting_here >= cfg.max_waiting_rooms_per_addr
+                && open_here >= cfg.max_rooms_per_addr
             {
-                return Err(Refusal::WaitingRooms {
+                return Err(Refusal::RoomsPerAddress {
                     ip,
-                    waiting: waiting_here,
+                    open: open_here,
                 });
+            }
+            // Checked under the lock that creates the room: no other join can create or remove
+            // it in between.
+            if let Some(why) = token
+                .as_deref()
+                .and_then(|t| client_token_refusal(cfg, &room, t))
+            {
+                return Err(why);
             }
             let id = shared.next_room.fetch_add(1, Ordering::Relaxed);
             created = Some(id);
@@ -1181,7 +1230,73 @@ fn leave(shared: &Shared, seat: &Seat, reason: &str) {
 
 #[cfg(test)]
 mod tests {
-    use super::on_host;
+    use super::{addr_bucket, default_max_conns, on_host, origin_allowed};
+    use std::net::IpAddr;
+
+    /// An IPv6 address counts as its /64 (one host or site holds a whole /64); IPv4, and IPv4
+    /// mapped into IPv6, as itself.
+    #[test]
+    fn addresses_are_counted_per_ipv4_address_and_ipv6_slash_64() {
+        let b = |s: &str| addr_bucket(s.parse::<IpAddr>().unwrap()).to_string();
+        assert_eq!(b("2001:db8:1:2:aaaa:bbbb:cccc:dddd"), "2001:db8:1:2::");
+        assert_eq!(b("2001:db8:1:2::1"), b("2001:db8:1:2:ffff:ffff:ffff:ffff"));
+        assert_ne!(b("2001:db8:1:2::1"), b("2001:db8:1:3::1"));
+        assert_eq!(b("::ffff:10.1.2.3"), "10.1.2.3");
+        assert_eq!(b("10.1.2.3"), "10.1.2.3");
+        assert_ne!(b("10.1.2.3"), b("10.1.2.4"));
+        assert_eq!(b("::1"), "::");
+    }
+
+    /// A browser page may use the relay when it is the relay's own (its origin names the host the
+    /// request went to), or is named; anything else, `null` included, is refused.
+    #[test]
+    fn only_the_relays_own_page_and_named_origins_may_connect() {
+        let none: &[String] = &[];
+        let own = Some("class.example.org:8443");
+        assert!(origin_allowed(none, "https://class.example.org:8443", own));
+        assert!(origin_allowed(none, "http://Class.Example.org:8443", own));
+        assert!(!origin_allowed(none, "https://class.example.org", own));
+        assert!(!origin_allowed(none, "https://evil.example", own));
+        assert!(!origin_allowed(none, "null", own));
+        assert!(!origin_allowed(
+            none,
+            "https://class.example.org:8443",
+            None
+        ));
+        let named = ["https://notes.example.org".to_string()];
+        assert!(origin_allowed(&named, "https://notes.example.org", own));
+        assert!(!origin_allowed(
+            &named,
+            "https://notes.example.org.evil",
+            own
+        ));
+        assert!(origin_allowed(
+            &["*".to_string()],
+            "https://anything.example",
+            own
+        ));
+    }
+
+    /// The default connection cap sits below the open-file limit, with room for the relay's own.
+    #[cfg(unix)]
+    #[test]
+    fn the_default_connection_cap_is_below_the_file_limit() {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes one rlimit through a valid pointer to a local.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+        let cap = default_max_conns();
+        let soft = usize::try_from(lim.rlim_cur).unwrap_or(usize::MAX);
+        assert!((16..=65_536).contains(&cap), "{cap}");
+        if soft > 96 {
+            assert!(
+                2 * cap + 64 <= soft,
+                "cap {cap} against a file limit of {soft}"
+            );
+        }
+    }
 
     #[test]
     fn only_loopback_peers_are_on_the_host() {

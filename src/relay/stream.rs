@@ -31,6 +31,7 @@ use tokio::net::UnixStream;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
+use super::watch::Watched;
 use super::{AddrSlot, Link, Out, Seat, Shared, queue_cost};
 use crate::wire::{FLAG_MORE, HEADER_LEN, Header, STREAM_CONTROL, STREAM_MAGIC, StreamHello};
 
@@ -148,7 +149,7 @@ impl StreamOut {
 
 /// The relay's listener as axum sees it: only the connections that are not data streams.
 pub(super) struct Incoming {
-    rx: mpsc::Receiver<(Conn, SocketAddr)>,
+    rx: mpsc::Receiver<(Watched<Conn>, SocketAddr)>,
     local: SocketAddr,
 }
 
@@ -202,13 +203,13 @@ impl Incoming {
                             if let Ok(Ok(s)) =
                                 tokio::time::timeout(shared.cfg.join_timeout, tls).await
                             {
-                                let _ = tx.send((Conn::Tls(Box::new(s)), addr)).await;
+                                let conn = watched(&shared, Conn::Tls(Box::new(s)));
+                                let _ = tx.send((conn, addr)).await;
                             }
                         }
                         Ok(Ok(1)) => {
-                            let _ = tx
-                                .send((Conn::Plain(Counted { sock, _slot: slot }), addr))
-                                .await;
+                            let conn = watched(&shared, Conn::Plain(Counted { sock, _slot: slot }));
+                            let _ = tx.send((conn, addr)).await;
                         }
                         // Nothing within the join timeout (or closed): let it go.
                         _ => {}
@@ -218,6 +219,12 @@ impl Incoming {
         });
         Ok(Incoming { rx, local })
     }
+}
+
+/// `conn` under the relay's HTTP time limits: each request's headers within the join timeout,
+/// the idle timeout between requests (`src/relay/watch.rs`).
+fn watched(shared: &Shared, conn: Conn) -> Watched<Conn> {
+    Watched::new(conn, shared.cfg.join_timeout, shared.cfg.idle_timeout)
 }
 
 /// Answer a connection over its address's cap with an HTTP 429 saying why (a WebSocket client
@@ -357,10 +364,10 @@ impl tokio::io::AsyncWrite for Conn {
 }
 
 impl axum::serve::Listener for Incoming {
-    type Io = Conn;
+    type Io = Watched<Conn>;
     type Addr = SocketAddr;
 
-    async fn accept(&mut self) -> (Conn, SocketAddr) {
+    async fn accept(&mut self) -> (Watched<Conn>, SocketAddr) {
         match self.rx.recv().await {
             Some(c) => c,
             // The accepting task ended: nothing more will come.

@@ -13,12 +13,13 @@ export function parseArgs(argv) {
 export const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 /**
- * `distgrad relay --static <dist>` on an ephemeral loopback port (`extra`: more flags); resolves to
+ * `distgrad relay --static <dist> --client-tokens` on an ephemeral loopback port (`extra`: more
+ * flags; the tests open rooms by URL with a token of their own, as a scripted setup may); resolves to
  * {proc, host}.
  */
 export function startRelay(bin, dist, extra = []) {
   return new Promise((resolve, reject) => {
-    const p = spawn(bin, ['relay', '--addr', '127.0.0.1:0', '--static', dist, ...extra], { stdio: ['ignore', 'pipe', 'inherit'] });
+    const p = spawn(bin, ['relay', '--addr', '127.0.0.1:0', '--static', dist, '--client-tokens', ...extra], { stdio: ['ignore', 'pipe', 'inherit'] });
     let out = '';
     p.stdout.on('data', (d) => {
       out += d;

@@ -83,9 +83,10 @@ impl TestRelay {
         }
     }
 
-    /// A relay with the default config.
+    /// A relay with the default config, except that clients may choose room tokens
+    /// ([`scripted`]): the tests' ranks all start with theirs.
     pub fn default_config() -> TestRelay {
-        TestRelay::start(RelayConfig::default())
+        TestRelay::start(scripted())
     }
 
     /// The WebSocket URL.
@@ -132,15 +133,30 @@ impl Drop for TestRelay {
     }
 }
 
+/// The default config with [`RelayConfig::client_tokens`] on, as a scripted setup runs it (every
+/// rank starts with the token); `RelayConfig::default()` is the relay a class meets.
+pub fn scripted() -> RelayConfig {
+    RelayConfig {
+        client_tokens: true,
+        ..RelayConfig::default()
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Ranks over our transport
 // ---------------------------------------------------------------------------------------------
 
-/// A strong room token named `name`: the relay refuses client-chosen tokens below 128 bits
-/// ([`relay::token_bits`]), so the helpers here take short names ("t", "tok") and turn each into
-/// the name plus 32 fixed hex digits (distinct names stay distinct tokens).
+/// A room token named `name`, in the one form a relay takes from a client
+/// ([`relay::is_token_form`]: 32 hex digits): the helpers here take short names ("t", "tok") and
+/// turn each into 32 hex digits (a 128-bit FNV-1a hash of the name: distinct names stay distinct
+/// tokens).
 pub fn tok(name: &str) -> String {
-    format!("{name}-5e0c2b9f71a84d36b0e5a97c1d2f4386")
+    let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
+    for b in name.bytes() {
+        h ^= u128::from(b);
+        h = h.wrapping_mul(0x0000000001000000000000000000013b);
+    }
+    format!("{h:032x}")
 }
 
 /// Join options for `rank` of a room (explicit rank, the token named `token` ([`tok`]), bounded
