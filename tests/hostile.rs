@@ -189,6 +189,102 @@ fn the_relay_caps_its_connections_in_all() {
     });
 }
 
+/// Behind a trusted reverse proxy every client shares the proxy's address: connections from it
+/// are counted against the client its `X-Forwarded-For` names (two clients behind the proxy each
+/// get their own cap, and the rooms a client creates count against it), and a request through
+/// it that names no client is refused. A connection from any other address that brings the
+/// header is counted as itself (the header is the client's to invent).
+#[test]
+fn a_trusted_proxy_is_counted_per_forwarded_client() {
+    let proxy = IpAddr::from([127, 0, 0, 2]);
+    let relay = TestRelay::start(RelayConfig {
+        max_conns_per_addr: 2,
+        max_rooms_per_addr: 1,
+        trusted_proxies: vec![proxy],
+        ..scripted()
+    });
+    let url = relay.url();
+    rank_runtime().block_on(async {
+        let via = |client: &'static str| {
+            let url = url.clone();
+            let addr = relay.addr;
+            async move {
+                Raw::connect_from_with(&url, addr, proxy, &[("x-forwarded-for", client)]).await
+            }
+        };
+        let mut held = Vec::new();
+        for client in [
+            "198.51.100.1",
+            "198.51.100.1",
+            "198.51.100.2",
+            "198.51.100.2",
+        ] {
+            held.push(
+                via(client)
+                    .await
+                    .unwrap_or_else(|e| panic!("{client}: {e}")),
+            );
+        }
+        let e = via("198.51.100.1")
+            .await
+            .err()
+            .expect("a third from one client");
+        assert!(
+            e.starts_with("HTTP 429") && e.contains("too many connections from 198.51.100.1"),
+            "told: {e}"
+        );
+        let e = Raw::connect_from(&url, relay.addr, proxy)
+            .await
+            .err()
+            .expect("a request through the proxy naming no client");
+        assert!(
+            e.starts_with("HTTP 400") && e.contains("must name its client"),
+            "told: {e}"
+        );
+        // Rooms count against the forwarded client.
+        held[0]
+            .send_join("p1", None, 2, 0, false)
+            .await
+            .expect("the client's first room");
+        let e = held[1]
+            .send_join("p2", None, 2, 0, false)
+            .await
+            .expect_err("its second room")
+            .error
+            .unwrap_or_default();
+        assert!(
+            e.contains("198.51.100.1 already has 1 rooms open"),
+            "told: {e}"
+        );
+        held[2]
+            .send_join("p3", None, 2, 0, false)
+            .await
+            .expect("another client behind the proxy creates its own");
+        // Not a trusted proxy: the header changes nothing.
+        let other = IpAddr::from([127, 0, 0, 3]);
+        let mut mine = Vec::new();
+        for client in ["198.51.100.7", "198.51.100.8"] {
+            let c = Raw::connect_from_with(&url, relay.addr, other, &[("x-forwarded-for", client)])
+                .await
+                .unwrap_or_else(|e| panic!("{client}: {e}"));
+            mine.push(c);
+        }
+        let e = Raw::connect_from_with(
+            &url,
+            relay.addr,
+            other,
+            &[("x-forwarded-for", "198.51.100.9")],
+        )
+        .await
+        .err()
+        .expect("a third from 127.0.0.3");
+        assert!(
+            e.contains("too many connections from 127.0.0.3"),
+            "told: {e}"
+        );
+    });
+}
+
 /// A room that does not fill within `room_fill_timeout` is closed; every member is told why (how
 /// many joined), and the name can be used again.
 #[test]

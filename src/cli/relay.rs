@@ -73,6 +73,11 @@ pub struct RelayArgs {
     /// Default: only the relay's own page.
     #[arg(long, value_delimiter = ',')]
     allowed_origin: Vec<String>,
+    /// A reverse proxy in front of the relay (its address; repeat or comma-separate): members
+    /// connecting through it are counted against the client it names in X-Forwarded-For (or
+    /// Forwarded), not against the proxy.
+    #[arg(long, value_delimiter = ',')]
+    trusted_proxy: Vec<std::net::IpAddr>,
     /// Refuse data streams: native members send their data on the WebSocket too.
     #[arg(long)]
     no_streams: bool,
@@ -131,6 +136,7 @@ pub fn run(a: RelayArgs) -> distgrad::Result<()> {
         room_fill_timeout: std::time::Duration::from_secs(a.room_fill_secs),
         client_tokens: a.client_tokens,
         allowed_origins: a.allowed_origin,
+        trusted_proxies: a.trusted_proxy,
         static_dir: a.static_dir,
         cross_origin_isolated: !a.no_isolation,
         streams: !a.no_streams,
@@ -203,6 +209,13 @@ fn serve(addr: &str, cfg: distgrad::relay::RelayConfig) -> distgrad::Result<()> 
                 format!("its own page, {}", cfg.allowed_origins.join(", "))
             },
         );
+        if !cfg.trusted_proxies.is_empty() {
+            let list: Vec<String> = cfg.trusted_proxies.iter().map(|p| p.to_string()).collect();
+            println!(
+                "trusted proxies (their members are counted per X-Forwarded-For client): {}",
+                list.join(", ")
+            );
+        }
         match cfg.ice_servers.as_ref().and_then(|v| v.as_array()) {
             Some(list) => println!(
                 "ICE servers for the tabs' WebRTC links: {}",

@@ -50,10 +50,13 @@ use crate::wire::{
     MIN_FRAME_PAYLOAD, secret_eq,
 };
 
+mod admission;
 mod errors;
 mod stream;
 mod watch;
 
+use admission::{AddrSlot, ConnCount, client_token_refusal, forwarded_client, origin_allowed};
+pub use admission::{addr_bucket, default_max_conns, is_token_form};
 pub use errors::{ConfigError, Refusal};
 use stream::StreamOut;
 
@@ -102,6 +105,10 @@ pub struct RelayConfig {
     /// in. Native clients send no `Origin` and are not subject to it. By default none: any other
     /// web page a student visits cannot use the relay (and the class's per-address quota).
     pub allowed_origins: Vec<String>,
+    /// Reverse proxies in front of the relay: a connection from one of these addresses is
+    /// counted against the client its request names (`X-Forwarded-For`, else `Forwarded`), not
+    /// against the proxy, and must name one. Only with [`serve`].
+    pub trusted_proxies: Vec<IpAddr>,
     /// Serve this folder (the built web app) at `/`.
     pub static_dir: Option<PathBuf>,
     /// Serve `static_dir`'s files with the headers that make the page cross-origin isolated
@@ -188,6 +195,7 @@ impl Default for RelayConfig {
             tls: None,
             ice_servers: None,
             allowed_origins: Vec::new(),
+            trusted_proxies: Vec::new(),
             static_dir: None,
             cross_origin_isolated: true,
             streams: true,
@@ -325,59 +333,6 @@ fn pair_keys(world: u32) -> Option<impl Fn(u32, u32) -> String> {
     })
 }
 
-/// Connections open: per source address ([`addr_bucket`]) and in all.
-#[derive(Default)]
-struct ConnCount {
-    per_addr: HashMap<IpAddr, usize>,
-    total: usize,
-}
-
-/// One open connection counted against its source address and the relay's total (uncounted when
-/// dropped).
-pub(super) struct AddrSlot {
-    shared: Arc<Shared>,
-    ip: IpAddr,
-}
-
-impl AddrSlot {
-    /// Count a new connection from `ip`, or say why it is refused (the relay or the address is
-    /// at its cap).
-    fn take(shared: &Arc<Shared>, ip: IpAddr) -> Result<AddrSlot, Refusal> {
-        let ip = addr_bucket(ip);
-        let mut conns = shared.addr_conns.lock().unwrap_or_else(|e| e.into_inner());
-        if conns.total >= shared.cfg.max_conns {
-            return Err(Refusal::RelayBusy { open: conns.total });
-        }
-        let n = conns.per_addr.entry(ip).or_insert(0);
-        if *n >= shared.cfg.max_conns_per_addr {
-            return Err(Refusal::TooManyConnections { ip, open: *n });
-        }
-        *n += 1;
-        conns.total += 1;
-        Ok(AddrSlot {
-            shared: shared.clone(),
-            ip,
-        })
-    }
-}
-
-impl Drop for AddrSlot {
-    fn drop(&mut self) {
-        let mut conns = self
-            .shared
-            .addr_conns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        conns.total = conns.total.saturating_sub(1);
-        if let Some(n) = conns.per_addr.get_mut(&self.ip) {
-            *n -= 1;
-            if *n == 0 {
-                conns.per_addr.remove(&self.ip);
-            }
-        }
-    }
-}
-
 /// Permits (bytes) of one member's outgoing queue: at least 1, at most what a `u32` acquire can take.
 fn queue_budget(cfg: &RelayConfig) -> usize {
     cfg.max_pending_bytes.clamp(1, u32::MAX as usize)
@@ -399,62 +354,6 @@ pub fn random_token() -> std::io::Result<String> {
         ))
     })?;
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
-}
-
-/// Whether `token` has the form the relay's own tokens have ([`random_token`]): exactly 32 hex
-/// digits. The only form a client-chosen token may take ([`RelayConfig::client_tokens`]): a form
-/// with no room for words, names or patterns shorter than 128 bits written out.
-pub fn is_token_form(token: &str) -> bool {
-    token.len() == 32 && token.bytes().all(|b| b.is_ascii_hexdigit())
-}
-
-/// Why `token`, chosen by a client to create `room`, is refused under `cfg`, if it is.
-fn client_token_refusal(cfg: &RelayConfig, room: &str, token: &str) -> Option<Refusal> {
-    if !cfg.client_tokens {
-        return Some(Refusal::ClientToken {
-            room: room.to_string(),
-        });
-    }
-    (!is_token_form(token)).then(|| Refusal::TokenForm {
-        len: token.chars().count(),
-        why: if token.chars().all(|c| c.is_ascii_hexdigit()) {
-            ""
-        } else {
-            ", not all hex digits"
-        },
-    })
-}
-
-/// The default of [`RelayConfig::max_conns`]: half the process's soft limit on open files, less
-/// 64 for the relay's own (a relayed data stream may hold a pipe pair besides its socket), at
-/// least 16 and at most 65,536; 4,096 where the limit cannot be read.
-pub fn default_max_conns() -> usize {
-    #[cfg(unix)]
-    {
-        let mut lim = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit writes one rlimit through a valid pointer to a local.
-        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
-            let soft = usize::try_from(lim.rlim_cur).unwrap_or(usize::MAX);
-            return (soft.saturating_sub(64) / 2).clamp(16, 65_536);
-        }
-    }
-    4096
-}
-
-/// The address `ip` is counted under: itself (IPv4-mapped IPv6 as IPv4), or for IPv6 its /64
-/// (the rest zero): one host or site is handed a whole /64, so per-address caps on single IPv6
-/// addresses would not hold.
-pub fn addr_bucket(ip: IpAddr) -> IpAddr {
-    match ip.to_canonical() {
-        IpAddr::V6(v6) => {
-            let bits = u128::from(v6) & !((1u128 << 64) - 1);
-            IpAddr::V6(std::net::Ipv6Addr::from(bits))
-        }
-        v4 => v4,
-    }
 }
 
 /// Whether `ice` is a WebRTC `iceServers` array: objects with `urls` (a `stun:`, `turn:` or
@@ -653,6 +552,29 @@ async fn ws_handler(
     State(shared): State<Arc<Shared>>,
 ) -> Response {
     let peer = peer.map(|Extension(ConnectInfo(a))| a.0);
+    // Behind a trusted proxy the member is the client it names, counted against its address.
+    let (peer, forwarded) = match peer {
+        Some(p) if shared.cfg.trusted_proxies.contains(&p.ip().to_canonical()) => {
+            let Some(ip) = forwarded_client(&headers) else {
+                return (
+                    StatusCode::BAD_REQUEST,
+                    format!(
+                        "a request through the trusted proxy {} must name its client \
+                         (X-Forwarded-For or Forwarded)",
+                        p.ip()
+                    ),
+                )
+                    .into_response();
+            };
+            match AddrSlot::take_forwarded(&shared, ip) {
+                Ok(slot) => (Some(std::net::SocketAddr::new(ip, 0)), Some(slot)),
+                Err(why) => {
+                    return (StatusCode::TOO_MANY_REQUESTS, why.to_string()).into_response();
+                }
+            }
+        }
+        other => (other, None),
+    };
     let on_host = on_host(peer);
     // Native clients send no Origin; only browsers are subject to the check.
     if let Some(o) = headers.get("origin") {
@@ -675,20 +597,11 @@ async fn ws_handler(
     let hard = shared.cfg.max_frame.saturating_mul(2).max(64 << 10);
     ws.max_message_size(hard)
         .max_frame_size(hard)
-        .on_upgrade(move |socket| connection(socket, shared, on_host, peer.map(|a| a.ip())))
-}
-
-/// Whether a browser page of `origin` may open a WebSocket sent to `host` (the request's `Host`
-/// header): it is the relay's own page (the origin's `host[:port]` is `host`), or `allowed` names
-/// it (or holds `"*"`).
-fn origin_allowed(allowed: &[String], origin: &str, host: Option<&str>) -> bool {
-    if allowed.iter().any(|a| a == "*" || a == origin) {
-        return true;
-    }
-    let authority = origin
-        .strip_prefix("https://")
-        .or_else(|| origin.strip_prefix("http://"));
-    authority.is_some_and(|a| host.is_some_and(|h| a.eq_ignore_ascii_case(h)))
+        .on_upgrade(move |socket| async move {
+            // A forwarded client's place, held as long as its connection.
+            let _forwarded = forwarded;
+            connection(socket, shared, on_host, peer.map(|a| a.ip())).await;
+        })
 }
 
 /// Whether a member connected from `peer` is on the relay's host (a loopback address, IPv4-mapped
@@ -1230,73 +1143,7 @@ fn leave(shared: &Shared, seat: &Seat, reason: &str) {
 
 #[cfg(test)]
 mod tests {
-    use super::{addr_bucket, default_max_conns, on_host, origin_allowed};
-    use std::net::IpAddr;
-
-    /// An IPv6 address counts as its /64 (one host or site holds a whole /64); IPv4, and IPv4
-    /// mapped into IPv6, as itself.
-    #[test]
-    fn addresses_are_counted_per_ipv4_address_and_ipv6_slash_64() {
-        let b = |s: &str| addr_bucket(s.parse::<IpAddr>().unwrap()).to_string();
-        assert_eq!(b("2001:db8:1:2:aaaa:bbbb:cccc:dddd"), "2001:db8:1:2::");
-        assert_eq!(b("2001:db8:1:2::1"), b("2001:db8:1:2:ffff:ffff:ffff:ffff"));
-        assert_ne!(b("2001:db8:1:2::1"), b("2001:db8:1:3::1"));
-        assert_eq!(b("::ffff:10.1.2.3"), "10.1.2.3");
-        assert_eq!(b("10.1.2.3"), "10.1.2.3");
-        assert_ne!(b("10.1.2.3"), b("10.1.2.4"));
-        assert_eq!(b("::1"), "::");
-    }
-
-    /// A browser page may use the relay when it is the relay's own (its origin names the host the
-    /// request went to), or is named; anything else, `null` included, is refused.
-    #[test]
-    fn only_the_relays_own_page_and_named_origins_may_connect() {
-        let none: &[String] = &[];
-        let own = Some("class.example.org:8443");
-        assert!(origin_allowed(none, "https://class.example.org:8443", own));
-        assert!(origin_allowed(none, "http://Class.Example.org:8443", own));
-        assert!(!origin_allowed(none, "https://class.example.org", own));
-        assert!(!origin_allowed(none, "https://evil.example", own));
-        assert!(!origin_allowed(none, "null", own));
-        assert!(!origin_allowed(
-            none,
-            "https://class.example.org:8443",
-            None
-        ));
-        let named = ["https://notes.example.org".to_string()];
-        assert!(origin_allowed(&named, "https://notes.example.org", own));
-        assert!(!origin_allowed(
-            &named,
-            "https://notes.example.org.evil",
-            own
-        ));
-        assert!(origin_allowed(
-            &["*".to_string()],
-            "https://anything.example",
-            own
-        ));
-    }
-
-    /// The default connection cap sits below the open-file limit, with room for the relay's own.
-    #[cfg(unix)]
-    #[test]
-    fn the_default_connection_cap_is_below_the_file_limit() {
-        let mut lim = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit writes one rlimit through a valid pointer to a local.
-        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
-        let cap = default_max_conns();
-        let soft = usize::try_from(lim.rlim_cur).unwrap_or(usize::MAX);
-        assert!((16..=65_536).contains(&cap), "{cap}");
-        if soft > 96 {
-            assert!(
-                2 * cap + 64 <= soft,
-                "cap {cap} against a file limit of {soft}"
-            );
-        }
-    }
+    use super::on_host;
 
     #[test]
     fn only_loopback_peers_are_on_the_host() {

@@ -274,6 +274,25 @@ impl Raw {
         addr: SocketAddr,
         from: std::net::IpAddr,
     ) -> std::result::Result<Raw, String> {
+        Raw::connect_from_with(url, addr, from, &[]).await
+    }
+
+    /// [`Raw::connect_from`] with extra request headers (e.g. what a reverse proxy adds).
+    pub async fn connect_from_with(
+        url: &str,
+        addr: SocketAddr,
+        from: std::net::IpAddr,
+        headers: &[(&str, &str)],
+    ) -> std::result::Result<Raw, String> {
+        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+        let mut req = url.into_client_request().map_err(|e| e.to_string())?;
+        for (k, v) in headers {
+            req.headers_mut().append(
+                tokio_tungstenite::tungstenite::http::HeaderName::from_bytes(k.as_bytes())
+                    .map_err(|e| e.to_string())?,
+                v.parse().map_err(|e| format!("{e}"))?,
+            );
+        }
         let sock = tokio::net::TcpSocket::new_v4().map_err(|e| e.to_string())?;
         sock.bind((from, 0).into())
             .map_err(|e| format!("bind {from}: {e}"))?;
@@ -281,7 +300,7 @@ impl Raw {
             .await
             .map_err(|_| "TCP connect timed out".to_string())?
             .map_err(|e| format!("TCP connect: {e}"))?;
-        let hs = tokio_tungstenite::client_async(url, MaybeTlsStream::Plain(tcp));
+        let hs = tokio_tungstenite::client_async(req, MaybeTlsStream::Plain(tcp));
         match tokio::time::timeout(WAIT, hs).await {
             Err(_) => Err("WebSocket handshake timed out".into()),
             Ok(Ok((ws, _))) => Ok(Raw { ws }),
