@@ -85,6 +85,8 @@ say "end-to-end: one device beside the ranks' gradients, a lesson of each view a
 node tests/browser/one_device.mjs --bin "$bin" --dist dist --out "$out"
 say "end-to-end: the first screen, links to a lesson step, projector mode, the compute line (tests/browser/teacher.mjs)"
 node tests/browser/teacher.mjs --bin "$bin" --dist dist --out "$out"
+say "end-to-end: the relay's admin page with a class of tabs: rooms, members, use, remove, close (tests/browser/admin.mjs)"
+node tests/browser/admin.mjs --bin "$bin" --dist dist --out "$out"
 say "end-to-end: programs and the gradient check in 3 tabs and in single-tab mode (tests/browser/programs.mjs)"
 node tests/browser/programs.mjs --bin "$bin" --dist dist --out "$out"
 say "end-to-end: hidden tabs against visible ones, over MessageChannels (net=channel) and the relay (tests/browser/hidden.mjs)"

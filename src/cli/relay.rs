@@ -30,6 +30,11 @@ pub struct RelayArgs {
     /// Bytes that may queue for one member before its senders are slowed down.
     #[arg(long, default_value_t = 16 << 20)]
     max_pending_bytes: usize,
+    /// Bytes that may wait in all members' queues together (e.g. 2G, 512M): beyond it senders
+    /// wait, and one that waits twice the idle timeout is dropped. Default: a quarter of this
+    /// host's memory, at most 4G.
+    #[arg(long, value_parser = distgrad::relay::parse_bytes)]
+    memory_budget: Option<usize>,
     /// Close connections silent for this many seconds.
     #[arg(long, default_value_t = 30)]
     idle_timeout_secs: u64,
@@ -73,6 +78,10 @@ pub struct RelayArgs {
     /// Default: only the relay's own page.
     #[arg(long, value_delimiter = ',')]
     allowed_origin: Vec<String>,
+    /// The token of the admin page (/admin: rooms, members, closing a room, removing a member,
+    /// the relay's use against its budgets). Default: one made at start and printed.
+    #[arg(long)]
+    admin_token: Option<String>,
     /// A reverse proxy in front of the relay (its address; repeat or comma-separate): members
     /// connecting through it are counted against the client it names in X-Forwarded-For (or
     /// Forwarded), not against the proxy.
@@ -126,6 +135,9 @@ pub fn run(a: RelayArgs) -> distgrad::Result<()> {
         max_members: a.max_members,
         max_rooms: a.max_rooms,
         max_pending_bytes: a.max_pending_bytes,
+        memory_budget: a
+            .memory_budget
+            .unwrap_or_else(distgrad::relay::default_memory_budget),
         idle_timeout: std::time::Duration::from_secs(a.idle_timeout_secs),
         join_timeout: std::time::Duration::from_secs(a.join_timeout_secs),
         max_conns_per_addr: a.max_conns_per_addr,
@@ -137,6 +149,18 @@ pub fn run(a: RelayArgs) -> distgrad::Result<()> {
         client_tokens: a.client_tokens,
         allowed_origins: a.allowed_origin,
         trusted_proxies: a.trusted_proxy,
+        admin_token: Some(match a.admin_token {
+            Some(t) if t.trim().len() >= 16 => t.trim().to_string(),
+            Some(_) => {
+                return Err(distgrad::Error::Input(
+                    "relay: --admin-token must be at least 16 characters (e.g. `openssl rand -hex \
+                     16`)"
+                        .into(),
+                ));
+            }
+            None => distgrad::relay::random_token()
+                .map_err(|e| distgrad::Error::Input(format!("relay: {e}")))?,
+        }),
         static_dir: a.static_dir,
         cross_origin_isolated: !a.no_isolation,
         streams: !a.no_streams,
@@ -186,9 +210,10 @@ fn serve(addr: &str, cfg: distgrad::relay::RelayConfig) -> distgrad::Result<()> 
             );
         }
         println!(
-            "limits: rooms {} (world <= {}); connections {}; per address {} connections, {} \
+            "limits: memory for queued data {} MiB; rooms {} (world <= {}); connections {}; per address {} connections, {} \
              rooms open; a room fills within {}s; join within {}s; idle {}s; frames <= {} bytes; \
              room tokens: {}; origins: {}",
+            cfg.memory_budget >> 20,
             cfg.max_rooms,
             cfg.max_members,
             cfg.max_conns,
@@ -209,6 +234,9 @@ fn serve(addr: &str, cfg: distgrad::relay::RelayConfig) -> distgrad::Result<()> 
                 format!("its own page, {}", cfg.allowed_origins.join(", "))
             },
         );
+        if let Some(t) = &cfg.admin_token {
+            println!("admin page: {http}://{local}/admin#token={t}");
+        }
         if !cfg.trusted_proxies.is_empty() {
             let list: Vec<String> = cfg.trusted_proxies.iter().map(|p| p.to_string()).collect();
             println!(

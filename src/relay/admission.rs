@@ -15,6 +15,18 @@ pub(super) struct ConnCount {
     total: usize,
 }
 
+impl ConnCount {
+    /// Connections open in all.
+    pub(super) fn total(&self) -> usize {
+        self.total
+    }
+
+    /// Addresses with connections open.
+    pub(super) fn addresses(&self) -> usize {
+        self.per_addr.len()
+    }
+}
+
 /// One open connection counted against its source address and the relay's total (uncounted when
 /// dropped). A connection from a trusted proxy counts in the total only; the client it forwards is
 /// counted against its own address once its request names it ([`AddrSlot::take_forwarded`]).

@@ -168,6 +168,18 @@ pub enum ConfigError {
         /// The frame header's length.
         header: usize,
     },
+    /// The relay's memory budget could not hold one frame.
+    #[error(
+        "memory_budget {budget} cannot hold one frame of max_frame {max_frame} plus its {header}-byte header"
+    )]
+    MemoryBudget {
+        /// `memory_budget`.
+        budget: usize,
+        /// `max_frame`.
+        max_frame: usize,
+        /// The frame header's length.
+        header: usize,
+    },
     /// A timeout of zero.
     #[error("idle_timeout, join_timeout and room_fill_timeout must be above zero")]
     ZeroTimeout,

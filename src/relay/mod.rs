@@ -42,7 +42,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc};
 use tower_http::set_header::SetResponseHeader;
 
 use crate::wire::{
@@ -50,13 +50,17 @@ use crate::wire::{
     MIN_FRAME_PAYLOAD, secret_eq,
 };
 
+mod admin;
 mod admission;
+mod budget;
 mod errors;
 mod stream;
 mod watch;
 
 use admission::{AddrSlot, ConnCount, client_token_refusal, forwarded_client, origin_allowed};
 pub use admission::{addr_bucket, default_max_conns, is_token_form};
+use budget::{Charge, charge, memory_permits, queue_budget};
+pub use budget::{default_memory_budget, parse_bytes};
 pub use errors::{ConfigError, Refusal};
 use stream::StreamOut;
 
@@ -72,6 +76,11 @@ pub struct RelayConfig {
     pub max_rooms: usize,
     /// Bytes that may wait in one member's outgoing queue before its senders are slowed down.
     pub max_pending_bytes: usize,
+    /// Bytes that may wait in all members' queues together (default:
+    /// [`default_memory_budget`], a quarter of the host's memory, at most 4 GiB): beyond it
+    /// senders wait, and one that waits twice the idle timeout is dropped, so rooms whose members
+    /// never read cannot pin more than this.
+    pub memory_budget: usize,
     /// A connection silent this long (no frame, no pong to the relay's pings) is closed.
     pub idle_timeout: Duration,
     /// Time a new connection has to send its first byte and its `join`, and a member that
@@ -105,6 +114,10 @@ pub struct RelayConfig {
     /// in. Native clients send no `Origin` and are not subject to it. By default none: any other
     /// web page a student visits cannot use the relay (and the class's per-address quota).
     pub allowed_origins: Vec<String>,
+    /// The token of the teacher's controls (`/admin`, `src/relay/admin.rs`): list rooms and
+    /// members, close a room, remove a member, see the relay's use against its budgets. `None`:
+    /// no admin routes.
+    pub admin_token: Option<String>,
     /// Reverse proxies in front of the relay: a connection from one of these addresses is
     /// counted against the client its request names (`X-Forwarded-For`, else `Forwarded`), not
     /// against the proxy, and must name one. Only with [`serve`].
@@ -152,6 +165,13 @@ impl RelayConfig {
                 header: HEADER_LEN,
             });
         }
+        if self.memory_budget < self.max_frame + HEADER_LEN {
+            return Err(ConfigError::MemoryBudget {
+                budget: self.memory_budget,
+                max_frame: self.max_frame,
+                header: HEADER_LEN,
+            });
+        }
         if self.idle_timeout.is_zero()
             || self.join_timeout.is_zero()
             || self.room_fill_timeout.is_zero()
@@ -184,6 +204,7 @@ impl Default for RelayConfig {
             max_members: 64,
             max_rooms: 256,
             max_pending_bytes: 16 << 20,
+            memory_budget: default_memory_budget(),
             idle_timeout: Duration::from_secs(30),
             join_timeout: Duration::from_secs(10),
             // A class of 60 behind one NAT address, a few tabs each, plus page loads.
@@ -196,6 +217,7 @@ impl Default for RelayConfig {
             ice_servers: None,
             allowed_origins: Vec::new(),
             trusted_proxies: Vec::new(),
+            admin_token: None,
             static_dir: None,
             cross_origin_isolated: true,
             streams: true,
@@ -207,10 +229,10 @@ impl Default for RelayConfig {
 
 /// What the writer task of a connection sends.
 enum Out {
-    Frame(Bytes, Option<OwnedSemaphorePermit>),
+    Frame(Bytes, Option<Charge>),
     Text(String),
     /// Text routed from another member, charged to this member's queue budget like frames.
-    Routed(String, OwnedSemaphorePermit),
+    Routed(String, Charge),
     Ping,
     Close(String),
     /// A control message that must stay in order with data frames (a peer left): on the data
@@ -238,6 +260,10 @@ struct Member {
     key: Option<String>,
     /// Its data route is decided (stream attached, or none coming): the room waits for this.
     settled: bool,
+    /// The address it connected from (the forwarded client's behind a trusted proxy), if known.
+    addr: Option<IpAddr>,
+    /// When it joined.
+    since: std::time::Instant,
 }
 
 struct Room {
@@ -250,6 +276,8 @@ struct Room {
     members: HashMap<u32, Member>,
     /// True once `ready` was announced: late joiners then are replacements, which we refuse.
     started: bool,
+    /// When it was created.
+    created: std::time::Instant,
 }
 
 struct Shared {
@@ -259,6 +287,8 @@ struct Shared {
     stopping: tokio::sync::watch::Receiver<bool>,
     /// One permit held by each open connection, so shutdown can wait for their goodbyes.
     conns: Arc<Semaphore>,
+    /// The relay's memory budget: a permit per byte queued for any member ([`budget`]).
+    memory: Arc<Semaphore>,
     /// The path of the Unix-domain socket for local data streams, once it listens.
     local_path: OnceLock<String>,
     /// Open connections per source address ([`addr_bucket`]) and in all.
@@ -331,17 +361,6 @@ fn pair_keys(world: u32) -> Option<impl Fn(u32, u32) -> String> {
             .map(|x| format!("{x:02x}"))
             .collect()
     })
-}
-
-/// Permits (bytes) of one member's outgoing queue: at least 1, at most what a `u32` acquire can take.
-fn queue_budget(cfg: &RelayConfig) -> usize {
-    cfg.max_pending_bytes.clamp(1, u32::MAX as usize)
-}
-
-/// What a message of `len` bytes costs in a queue budget (a message larger than the whole budget
-/// takes all of it, so it still goes through, alone).
-fn queue_cost(cfg: &RelayConfig, len: usize) -> u32 {
-    len.clamp(1, queue_budget(cfg)) as u32
 }
 
 /// A random token: 128 bits from the operating system's generator, as 32 hex digits. Fails if the
@@ -438,6 +457,7 @@ pub fn tls_config(
 pub fn router(cfg: RelayConfig) -> Router {
     // No shutdown signal: the sender is dropped, which `stopped` treats as "never".
     let conns = Arc::new(Semaphore::new(CONN_PERMITS as usize));
+    let memory = Arc::new(Semaphore::new(memory_permits(&cfg)));
     router_with(Arc::new(Shared {
         cfg: RelayConfig {
             streams: false,
@@ -446,6 +466,7 @@ pub fn router(cfg: RelayConfig) -> Router {
         rooms: Mutex::new(HashMap::new()),
         stopping: tokio::sync::watch::channel(false).1,
         conns,
+        memory,
         local_path: OnceLock::new(),
         addr_conns: Mutex::default(),
         next_room: AtomicU64::new(0),
@@ -455,9 +476,11 @@ pub fn router(cfg: RelayConfig) -> Router {
 fn router_with(shared: Arc<Shared>) -> Router {
     let static_dir = shared.cfg.static_dir.clone();
     let isolate = shared.cfg.cross_origin_isolated;
-    let r = Router::new()
-        .route("/ws", get(ws_handler))
-        .with_state(shared);
+    let mut r = Router::new().route("/ws", get(ws_handler));
+    if let Some(admin) = admin::routes(&shared) {
+        r = r.merge(admin);
+    }
+    let r = r.with_state(shared);
     match static_dir {
         Some(dir) if isolate => {
             r.fallback_service(isolated(tower_http::services::ServeDir::new(dir)))
@@ -503,11 +526,13 @@ pub async fn serve(
         let _ = stop_tx.send(true);
     };
     let conns = Arc::new(Semaphore::new(CONN_PERMITS as usize));
+    let memory = Arc::new(Semaphore::new(memory_permits(&cfg)));
     let shared = Arc::new(Shared {
         cfg,
         rooms: Mutex::new(HashMap::new()),
         stopping: stop_rx,
         conns: conns.clone(),
+        memory,
         local_path: OnceLock::new(),
         addr_conns: Mutex::default(),
         next_room: AtomicU64::new(0),
@@ -683,11 +708,23 @@ async fn connection(socket: WebSocket, shared: Arc<Shared>, on_host: bool, peer:
             };
             let r = tokio::time::timeout(write_timeout, sink.send(msg)).await;
             drop(permit);
-            if last || !matches!(r, Ok(Ok(()))) {
+            let failed = match &r {
+                Ok(Ok(())) => None,
+                Err(_) => Some(format!("it took no data for {write_timeout:?}")),
+                Ok(Err(e)) => Some(format!("writing to it failed: {e}")),
+            };
+            if let Some(why) = &failed
+                && !last
+            {
+                // The member is dropped (its room told), not left holding its queue.
+                let _ = stream_failed.send(Some(why.clone()));
+            }
+            if last || failed.is_some() {
                 break;
             }
         }
-        let _ = sink.close().await;
+        // Bounded: a peer that reads nothing cannot hold the close (and this task) open.
+        let _ = tokio::time::timeout(Duration::from_secs(1), sink.close()).await;
     });
     let budget = Arc::new(Semaphore::new(queue_budget(&shared.cfg)));
     let link = Link {
@@ -800,6 +837,7 @@ async fn join(
         true => Some(random_token().map_err(|e| Refusal::Random(e.to_string()))?),
         false => None,
     };
+    let addr = peer;
     let peer = peer.map(addr_bucket);
     let mut rooms = shared.rooms();
     let n_rooms = rooms.len();
@@ -856,6 +894,7 @@ async fn join(
                 world,
                 members: HashMap::new(),
                 started: false,
+                created: std::time::Instant::now(),
             })
         }
     };
@@ -875,6 +914,8 @@ async fn join(
             link: link.clone(),
             settled: key.is_none(),
             key: key.clone(),
+            addr,
+            since: std::time::Instant::now(),
         },
     );
     let mut members: Vec<u32> = r.members.keys().copied().collect();
@@ -998,7 +1039,15 @@ async fn serve_member(
         };
         match msg {
             Message::Binary(b) => {
-                if let Err(reason) = route(shared, seat, b).await {
+                // While it waits for room at the destination it still sees shutdown and kill.
+                let routed = tokio::select! {
+                    r = route(shared, seat, b) => r,
+                    () = stopped(&mut stopping) => return "the relay is shutting down".into(),
+                    Ok(reason) = killed.wait_for(Option::is_some) => {
+                        return reason.clone().unwrap_or_default();
+                    }
+                };
+                if let Err(reason) = routed {
                     return reason;
                 }
             }
@@ -1019,12 +1068,21 @@ async fn serve_member(
                     };
                     // Signals are charged to the receiver's budget like data: a member cannot
                     // grow the relay's memory by flooding one that does not read.
-                    if let Some((tx, budget)) = dst
-                        && let Ok(permit) = budget
-                            .acquire_many_owned(queue_cost(&shared.cfg, fwd.len()))
-                            .await
-                    {
-                        let _ = tx.send(Out::Routed(fwd, permit));
+                    if let Some((tx, budget)) = dst {
+                        let charged = tokio::select! {
+                            c = charge(shared, &budget, fwd.len()) => c,
+                            () = stopped(&mut stopping) => return "the relay is shutting down".into(),
+                            Ok(reason) = killed.wait_for(Option::is_some) => {
+                                return reason.clone().unwrap_or_default();
+                            }
+                        };
+                        match charged {
+                            Ok(Some(c)) => {
+                                let _ = tx.send(Out::Routed(fwd, c));
+                            }
+                            Ok(None) => {}
+                            Err(why) => return why,
+                        }
                     }
                 }
                 Ok(Control::Abort { reason, .. }) if !aborted => {
@@ -1105,15 +1163,13 @@ async fn route(shared: &Shared, seat: &Seat, frame: Bytes) -> Result<(), String>
         .try_into_mut()
         .unwrap_or_else(|b| bytes::BytesMut::from(&b[..]));
     Header::stamp_src(&mut frame, seat.rank);
-    // Backpressure: wait until the destination's queue has room. If the destination leaves
-    // meanwhile its budget is closed and the frame is dropped (its peers were told it left).
-    let Ok(permit) = budget
-        .acquire_many_owned(queue_cost(&shared.cfg, frame.len()))
-        .await
-    else {
+    // Backpressure: wait until the destination's queue (and the relay's memory budget) has room.
+    // If the destination leaves meanwhile its queue is closed and the frame is dropped (its peers
+    // were told it left).
+    let Some(charged) = charge(shared, &budget, frame.len()).await? else {
         return Ok(());
     };
-    let _ = dst_tx.send(Out::Frame(frame.freeze(), Some(permit)));
+    let _ = dst_tx.send(Out::Frame(frame.freeze(), Some(charged)));
     Ok(())
 }
 

@@ -31,8 +31,9 @@ use tokio::net::UnixStream;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
+use super::budget::charge;
 use super::watch::Watched;
-use super::{AddrSlot, Link, Out, Seat, Shared, queue_cost};
+use super::{AddrSlot, Link, Out, Seat, Shared};
 use crate::wire::{FLAG_MORE, HEADER_LEN, Header, STREAM_CONTROL, STREAM_MAGIC, StreamHello};
 
 /// Payloads up to this size are read whole before the destination is locked (one write).
@@ -651,18 +652,13 @@ async fn to_websocket(
             .map_err(|e| format!("data stream failed: {e}"))?;
         left -= k;
         // The destination left while we waited for room: drop the rest of the frame.
-        let Ok(permit) = d
-            .budget
-            .clone()
-            .acquire_many_owned(queue_cost(&shared.cfg, f.len()))
-            .await
-        else {
+        let Some(charged) = charge(shared, &d.budget, f.len()).await? else {
             return mover
                 .discard(src, left, limit)
                 .await
                 .map_err(|e| format!("data stream failed: {e}"));
         };
-        let _ = d.tx.send(Out::Frame(f.freeze(), Some(permit)));
+        let _ = d.tx.send(Out::Frame(f.freeze(), Some(charged)));
         if left == 0 {
             return Ok(());
         }

@@ -65,17 +65,17 @@ export function launchChromium() {
 }
 
 /**
- * The frame of a check script labelled `tag`: a relay serving `args.dist` (from `args.bin`) and one
- * browser; `body({base, browser, fail, log, errors})` runs the checks (`errors`: where `watch`
- * collects the pages' errors, each a failure). Then everything is closed, `out` (where the
- * screenshots went) is said, and the process exits 1 on any failure.
+ * The frame of a check script labelled `tag`: a relay serving `args.dist` (from `args.bin`, with
+ * the flags `relayFlags`) and one browser; `body({base, browser, fail, log, errors})` runs the
+ * checks (`errors`: where `watch` collects the pages' errors, each a failure). Then everything is
+ * closed, `out` (where the screenshots went) is said, and the process exits 1 on any failure.
  */
-export async function checkScript(tag, args, out, body) {
+export async function checkScript(tag, args, out, body, relayFlags = []) {
   const failures = [];
   const errors = [];
   const fail = (m) => { failures.push(m); console.log(`[${tag}] FAIL ${m}`); };
   const log = (m) => console.log(`[${tag}] ${m}`);
-  const relay = await startRelay(args.bin, args.dist ?? 'dist');
+  const relay = await startRelay(args.bin, args.dist ?? 'dist', relayFlags);
   const browser = await launchChromium();
   try {
     await body({ base: `http://${relay.host}/`, browser, fail, log, errors });

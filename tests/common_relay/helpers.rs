@@ -153,3 +153,39 @@ pub async fn raw_join(
     let answer = c.next_control().await;
     (c, answer)
 }
+
+/// One HTTP/1.1 request on a fresh connection to `addr` (with `token` as the admin's bearer
+/// token): the status and the body. Bounded by [`super::WAIT`].
+pub async fn http(
+    addr: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: 0\r\n{auth}\r\n"
+    );
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        s.write_all(req.as_bytes()).await.expect("send request");
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).await.expect("read answer");
+        raw
+    };
+    let raw = tokio::time::timeout(super::WAIT, exchange)
+        .await
+        .unwrap_or_else(|_| panic!("{method} {path}: no answer within {:?}", super::WAIT));
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{method} {path}: not an HTTP answer: {text:?}"));
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
+    (status, body)
+}
