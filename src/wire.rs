@@ -348,8 +348,9 @@ pub enum Control {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         max_frame: Option<usize>,
         /// The STUN/TURN servers the relay's operator configured, as WebRTC's `iceServers` (an
-        /// array of `{urls, username?, credential?}`): tabs use them for their data channels.
-        /// Absent: none (tabs reach each other only through host candidates, e.g. on one LAN).
+        /// array of `{urls, username?, credential?}`). Relays of this version send them in
+        /// `ready` instead (TURN credentials go to members of a full room only); a member takes
+        /// them from either.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         ice_servers: Option<serde_json::Value>,
     },
@@ -370,6 +371,10 @@ pub enum Control {
         /// it (`src/transport/tcp_links.rs`). Absent from relays that issue none (no direct links).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         link_keys: Option<Vec<String>>,
+        /// The STUN/TURN servers for this member's WebRTC links, as WebRTC's `iceServers` (a TURN
+        /// credential here is this member's own and expires). Absent: none.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ice_servers: Option<serde_json::Value>,
     },
     /// Relay → all members: a member left or was lost.
     PeerLeft {

@@ -1022,8 +1022,11 @@ fn load_test(direct: bool) {
 
 /// With `static_dir`, the relay serves the web app's files, each with the two headers that make the
 /// page cross-origin isolated (its clock then steps by 5 µs, which the room benchmark needs), and
-/// without them when `cross_origin_isolated` is off; a missing file is a 404, and the WebSocket
-/// route still answers as before.
+/// without them when `cross_origin_isolated` is off; always with a Content-Security-Policy that
+/// lets the page connect only to its own origin and the relays named in `connect_src` (so a
+/// link's `?relay=` cannot send a tab's data elsewhere); a missing file is a 404, and the
+/// WebSocket route still answers as before. An entry of `connect_src` that is not an origin is
+/// refused.
 #[test]
 fn the_web_apps_files_come_cross_origin_isolated() {
     use std::io::{Read, Write};
@@ -1032,11 +1035,18 @@ fn the_web_apps_files_come_cross_origin_isolated() {
     std::fs::write(dir.join("index.html"), "<!doctype html><p>distgrad</p>").unwrap();
     std::fs::write(dir.join("port-hub.js"), "onconnect = () => {};").unwrap();
     for isolate in [true, false] {
+        let other = "wss://other.example.org";
         let relay = TestRelay::start(RelayConfig {
             static_dir: Some(dir.clone()),
             cross_origin_isolated: isolate,
+            connect_src: if isolate { vec![other.into()] } else { vec![] },
             ..scripted()
         });
+        let csp = if isolate {
+            format!("\r\ncontent-security-policy: connect-src 'self' {other}\r\n")
+        } else {
+            "\r\ncontent-security-policy: connect-src 'self'\r\n".to_string()
+        };
         let get = |path: &str| {
             let mut s = std::net::TcpStream::connect(relay.addr).unwrap();
             s.set_read_timeout(Some(WAIT)).unwrap();
@@ -1071,6 +1081,7 @@ fn the_web_apps_files_come_cross_origin_isolated() {
             if !isolate {
                 assert!(!head.contains("\r\ncross-origin-"), "{path}: {head}");
             }
+            assert!(head.contains(&csp), "{path}: {head}");
         }
         let (head, _) = get("/no-such-file");
         assert!(head.starts_with("http/1.1 404"), "{head}");
@@ -1081,4 +1092,18 @@ fn the_web_apps_files_come_cross_origin_isolated() {
         relay.shutdown(Duration::from_secs(10));
     }
     let _ = std::fs::remove_dir_all(&dir);
+    for bad in [
+        "other.example.org",
+        "wss://a.example.org; script-src *",
+        "wss://a b",
+    ] {
+        let e = RelayConfig {
+            connect_src: vec![bad.into()],
+            ..scripted()
+        }
+        .check()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("is not an origin"), "{bad:?}: {e}");
+    }
 }

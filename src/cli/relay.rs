@@ -65,6 +65,10 @@ pub struct RelayArgs {
     /// The PEM private key of --tls-cert.
     #[arg(long, requires = "tls_cert")]
     tls_key: Option<std::path::PathBuf>,
+    /// With --tls-cert: refuse plain http:// and ws:// connections and plain data streams (not
+    /// behind a proxy that terminates TLS).
+    #[arg(long, requires = "tls_cert")]
+    require_tls: bool,
     /// A STUN or TURN server for the tabs' WebRTC links (repeat; e.g. stun:stun.example.org:3478).
     /// Default: none, tabs link only through host candidates (one network).
     #[arg(long)]
@@ -73,6 +77,17 @@ pub struct RelayArgs {
     /// (`[{"urls": "turn:…", "username": "…", "credential": "…"}]`), added to --ice-server.
     #[arg(long)]
     ice_servers_file: Option<std::path::PathBuf>,
+    /// A TURN server that takes credentials made with a shared secret (coturn's
+    /// use-auth-secret; repeat for several URLs, e.g. turn:turn.example.org:3478); needs
+    /// --turn-secret-file. Each member gets, in its ready, a credential of its own that expires.
+    #[arg(long, requires = "turn_secret_file")]
+    turn_url: Vec<String>,
+    /// A file holding the secret shared with the TURN server (coturn's static-auth-secret).
+    #[arg(long, requires = "turn_url")]
+    turn_secret_file: Option<std::path::PathBuf>,
+    /// How long a TURN credential lasts, in seconds.
+    #[arg(long, default_value_t = 3600)]
+    turn_ttl_secs: u64,
     /// Browser origins that may use the relay besides the page it serves itself (repeat or
     /// comma-separate; e.g. http://127.0.0.1:8080 for `trunk serve`); `*` lets any page in.
     /// Default: only the relay's own page.
@@ -82,6 +97,11 @@ pub struct RelayArgs {
     /// the relay's use against its budgets). Default: one made at start and printed.
     #[arg(long)]
     admin_token: Option<String>,
+    /// Another relay the page served here may connect to (repeat or comma-separate; e.g.
+    /// wss://other.example.org): named in the page's Content-Security-Policy, which otherwise
+    /// allows only this relay. A link's ?relay= to it still asks the student to confirm.
+    #[arg(long, value_delimiter = ',')]
+    connect_src: Vec<String>,
     /// A reverse proxy in front of the relay (its address; repeat or comma-separate): members
     /// connecting through it are counted against the client it names in X-Forwarded-For (or
     /// Forwarded), not against the proxy.
@@ -131,6 +151,27 @@ pub fn run(a: RelayArgs) -> distgrad::Result<()> {
     let cfg = distgrad::relay::RelayConfig {
         tls,
         ice_servers: (!ice.is_empty()).then_some(serde_json::Value::Array(ice)),
+        turn: match &a.turn_secret_file {
+            None => None,
+            Some(f) => {
+                let secret = std::fs::read_to_string(f)
+                    .map_err(|e| distgrad::Error::Input(format!("{}: {e}", f.display())))?
+                    .trim()
+                    .to_string();
+                if secret.is_empty() {
+                    return Err(distgrad::Error::Input(format!(
+                        "{}: the TURN secret is empty",
+                        f.display()
+                    )));
+                }
+                Some(distgrad::relay::TurnRest {
+                    urls: a.turn_url.clone(),
+                    secret,
+                    ttl: std::time::Duration::from_secs(a.turn_ttl_secs.max(1)),
+                })
+            }
+        },
+        require_tls: a.require_tls,
         max_frame: a.max_frame,
         max_members: a.max_members,
         max_rooms: a.max_rooms,
@@ -149,6 +190,7 @@ pub fn run(a: RelayArgs) -> distgrad::Result<()> {
         client_tokens: a.client_tokens,
         allowed_origins: a.allowed_origin,
         trusted_proxies: a.trusted_proxy,
+        connect_src: a.connect_src,
         admin_token: Some(match a.admin_token {
             Some(t) if t.trim().len() >= 16 => t.trim().to_string(),
             Some(_) => {
@@ -188,7 +230,12 @@ fn serve(addr: &str, cfg: distgrad::relay::RelayConfig) -> distgrad::Result<()> 
         println!("distgrad relay listening on {ws}://{local}/ws");
         if cfg.tls.is_some() {
             println!(
-                "TLS on (plain ws:// and http:// on the same port still work, e.g. behind a proxy)"
+                "{}",
+                if cfg.require_tls {
+                    "TLS on and required (plain ws://, http:// and data streams refused)"
+                } else {
+                    "TLS on (plain ws:// and http:// on the same port still work, e.g. behind a proxy)"
+                }
             );
         }
         println!(

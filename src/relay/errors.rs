@@ -180,6 +180,12 @@ pub enum ConfigError {
         /// The frame header's length.
         header: usize,
     },
+    /// An entry of `connect_src` that is not an origin.
+    #[error("connect_src entry {0:?} is not an origin (e.g. wss://relay.example.org)")]
+    ConnectSrc(String),
+    /// TLS required without a certificate.
+    #[error("require_tls needs a certificate (tls; --tls-cert and --tls-key)")]
+    RequireTls,
     /// A timeout of zero.
     #[error("idle_timeout, join_timeout and room_fill_timeout must be above zero")]
     ZeroTimeout,

@@ -55,6 +55,7 @@ mod admission;
 mod budget;
 mod errors;
 mod stream;
+mod turn;
 mod watch;
 
 use admission::{AddrSlot, ConnCount, client_token_refusal, forwarded_client, origin_allowed};
@@ -63,6 +64,7 @@ use budget::{Charge, charge, memory_permits, queue_budget};
 pub use budget::{default_memory_budget, parse_bytes};
 pub use errors::{ConfigError, Refusal};
 use stream::StreamOut;
+pub use turn::{TurnRest, turn_credential};
 
 /// Limits and options of a relay.
 #[derive(Debug, Clone)]
@@ -106,9 +108,17 @@ pub struct RelayConfig {
     /// HTTP and data streams still work there; a connection opening with a TLS handshake gets
     /// TLS). Only with [`serve`].
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// With `tls`: refuse plain HTTP and WebSocket connections (told so, HTTP 403) and plain data
+    /// streams (their clients fall back to the WebSocket, over TLS). Not behind a proxy that
+    /// terminates TLS. Only with [`serve`].
+    pub require_tls: bool,
     /// STUN/TURN servers handed to the tabs for WebRTC, as an `iceServers` array
-    /// ([`check_ice_servers`]); `None`: tabs use host candidates only.
+    /// ([`check_ice_servers`]), in each member's `ready` (never in the `welcome`); `None`: tabs
+    /// use host candidates only (plus `turn`).
     pub ice_servers: Option<serde_json::Value>,
+    /// A TURN server taking credentials made with a shared secret ([`TurnRest`]): each member's
+    /// `ready` carries one that expires after its `ttl`.
+    pub turn: Option<TurnRest>,
     /// Browser origins that may open WebSockets besides the relay's own (a page whose `Origin`
     /// names the host the request was sent to: the page the relay serves); `"*"` lets any page
     /// in. Native clients send no `Origin` and are not subject to it. By default none: any other
@@ -122,8 +132,12 @@ pub struct RelayConfig {
     /// counted against the client its request names (`X-Forwarded-For`, else `Forwarded`), not
     /// against the proxy, and must name one. Only with [`serve`].
     pub trusted_proxies: Vec<IpAddr>,
-    /// Serve this folder (the built web app) at `/`.
+    /// Serve this folder (the built web app) at `/`, with a Content-Security-Policy that lets
+    /// the page connect only to its own origin and to `connect_src`.
     pub static_dir: Option<PathBuf>,
+    /// Other relays the page this relay serves may connect to (origins such as
+    /// `wss://other.example.org`; a link's `?relay=` names one, and the student confirms it).
+    pub connect_src: Vec<String>,
     /// Serve `static_dir`'s files with the headers that make the page cross-origin isolated
     /// (`Cross-Origin-Opener-Policy: same-origin`, `Cross-Origin-Embedder-Policy:
     /// require-corp`): in a secure context the page's clock then steps by 5 µs instead of 100 µs
@@ -185,8 +199,36 @@ impl RelayConfig {
                 rooms: self.max_rooms_per_addr,
             });
         }
+        if self.require_tls && self.tls.is_none() {
+            return Err(ConfigError::RequireTls);
+        }
         if let Some(ice) = &self.ice_servers {
             check_ice_servers(ice).map_err(ConfigError::IceServers)?;
+        }
+        if let Some(t) = &self.turn {
+            let entry = serde_json::json!([{ "urls": t.urls, "username": "u", "credential": "c" }]);
+            check_ice_servers(&entry).map_err(ConfigError::IceServers)?;
+            if !t
+                .urls
+                .iter()
+                .all(|u| u.starts_with("turn:") || u.starts_with("turns:"))
+            {
+                return Err(ConfigError::IceServers(format!(
+                    "TURN URLs must start with turn: or turns: ({})",
+                    t.urls.join(", ")
+                )));
+            }
+        }
+        for o in &self.connect_src {
+            let ok = ["ws://", "wss://", "http://", "https://"]
+                .iter()
+                .any(|p| o.starts_with(p))
+                && o.bytes()
+                    .all(|b| b.is_ascii_graphic() && b != b';' && b != b',')
+                && HeaderValue::from_str(o).is_ok();
+            if !ok {
+                return Err(ConfigError::ConnectSrc(o.clone()));
+            }
         }
         if let Some(d) = &self.static_dir
             && !d.is_dir()
@@ -214,11 +256,14 @@ impl Default for RelayConfig {
             room_fill_timeout: Duration::from_secs(300),
             client_tokens: false,
             tls: None,
+            require_tls: false,
             ice_servers: None,
+            turn: None,
             allowed_origins: Vec::new(),
             trusted_proxies: Vec::new(),
             admin_token: None,
             static_dir: None,
+            connect_src: Vec::new(),
             cross_origin_isolated: true,
             streams: true,
             splice: true,
@@ -323,7 +368,7 @@ impl Shared {
 /// Announce `ready` if the room is full and every member's data route is decided. Each member's
 /// `ready` carries a key per peer, the same for both members of a pair and known to no one else
 /// (direct links prove ranks with it); if the OS generator fails, no keys (and no direct links).
-fn ready_check(r: &mut Room) -> bool {
+fn ready_check(r: &mut Room, cfg: &RelayConfig) -> bool {
     if r.started || r.members.len() as u32 != r.world || !r.members.values().all(|m| m.settled) {
         return false;
     }
@@ -340,6 +385,7 @@ fn ready_check(r: &mut Room) -> bool {
         let text = control(&Control::Ready {
             members: members.clone(),
             link_keys,
+            ice_servers: turn::ice_servers_for(cfg, r.id, rank),
         });
         let _ = m.link.tx.send(Out::Text(text));
     }
@@ -476,18 +522,38 @@ pub fn router(cfg: RelayConfig) -> Router {
 fn router_with(shared: Arc<Shared>) -> Router {
     let static_dir = shared.cfg.static_dir.clone();
     let isolate = shared.cfg.cross_origin_isolated;
+    // Checked with the config: a value that cannot be a header never gets here.
+    let csp = content_security_policy(&shared.cfg)
+        .unwrap_or_else(|_| HeaderValue::from_static("connect-src 'self'"));
     let mut r = Router::new().route("/ws", get(ws_handler));
     if let Some(admin) = admin::routes(&shared) {
         r = r.merge(admin);
     }
     let r = r.with_state(shared);
+    let files = |dir| {
+        SetResponseHeader::overriding(
+            tower_http::services::ServeDir::new(dir),
+            HeaderName::from_static("content-security-policy"),
+            csp.clone(),
+        )
+    };
     match static_dir {
-        Some(dir) if isolate => {
-            r.fallback_service(isolated(tower_http::services::ServeDir::new(dir)))
-        }
-        Some(dir) => r.fallback_service(tower_http::services::ServeDir::new(dir)),
+        Some(dir) if isolate => r.fallback_service(isolated(files(dir))),
+        Some(dir) => r.fallback_service(files(dir)),
         None => r,
     }
+}
+
+/// The Content-Security-Policy the relay serves its page with: the page may connect (fetch,
+/// WebSocket) only to its own origin and the relays named in `connect_src`, so a link's
+/// `?relay=` cannot send a tab's data elsewhere even if confirmed.
+fn content_security_policy(cfg: &RelayConfig) -> Result<HeaderValue, ConfigError> {
+    let mut v = String::from("connect-src 'self'");
+    for o in &cfg.connect_src {
+        v.push(' ');
+        v.push_str(o);
+    }
+    HeaderValue::from_str(&v).map_err(|_| ConfigError::ConnectSrc(cfg.connect_src.join(" ")))
 }
 
 /// `files` with the two headers that make the page cross-origin isolated
@@ -933,10 +999,11 @@ async fn join(
         // Named only where it differs from the default, which every member assumes anyway: a
         // member of an earlier build (which refuses unknown fields) still joins a default relay.
         max_frame: (shared.cfg.max_frame != DEFAULT_FRAME_PAYLOAD).then_some(shared.cfg.max_frame),
-        ice_servers: shared.cfg.ice_servers.clone(),
+        // Handed out in `ready`, to members of a full room only (TURN credentials expire).
+        ice_servers: None,
     })));
     // A full room whose last data streams are still attaching announces `ready` shortly.
-    if !ready_check(r) && members.len() as u32 != world {
+    if !ready_check(r, &shared.cfg) && members.len() as u32 != world {
         let text = control(&Control::Members { members });
         for m in r.members.values() {
             let _ = m.link.tx.send(Out::Text(text.clone()));
@@ -1116,7 +1183,7 @@ async fn serve_member(
                         if let Some(m) = r.members.get_mut(&seat.rank) {
                             m.settled = true;
                         }
-                        ready_check(r);
+                        ready_check(r, &shared.cfg);
                     }
                 }
                 Ok(other) => {

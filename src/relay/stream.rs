@@ -183,12 +183,20 @@ impl Incoming {
                     let slot = match slot {
                         Ok(slot) => slot,
                         Err(why) => {
-                            return refuse(sock, &why.to_string(), shared.cfg.join_timeout).await;
+                            let why = why.to_string();
+                            return refuse(sock, TOO_MANY, &why, shared.cfg.join_timeout).await;
                         }
                     };
                     let mut first = [0u8; 1];
                     let peek = tokio::time::timeout(shared.cfg.join_timeout, sock.peek(&mut first));
                     match peek.await {
+                        // Where TLS is required, plain HTTP is told so and plain streams are
+                        // dropped (their clients fall back to the WebSocket, over TLS).
+                        Ok(Ok(1)) if shared.cfg.require_tls && first[0] == STREAM_MAGIC[0] => {}
+                        Ok(Ok(1)) if shared.cfg.require_tls && first[0] != 0x16 => {
+                            let why = "this relay takes only TLS: use https:// and wss://";
+                            refuse(sock, FORBIDDEN, why, shared.cfg.join_timeout).await;
+                        }
                         Ok(Ok(1)) if first[0] == STREAM_MAGIC[0] && shared.cfg.streams => {
                             attach(shared, Sock::Tcp(sock)).await;
                         }
@@ -228,13 +236,19 @@ fn watched(shared: &Shared, conn: Conn) -> Watched<Conn> {
     Watched::new(conn, shared.cfg.join_timeout, shared.cfg.idle_timeout)
 }
 
-/// Answer a connection over its address's cap with an HTTP 429 saying why (a WebSocket client
-/// shows the status; a browser's console shows the handshake failure), then close it.
-async fn refuse(mut sock: TcpStream, why: &str, limit: Duration) {
+/// The status line of a refusal for a connection over a cap.
+const TOO_MANY: &str = "429 Too Many Requests";
+/// The status line of a refusal for a plain connection where TLS is required.
+const FORBIDDEN: &str = "403 Forbidden";
+
+/// Answer a connection refused before HTTP (over a cap, or plain where TLS is required) with
+/// `status` saying why (a WebSocket client shows the status; a browser's console shows the
+/// handshake failure), then close it.
+async fn refuse(mut sock: TcpStream, status: &str, why: &str, limit: Duration) {
     use tokio::io::AsyncWriteExt;
     let body = format!("{why}\n");
     let answer = format!(
-        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: text/plain; charset=utf-8\r\n\
+        "HTTP/1.1 {status}\r\ncontent-type: text/plain; charset=utf-8\r\n\
          content-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     );
@@ -525,7 +539,7 @@ fn seat(
     }
     m.settled = true;
     let kill = m.link.kill.clone();
-    super::ready_check(r);
+    super::ready_check(r, &shared.cfg);
     Ok((
         Seat {
             room: hello.room.clone(),

@@ -331,7 +331,15 @@ impl Shared {
                 self.emit(NetEvent::Members(w.members));
             }
             Ok(Event::Members(members)) => self.emit(NetEvent::Members(members)),
-            Ok(Event::Ready { members, .. }) => {
+            Ok(Event::Ready {
+                members,
+                ice_servers,
+                ..
+            }) => {
+                // This member's STUN/TURN servers (a TURN credential of its own, expiring).
+                if let Some(v) = ice_servers {
+                    *self.ice_servers.borrow_mut() = Some(v.to_string());
+                }
                 self.emit(NetEvent::Members(members));
                 let _ = self.joining.unbounded_send(Ok(()));
             }

@@ -74,6 +74,8 @@ pub enum Event {
         members: Vec<u32>,
         /// The direct-link keys, one per rank (native members).
         link_keys: Option<Vec<String>>,
+        /// The STUN/TURN servers for this member's WebRTC links, where the relay has some.
+        ice_servers: Option<serde_json::Value>,
     },
     /// A member left: before `ready` its seat is free again; after, apply [`peer_left`].
     PeerLeft {
@@ -205,9 +207,17 @@ impl Session {
             Control::Ready { .. } if self.welcome.is_none() => {
                 Err(self.end(SessionEnd::ReadyBeforeWelcome))
             }
-            Control::Ready { members, link_keys } if joining => {
+            Control::Ready {
+                members,
+                link_keys,
+                ice_servers,
+            } if joining => {
                 self.phase = Phase::Ready;
-                Ok(Event::Ready { members, link_keys })
+                Ok(Event::Ready {
+                    members,
+                    link_keys,
+                    ice_servers,
+                })
             }
             Control::PeerLeft { rank, reason } => Ok(Event::PeerLeft { rank, reason }),
             Control::Abort {
@@ -385,7 +395,8 @@ mod tests {
             s.on_text(r#"{"type": "ready", "members": [0, 1, 2]}"#),
             Ok(Event::Ready {
                 members: vec![0, 1, 2],
-                link_keys: None
+                link_keys: None,
+                ice_servers: None
             })
         );
         assert!(s.ready());

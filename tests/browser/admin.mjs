@@ -3,6 +3,10 @@
 // and the relay's use against its budgets; "Remove" takes one student's tab out of its room (the
 // tab is told why) and "Close room" ends a room (its tabs told). Two rooms of app tabs: a full one
 // of 2 and a waiting one of 1 of 2. Screenshots (desktop and a phone's width) go to <out>.
+// Also: a shared link cannot redirect a tab (#40 item 6): `?relay=` naming another relay asks the
+// student first (declined: the tab says why and connects nowhere; accepted: the page's
+// Content-Security-Policy still refuses the connection), and naming the page's own relay asks
+// nothing.
 //
 //   node tests/browser/admin.mjs --bin target/debug/distgrad --dist dist --out <dir>
 import { randomBytes } from 'node:crypto';
@@ -93,6 +97,33 @@ await checkScript('admin', args, OUT, async ({ base, browser, fail, log, errors 
   log(`removed: "${removed}"; its peer: "${peer}"; closed: "${closed}"`);
   await ctx.close();
   await classCtx.close();
+
+  // ---- ?relay=: the page's own relay as is; another only if confirmed, and then the CSP ----
+  const host = new URL(base).host;
+  const linkCtx = await browser.newContext();
+  const dialogs = [];
+  const open = async (relay, answer) => {
+    const p = await linkCtx.newPage();
+    p.on('dialog', (d) => { dialogs.push(d.message()); (answer ? d.accept() : d.dismiss()).catch(() => {}); });
+    const refused = [];
+    p.on('console', (m) => { if (/Content Security Policy/.test(m.text())) refused.push(m.text()); });
+    await p.goto(`${base}?room=link-${dialogs.length}-${answer}&world=2&token=${tok()}&relay=${encodeURIComponent(relay)}`);
+    return { p, refused };
+  };
+  const own = await open(`ws://${host}/ws`, false);
+  await own.p.waitForFunction(() => window.distgrad && JSON.parse(window.distgrad.state()).rank === 0, null, { timeout: 60000 })
+    .catch(() => fail('a link naming the page\'s own relay did not join'));
+  if (dialogs.length) fail(`the page's own relay asked: ${dialogs}`);
+  const declined = await open('ws://127.0.0.2:9/ws', false);
+  const said = await waitForFailure(declined.p);
+  if (dialogs.length !== 1 || !/another relay:\s+ws:\/\/127\.0\.0\.2:9\/ws/.test(dialogs[0])) fail(`another relay: the question was ${JSON.stringify(dialogs)}`);
+  if (!/not this page's relay .* and not confirmed/.test(said)) fail(`declined: the tab says "${said}"`);
+  const accepted = await open('ws://127.0.0.2:9/ws', true);
+  const after = await waitForFailure(accepted.p);
+  if (dialogs.length !== 2) fail(`accepted: ${dialogs.length} questions`);
+  if (!accepted.refused.length) fail(`accepted: the Content-Security-Policy did not refuse the connection (tab: "${after}")`);
+  log(`?relay= own: no question; another: asked, declined -> "${said}"; accepted -> blocked by the CSP ("${accepted.refused[0]?.slice(0, 90)}…")`);
+  await linkCtx.close();
 }, ['--admin-token', TOKEN]);
 
 /** The error a tab shows once it failed ('' if it does not within 15 s). */

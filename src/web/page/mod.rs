@@ -74,7 +74,7 @@ use api::install_api;
 use bus::start_bus;
 use dom::{doc, el, log, now_ms, set_hidden, set_text, show_error};
 use lessons::{control, load_lesson_list};
-use params::{params, relay_url};
+use params::{chosen_relay, params, relay_url};
 use programs::load_program_list;
 use ranks::{on_net_event, render_ranks};
 
@@ -382,7 +382,10 @@ async fn run() -> Result<()> {
         &format!("waiting for {} tabs to join (share the link)", p.world),
     );
     state(|s| s.phase = "joining".into());
-    let url = p.relay.clone().unwrap_or_else(relay_url);
+    let url = match &p.relay {
+        Some(asked) => chosen_relay(asked)?,
+        None => relay_url(),
+    };
     let mut join = WebJoin::new(&url, &room, p.world as u32);
     join.token = p.token.clone();
     join.rank = p.rank;

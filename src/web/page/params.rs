@@ -115,6 +115,40 @@ pub(super) fn relay_url() -> String {
     format!("{}://{host}/ws", if secure { "wss" } else { "ws" })
 }
 
+/// The authority (`host:port`) of a `ws://`, `wss://`, `http://` or `https://` URL, lowercased.
+fn authority(url: &str) -> Option<String> {
+    let rest = url.split_once("://")?.1;
+    let host = rest.split(['/', '?', '#']).next()?;
+    (!host.is_empty()).then(|| host.to_ascii_lowercase())
+}
+
+/// The relay this tab joins through, where the link names one (`?relay=`): this page's own relay
+/// as asked; another only if the student confirms, since a shared link must not send a tab, its
+/// room's token and its data to a server the student did not choose (and the relay's page allows
+/// connections only to itself and the relays its teacher named, `--connect-src`).
+pub(super) fn chosen_relay(asked: &str) -> Result<String> {
+    let own = relay_url();
+    if authority(asked).is_some_and(|a| Some(a) == authority(&own)) {
+        return Ok(asked.to_string());
+    }
+    let w = web_sys::window().ok_or_else(|| Error::Input("no window".into()))?;
+    let here = authority(&own).unwrap_or_default();
+    let ok = w
+        .confirm_with_message(&format!(
+            "This link connects this tab to another relay:\n\n{asked}\n\nThe room's data and its \
+             token would go there instead of to {here}, which served this page. Connect to it?"
+        ))
+        .unwrap_or(false);
+    if ok {
+        Ok(asked.to_string())
+    } else {
+        Err(Error::Input(format!(
+            "relay={asked}: not this page's relay ({here}), and not confirmed: open the link \
+             without relay= to use this page's relay"
+        )))
+    }
+}
+
 fn page_base() -> String {
     web_sys::window()
         .map(|w| w.location())
