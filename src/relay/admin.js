@@ -59,7 +59,7 @@ function render(s) {
     gauge('memory for queued data', s.memory.queued_bytes, s.memory.budget_bytes,
       `${mib(s.memory.queued_bytes)} of ${mib(s.memory.budget_bytes)}`),
     gauge('connections', s.connections.open, s.connections.max,
-      `${s.connections.open} of ${s.connections.max} (from ${s.connections.addresses} addresses; at most ${s.connections.max_per_addr} each)`),
+      `${s.connections.open} of ${s.connections.max} (from ${s.connections.addresses} address${s.connections.addresses === 1 ? '' : 'es'}; at most ${s.connections.max_per_addr} each)`),
     gauge('rooms', s.rooms.open, s.rooms.max, `${s.rooms.open} of ${s.rooms.max} (at most ${s.rooms.max_per_addr} per address)`),
   );
   const body = $('rooms').tBodies[0];

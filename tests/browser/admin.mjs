@@ -19,6 +19,17 @@ const OUT = join(args.out ?? '/tmp', 'admin');
 mkdirSync(OUT, { recursive: true });
 const TOKEN = randomBytes(16).toString('hex');
 
+/**
+ * Like `watch`, except the 401 a deliberately wrong token draws (the browser logs every failed
+ * request as a console error).
+ */
+function watchAdmin(page, name, errors) {
+  page.on('pageerror', (e) => errors.push(`${name}: uncaught ${e.message}`));
+  page.on('console', (m) => {
+    if (m.type() === 'error' && !/status of 401 \(Unauthorized\)/.test(m.text())) errors.push(`${name}: console error: ${m.text()}`);
+  });
+}
+
 /** The admin table's rows: room name -> the ranks listed. */
 const rows = (page) => page.evaluate(() => Object.fromEntries([...document.querySelectorAll('#rooms tbody tr')]
   .map((tr) => [tr.dataset.room, [...tr.querySelectorAll('[data-rank]')].map((d) => Number(d.dataset.rank))])));
@@ -55,7 +66,7 @@ await checkScript('admin', args, OUT, async ({ base, browser, fail, log, errors 
   for (const [label, viewport] of [['desktop', { width: 1280, height: 800 }], ['phone', { width: 390, height: 844 }]]) {
     const ctx = await browser.newContext({ viewport });
     const page = await ctx.newPage();
-    watch(page, `admin ${label}`, errors);
+    watchAdmin(page, `admin ${label}`, errors);
     // ---- no token: the form; a wrong token: refused, saying so; the right one: the table ----
     await page.goto(`${base}admin`);
     await page.waitForSelector('#login', { state: 'visible', timeout: 10000 });
