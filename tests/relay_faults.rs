@@ -201,13 +201,23 @@ fn room_without_token_gets_a_random_one() {
     });
 }
 
+/// A WebSocket handshake to `url` from a page of origin `origin`.
+fn request_from(
+    url: &str,
+    origin: &str,
+) -> tokio_tungstenite::tungstenite::handshake::client::Request {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let mut req = url.into_client_request().unwrap();
+    req.headers_mut().insert("origin", origin.parse().unwrap());
+    req
+}
+
 /// Browser origins: by default only the relay's own page (its Origin names the host the request
 /// went to) may open a WebSocket: any other web page a student visits is refused at the handshake
 /// (before the fix any page could, using up the class's per-address quota); an origin named in
 /// `allowed_origins` and a native client (no Origin) get in.
 #[test]
 fn only_the_relays_own_page_and_named_origins_may_connect() {
-    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
     let refused =
         |r: std::result::Result<_, tokio_tungstenite::tungstenite::Error>, who: &str| match r {
             Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => {
@@ -220,11 +230,7 @@ fn only_the_relays_own_page_and_named_origins_may_connect() {
     let own = format!("http://{}", default.addr);
     let url = default.url();
     rank_runtime().block_on(async {
-        let with_origin = |o: &str| {
-            let mut req = url.as_str().into_client_request().unwrap();
-            req.headers_mut().insert("origin", o.parse().unwrap());
-            req
-        };
+        let with_origin = |o: &str| request_from(&url, o);
         let other = tokio_tungstenite::connect_async(with_origin("http://evil.example")).await;
         refused(other, "a page of another origin");
         let mine = tokio_tungstenite::connect_async(with_origin(&own)).await;
@@ -240,11 +246,7 @@ fn only_the_relays_own_page_and_named_origins_may_connect() {
     });
     let url = relay.url();
     rank_runtime().block_on(async {
-        let with_origin = |o: &str| {
-            let mut req = url.as_str().into_client_request().unwrap();
-            req.headers_mut().insert("origin", o.parse().unwrap());
-            req
-        };
+        let with_origin = |o: &str| request_from(&url, o);
         let bad = tokio_tungstenite::connect_async(with_origin("http://evil.example")).await;
         refused(bad, "a foreign origin");
         let good = tokio_tungstenite::connect_async(with_origin("http://good.example")).await;

@@ -88,15 +88,9 @@ fn https_get(addr: std::net::SocketAddr, cert: &std::path::Path) -> String {
     String::from_utf8_lossy(&answer).into_owned()
 }
 
-#[test]
-fn the_page_comes_over_https_and_plain_http_still_works() {
-    let site = Site::new("page");
-    let relay = site.relay();
-    let answer = https_get(relay.addr, &site.cert());
-    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    assert!(answer.contains("distgrad over TLS"), "{answer}");
-    // The same port without TLS (a reverse proxy in front, or a page on localhost).
-    let mut plain = TcpStream::connect(relay.addr).unwrap();
+/// `GET /` without TLS; the whole answer.
+fn plain_get(addr: std::net::SocketAddr) -> String {
+    let mut plain = TcpStream::connect(addr).unwrap();
     plain
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
@@ -105,6 +99,18 @@ fn the_page_comes_over_https_and_plain_http_still_works() {
         .unwrap();
     let mut answer = String::new();
     let _ = plain.read_to_string(&mut answer);
+    answer
+}
+
+#[test]
+fn the_page_comes_over_https_and_plain_http_still_works() {
+    let site = Site::new("page");
+    let relay = site.relay();
+    let answer = https_get(relay.addr, &site.cert());
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("distgrad over TLS"), "{answer}");
+    // The same port without TLS (a reverse proxy in front, or a page on localhost).
+    let answer = plain_get(relay.addr);
     assert!(
         answer.starts_with("HTTP/1.1 200") && answer.contains("distgrad over TLS"),
         "{answer}"
@@ -121,15 +127,7 @@ fn a_relay_requiring_tls_refuses_plain_connections() {
     let relay = site.relay_requiring(true);
     let answer = https_get(relay.addr, &site.cert());
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    let mut plain = TcpStream::connect(relay.addr).unwrap();
-    plain
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    plain
-        .write_all(b"GET / HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n")
-        .unwrap();
-    let mut answer = String::new();
-    let _ = plain.read_to_string(&mut answer);
+    let answer = plain_get(relay.addr);
     assert!(
         answer.starts_with("HTTP/1.1 403") && answer.contains("this relay takes only TLS"),
         "{answer}"

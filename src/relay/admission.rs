@@ -131,9 +131,10 @@ pub(super) fn forwarded_client(headers: &axum::http::HeaderMap) -> Option<IpAddr
     }
 }
 
-/// Whether `token` has the form the relay's own tokens have ([`random_token`]): exactly 32 hex
-/// digits. The only form a client-chosen token may take ([`RelayConfig::client_tokens`]): a form
-/// with no room for words, names or patterns shorter than 128 bits written out.
+/// Whether `token` has the form the relay's own tokens have
+/// ([`random_token`](super::random_token)): exactly 32 hex digits. The only form a client-chosen
+/// token may take ([`RelayConfig::client_tokens`]): a form with no room for words, names or
+/// patterns shorter than 128 bits written out.
 pub fn is_token_form(token: &str) -> bool {
     token.len() == 32 && token.bytes().all(|b| b.is_ascii_hexdigit())
 }
