@@ -98,6 +98,7 @@ pub mod autograd;
 pub mod backend;
 pub mod bench;
 pub mod collective;
+pub mod data;
 pub mod dist;
 pub mod error;
 pub mod gradcheck;

@@ -222,91 +222,7 @@ fn serve(addr: &str, cfg: distgrad::relay::RelayConfig) -> distgrad::Result<()> 
         let local = listener
             .local_addr()
             .map_err(|e| distgrad::Error::Input(e.to_string()))?;
-        let (ws, http) = if cfg.tls.is_some() {
-            ("wss", "https")
-        } else {
-            ("ws", "http")
-        };
-        println!("distgrad relay listening on {ws}://{local}/ws");
-        if cfg.tls.is_some() {
-            println!(
-                "{}",
-                if cfg.require_tls {
-                    "TLS on and required (plain ws://, http:// and data streams refused)"
-                } else {
-                    "TLS on (plain ws:// and http:// on the same port still work, e.g. behind a proxy)"
-                }
-            );
-        }
-        println!(
-            "native members' data streams (same port): {}",
-            match (cfg.streams, cfg.splice) {
-                (false, _) => "off (data on the WebSockets)",
-                (true, true) => "on (forwarded with splice where the OS has it)",
-                (true, false) => "on (forwarded through a buffer)",
-            }
-        );
-        if cfg.streams {
-            println!(
-                "members on this host: {}",
-                if cfg.local_streams && cfg!(unix) {
-                    "data streams on a Unix-domain socket (its path is in their welcome)"
-                } else {
-                    "data streams over TCP"
-                }
-            );
-        }
-        println!(
-            "limits: memory for queued data {} MiB; rooms {} (world <= {}); connections {}; per address {} connections, {} \
-             rooms open; a room fills within {}s; join within {}s; idle {}s; frames <= {} bytes; \
-             room tokens: {}; origins: {}",
-            cfg.memory_budget >> 20,
-            cfg.max_rooms,
-            cfg.max_members,
-            cfg.max_conns,
-            cfg.max_conns_per_addr,
-            cfg.max_rooms_per_addr,
-            cfg.room_fill_timeout.as_secs(),
-            cfg.join_timeout.as_secs(),
-            cfg.idle_timeout.as_secs(),
-            cfg.max_frame,
-            if cfg.client_tokens {
-                "made by the relay, or chosen by the creator (32 hex digits)"
-            } else {
-                "made by the relay"
-            },
-            if cfg.allowed_origins.is_empty() {
-                "its own page".to_string()
-            } else {
-                format!("its own page, {}", cfg.allowed_origins.join(", "))
-            },
-        );
-        if let Some(t) = &cfg.admin_token {
-            println!("admin page: {http}://{local}/admin#token={t}");
-        }
-        if !cfg.trusted_proxies.is_empty() {
-            let list: Vec<String> = cfg.trusted_proxies.iter().map(|p| p.to_string()).collect();
-            println!(
-                "trusted proxies (their members are counted per X-Forwarded-For client): {}",
-                list.join(", ")
-            );
-        }
-        match cfg.ice_servers.as_ref().and_then(|v| v.as_array()) {
-            Some(list) => println!(
-                "ICE servers for the tabs' WebRTC links: {}",
-                list.iter()
-                    .map(|s| s["urls"].to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-            None => println!(
-                "ICE servers: none (tabs link through host candidates; tabs on other networks \
-                 use the relay; --ice-server adds STUN/TURN)"
-            ),
-        }
-        if let Some(d) = &cfg.static_dir {
-            println!("serving {} at {http}://{local}/", d.display());
-        }
+        say_setup(&cfg, local);
         // Ctrl-C or SIGTERM (kill, service managers): stop cleanly, which also removes the
         // Unix-domain socket's directory. The handlers exist before anything is served: the
         // shutdown future first runs inside `serve`, after the socket directory is made.
@@ -341,4 +257,101 @@ fn serve(addr: &str, cfg: distgrad::relay::RelayConfig) -> distgrad::Result<()> 
             .await
             .map_err(|e| distgrad::Error::Input(format!("relay failed: {e}")))
     })
+}
+
+/// Say where the relay listens and how it is set up: TLS, data streams, limits, the admin page,
+/// trusted proxies, ICE servers, the web app.
+fn say_setup(cfg: &distgrad::relay::RelayConfig, local: std::net::SocketAddr) {
+    let (ws, http) = if cfg.tls.is_some() {
+        ("wss", "https")
+    } else {
+        ("ws", "http")
+    };
+    println!("distgrad relay listening on {ws}://{local}/ws");
+    if cfg.tls.is_some() {
+        println!(
+            "{}",
+            if cfg.require_tls {
+                "TLS on and required (plain ws://, http:// and data streams refused)"
+            } else {
+                "TLS on (plain ws:// and http:// on the same port still work, e.g. behind a proxy)"
+            }
+        );
+    }
+    println!(
+        "native members' data streams (same port): {}",
+        match (cfg.streams, cfg.splice) {
+            (false, _) => "off (data on the WebSockets)",
+            (true, true) => "on (forwarded with splice where the OS has it)",
+            (true, false) => "on (forwarded through a buffer)",
+        }
+    );
+    if cfg.streams {
+        println!(
+            "members on this host: {}",
+            if cfg.local_streams && cfg!(unix) {
+                "data streams on a Unix-domain socket (its path is in their welcome)"
+            } else {
+                "data streams over TCP"
+            }
+        );
+    }
+    println!(
+        "limits: memory for queued data {} MiB; rooms {} (world <= {}); connections {}; per \
+         address {} connections, {} rooms open; a room fills within {}s; join within {}s; idle \
+         {}s; frames <= {} bytes; room tokens: {}; origins: {}",
+        cfg.memory_budget >> 20,
+        cfg.max_rooms,
+        cfg.max_members,
+        cfg.max_conns,
+        cfg.max_conns_per_addr,
+        cfg.max_rooms_per_addr,
+        cfg.room_fill_timeout.as_secs(),
+        cfg.join_timeout.as_secs(),
+        cfg.idle_timeout.as_secs(),
+        cfg.max_frame,
+        if cfg.client_tokens {
+            "made by the relay, or chosen by the creator (32 hex digits)"
+        } else {
+            "made by the relay"
+        },
+        if cfg.allowed_origins.is_empty() {
+            "its own page".to_string()
+        } else {
+            format!("its own page, {}", cfg.allowed_origins.join(", "))
+        },
+    );
+    if let Some(t) = &cfg.admin_token {
+        println!("admin page: {http}://{local}/admin#token={t}");
+    }
+    if !cfg.trusted_proxies.is_empty() {
+        let list: Vec<String> = cfg.trusted_proxies.iter().map(|p| p.to_string()).collect();
+        println!(
+            "trusted proxies (their members are counted per X-Forwarded-For client): {}",
+            list.join(", ")
+        );
+    }
+    match cfg.ice_servers.as_ref().and_then(|v| v.as_array()) {
+        Some(list) => println!(
+            "ICE servers for the tabs' WebRTC links: {}",
+            list.iter()
+                .map(|s| s["urls"].to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        None => println!(
+            "ICE servers: none (tabs link through host candidates; tabs on other networks \
+             use the relay; --ice-server adds STUN/TURN)"
+        ),
+    }
+    if let Some(t) = &cfg.turn {
+        println!(
+            "TURN for the tabs: {} (a credential per member, in its ready, valid {}s)",
+            t.urls.join(", "),
+            t.ttl.as_secs()
+        );
+    }
+    if let Some(d) = &cfg.static_dir {
+        println!("serving {} at {http}://{local}/", d.display());
+    }
 }

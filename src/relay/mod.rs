@@ -29,7 +29,7 @@
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -54,11 +54,12 @@ mod admin;
 mod admission;
 mod budget;
 mod errors;
+mod join;
 mod stream;
 mod turn;
 mod watch;
 
-use admission::{AddrSlot, ConnCount, client_token_refusal, forwarded_client, origin_allowed};
+use admission::{AddrSlot, ConnCount, forwarded_client, origin_allowed};
 pub use admission::{addr_bucket, default_max_conns, is_token_form};
 use budget::{Charge, charge, memory_permits, queue_budget};
 pub use budget::{default_memory_budget, parse_bytes};
@@ -800,7 +801,7 @@ async fn connection(socket: WebSocket, shared: Arc<Shared>, on_host: bool, peer:
         kill,
     };
 
-    let seat = match join(&shared, &mut stream, &link, on_host, peer).await {
+    let seat = match join::join(&shared, &mut stream, &link, on_host, peer).await {
         Ok(seat) => seat,
         Err(refusal) => {
             send_error(&tx, &refusal.to_string());
@@ -848,226 +849,6 @@ fn control(msg: &Control) -> String {
     serde_json::to_string(msg).unwrap_or_default()
 }
 
-/// Wait for the join message and seat the client, or say why not. The Unix-domain socket is named
-/// only to members `on_host` (others could not reach it, and need not know where it is).
-async fn join(
-    shared: &Arc<Shared>,
-    stream: &mut futures::stream::SplitStream<WebSocket>,
-    link: &Link,
-    on_host: bool,
-    peer: Option<IpAddr>,
-) -> Result<Seat, Refusal> {
-    let tx = &link.tx;
-    let first = tokio::time::timeout(shared.cfg.join_timeout, stream.next())
-        .await
-        .map_err(|_| Refusal::NoJoin(shared.cfg.join_timeout))?;
-    let text = match first {
-        Some(Ok(Message::Text(t))) => t,
-        Some(Ok(_)) => return Err(Refusal::NotText),
-        Some(Err(e)) => return Err(Refusal::Socket(e.to_string())),
-        None => return Err(Refusal::Closed),
-    };
-    let (room, token, world, rank, wants_stream) = match serde_json::from_str::<Control>(&text) {
-        Ok(Control::Join {
-            room,
-            token,
-            world,
-            rank,
-            stream,
-        }) => (room, token, world, rank, stream),
-        Ok(other) => return Err(Refusal::NotJoin(format!("{other:?}"))),
-        Err(e) => return Err(Refusal::Malformed(e.to_string())),
-    };
-    let cfg = &shared.cfg;
-    if room.is_empty() || room.len() > 128 {
-        return Err(Refusal::RoomName);
-    }
-    if world == 0 || world > cfg.max_members {
-        return Err(Refusal::World {
-            world,
-            max: cfg.max_members,
-        });
-    }
-    // Everything checkable without the room comes first: a refused join must not create a room.
-    if let Some(k) = rank
-        && k >= world
-    {
-        return Err(Refusal::RankOutside { rank: k, world });
-    }
-    // Made before the lock (it may fail); used only if this join creates the room.
-    let fresh_token = match &token {
-        Some(_) => None,
-        None => Some(random_token().map_err(|e| Refusal::Random(e.to_string()))?),
-    };
-    let key = match wants_stream && shared.cfg.streams {
-        true => Some(random_token().map_err(|e| Refusal::Random(e.to_string()))?),
-        false => None,
-    };
-    let addr = peer;
-    let peer = peer.map(addr_bucket);
-    let mut rooms = shared.rooms();
-    let n_rooms = rooms.len();
-    let open_here = rooms
-        .values()
-        .filter(|r| peer.is_some() && r.creator == peer)
-        .count();
-    let mut created = None;
-    let r = match rooms.get_mut(&room) {
-        Some(r) => {
-            if !token.as_deref().is_some_and(|t| secret_eq(t, &r.token)) {
-                return Err(Refusal::WrongToken { room });
-            }
-            if r.world != world {
-                return Err(Refusal::WorldMismatch {
-                    room,
-                    has: r.world,
-                    asked: world,
-                });
-            }
-            if r.started {
-                return Err(Refusal::Started { room });
-            }
-            r
-        }
-        None => {
-            if n_rooms >= cfg.max_rooms {
-                return Err(Refusal::Full {
-                    rooms: cfg.max_rooms,
-                });
-            }
-            if let Some(ip) = peer
-                && open_here >= cfg.max_rooms_per_addr
-            {
-                return Err(Refusal::RoomsPerAddress {
-                    ip,
-                    open: open_here,
-                });
-            }
-            // Checked under the lock that creates the room: no other join can create or remove
-            // it in between.
-            if let Some(why) = token
-                .as_deref()
-                .and_then(|t| client_token_refusal(cfg, &room, t))
-            {
-                return Err(why);
-            }
-            let id = shared.next_room.fetch_add(1, Ordering::Relaxed);
-            created = Some(id);
-            rooms.entry(room.clone()).or_insert(Room {
-                id,
-                token: token.or(fresh_token).unwrap_or_default(),
-                creator: peer,
-                world,
-                members: HashMap::new(),
-                started: false,
-                created: std::time::Instant::now(),
-            })
-        }
-    };
-    let rank = match rank {
-        Some(k) if r.members.contains_key(&k) => {
-            return Err(Refusal::RankTaken { rank: k, room });
-        }
-        Some(k) => k,
-        None => (0..world)
-            .find(|k| !r.members.contains_key(k))
-            .ok_or_else(|| Refusal::RoomFull { room: room.clone() })?,
-    };
-    let room_id = r.id;
-    r.members.insert(
-        rank,
-        Member {
-            link: link.clone(),
-            settled: key.is_none(),
-            key: key.clone(),
-            addr,
-            since: std::time::Instant::now(),
-        },
-    );
-    let mut members: Vec<u32> = r.members.keys().copied().collect();
-    members.sort_unstable();
-    let _ = tx.send(Out::Text(control(&Control::Welcome {
-        rank,
-        world,
-        token: r.token.clone(),
-        members: members.clone(),
-        stream_path: key
-            .as_ref()
-            .filter(|_| on_host)
-            .and_then(|_| shared.local_path.get().cloned()),
-        stream_key: key,
-        // Named only where it differs from the default, which every member assumes anyway: a
-        // member of an earlier build (which refuses unknown fields) still joins a default relay.
-        max_frame: (shared.cfg.max_frame != DEFAULT_FRAME_PAYLOAD).then_some(shared.cfg.max_frame),
-        // Handed out in `ready`, to members of a full room only (TURN credentials expire).
-        ice_servers: None,
-    })));
-    // A full room whose last data streams are still attaching announces `ready` shortly.
-    if !ready_check(r, &shared.cfg) && members.len() as u32 != world {
-        let text = control(&Control::Members { members });
-        for m in r.members.values() {
-            let _ = m.link.tx.send(Out::Text(text.clone()));
-        }
-    }
-    drop(rooms);
-    let announced_stream = wants_stream && shared.cfg.streams;
-    let seat = Seat {
-        room,
-        room_id,
-        rank,
-    };
-    if created.is_some() {
-        tokio::spawn(close_if_unfilled(shared.clone(), seat.clone()));
-    }
-    if announced_stream {
-        tokio::spawn(drop_if_no_stream(shared.clone(), seat.clone()));
-    }
-    Ok(seat)
-}
-
-/// Close `seat`'s room if it has not filled within the room fill timeout, telling its members.
-async fn close_if_unfilled(shared: Arc<Shared>, seat: Seat) {
-    let limit = shared.cfg.room_fill_timeout;
-    let mut stopping = shared.stopping.clone();
-    tokio::select! {
-        () = tokio::time::sleep(limit) => {}
-        () = stopped(&mut stopping) => return,
-    }
-    let mut rooms = shared.rooms();
-    let Some(r) = seat.room_in(&mut rooms).filter(|r| !r.started) else {
-        return;
-    };
-    let why = format!(
-        "room {:?} did not fill within {limit:?} ({} of {} members joined); it is closed: \
-         create it again when everyone is ready to join",
-        seat.room,
-        r.members.len(),
-        r.world
-    );
-    for m in r.members.values() {
-        m.link.budget.close();
-        let _ = m.link.kill.send(Some(why.clone()));
-    }
-    rooms.remove(&seat.room);
-}
-
-/// End `seat` if the data stream its join announced has not attached within the join timeout
-/// (its room would otherwise wait for it forever).
-async fn drop_if_no_stream(shared: Arc<Shared>, seat: Seat) {
-    let limit = shared.cfg.join_timeout;
-    tokio::time::sleep(limit).await;
-    let mut rooms = shared.rooms();
-    if let Some(m) = seat
-        .room_in(&mut rooms)
-        .and_then(|r| r.members.get(&seat.rank))
-        .filter(|m| !m.settled)
-    {
-        let _ = m.link.kill.send(Some(format!(
-            "its announced data stream did not attach within {limit:?}"
-        )));
-    }
-}
-
 /// Route a member's messages until it leaves; returns why it left.
 async fn serve_member(
     shared: &Shared,
@@ -1104,79 +885,22 @@ async fn serve_member(
             Some(Err(e)) => return format!("socket error: {e}"),
             Some(Ok(m)) => m,
         };
-        match msg {
-            Message::Binary(b) => {
-                // While it waits for room at the destination it still sees shutdown and kill.
-                let routed = tokio::select! {
-                    r = route(shared, seat, b) => r,
-                    () = stopped(&mut stopping) => return "the relay is shutting down".into(),
-                    Ok(reason) = killed.wait_for(Option::is_some) => {
-                        return reason.clone().unwrap_or_default();
-                    }
-                };
-                if let Err(reason) = routed {
-                    return reason;
-                }
-            }
+        // While it waits for room at a destination it still sees shutdown and kill.
+        let handled = match msg {
+            Message::Binary(b) => unless_ended(route(shared, seat, b), &mut stopping, killed).await,
             Message::Text(t) => match serde_json::from_str::<Control>(&t) {
                 Ok(Control::Signal {
                     to: Some(to), data, ..
                 }) => {
-                    let fwd = control(&Control::Signal {
-                        to: None,
-                        from: Some(seat.rank),
-                        data,
-                    });
-                    let dst = {
-                        let mut rooms = shared.rooms();
-                        seat.room_in(&mut rooms)
-                            .and_then(|r| r.members.get(&to))
-                            .map(|m| (m.link.tx.clone(), m.link.budget.clone()))
-                    };
-                    // Signals are charged to the receiver's budget like data: a member cannot
-                    // grow the relay's memory by flooding one that does not read.
-                    if let Some((tx, budget)) = dst {
-                        let charged = tokio::select! {
-                            c = charge(shared, &budget, fwd.len()) => c,
-                            () = stopped(&mut stopping) => return "the relay is shutting down".into(),
-                            Ok(reason) = killed.wait_for(Option::is_some) => {
-                                return reason.clone().unwrap_or_default();
-                            }
-                        };
-                        match charged {
-                            Ok(Some(c)) => {
-                                let _ = tx.send(Out::Routed(fwd, c));
-                            }
-                            Ok(None) => {}
-                            Err(why) => return why,
-                        }
-                    }
+                    let signal = forward_signal(shared, seat, to, data);
+                    unless_ended(signal, &mut stopping, killed).await
                 }
                 Ok(Control::Abort { reason, .. }) if !aborted => {
                     aborted = true;
-                    let fwd = control(&Control::Abort {
-                        from: Some(seat.rank),
-                        reason: truncate(&reason, crate::wire::MAX_ABORT_REASON),
-                    });
-                    let others: Vec<mpsc::UnboundedSender<Out>> = {
-                        let mut rooms = shared.rooms();
-                        seat.room_in(&mut rooms)
-                            .map(|r| {
-                                r.members
-                                    .iter()
-                                    .filter(|&(&k, _)| k != seat.rank)
-                                    .map(|(_, m)| m.link.tx.clone())
-                                    .collect()
-                            })
-                            .unwrap_or_default()
-                    };
-                    // Not charged to the receivers' budgets and never waited for: a member whose
-                    // queue is full (it stopped reading) must not hold up the others' notes.
-                    for tx in others {
-                        let _ = tx.send(Out::Text(fwd.clone()));
-                    }
+                    forward_abort(shared, seat, &reason);
+                    Ok(Ok(()))
                 }
-                Ok(Control::Abort { .. }) => {}
+                Ok(Control::Abort { .. }) => Ok(Ok(())),
                 Ok(Control::NoStream) => {
                     let mut rooms = shared.rooms();
                     if let Some(r) = seat.room_in(&mut rooms) {
@@ -1185,6 +909,7 @@ async fn serve_member(
                         }
                         ready_check(r, &shared.cfg);
                     }
+                    Ok(Ok(()))
                 }
                 Ok(other) => {
                     let quoted = crate::wire::clip(&format!("{other:?}"), crate::wire::MAX_QUOTED);
@@ -1195,8 +920,69 @@ async fn serve_member(
                     return format!("malformed control message: {e}");
                 }
             },
-            Message::Ping(_) | Message::Pong(_) => {}
+            Message::Ping(_) | Message::Pong(_) => Ok(Ok(())),
             Message::Close(_) => return LEFT_CLEANLY.into(),
+        };
+        match handled {
+            Ok(Ok(())) => {}
+            Ok(Err(reason)) | Err(reason) => return reason,
+        }
+    }
+}
+
+/// `fut`, unless the relay shuts down or the member is ended first: then why it goes.
+async fn unless_ended<T>(
+    fut: impl std::future::Future<Output = T>,
+    stopping: &mut tokio::sync::watch::Receiver<bool>,
+    killed: &mut tokio::sync::watch::Receiver<Option<String>>,
+) -> Result<T, String> {
+    tokio::select! {
+        v = fut => Ok(v),
+        () = stopped(stopping) => Err("the relay is shutting down".into()),
+        Ok(reason) = killed.wait_for(Option::is_some) => Err(reason.clone().unwrap_or_default()),
+    }
+}
+
+/// Forward a WebRTC signal from `seat` to rank `to` of its room, charged to the receiver's queue
+/// and the memory budget like data (a member cannot grow the relay's memory by flooding one that
+/// does not read); `Err`: why the sender must go.
+async fn forward_signal(
+    shared: &Shared,
+    seat: &Seat,
+    to: u32,
+    data: serde_json::Value,
+) -> Result<(), String> {
+    let fwd = control(&Control::Signal {
+        to: None,
+        from: Some(seat.rank),
+        data,
+    });
+    let dst = {
+        let mut rooms = shared.rooms();
+        seat.room_in(&mut rooms)
+            .and_then(|r| r.members.get(&to))
+            .map(|m| (m.link.tx.clone(), m.link.budget.clone()))
+    };
+    if let Some((tx, budget)) = dst
+        && let Some(c) = charge(shared, &budget, fwd.len()).await?
+    {
+        let _ = tx.send(Out::Routed(fwd, c));
+    }
+    Ok(())
+}
+
+/// Tell the other members of `seat`'s room that it aborted, with its `reason` (cut to the wire's
+/// bound). Not charged to the receivers' budgets and never waited for: a member whose queue is
+/// full (it stopped reading) must not hold up the others' notes.
+fn forward_abort(shared: &Shared, seat: &Seat, reason: &str) {
+    let fwd = control(&Control::Abort {
+        from: Some(seat.rank),
+        reason: truncate(reason, crate::wire::MAX_ABORT_REASON),
+    });
+    let mut rooms = shared.rooms();
+    if let Some(r) = seat.room_in(&mut rooms) {
+        for (_, m) in r.members.iter().filter(|&(&k, _)| k != seat.rank) {
+            let _ = m.link.tx.send(Out::Text(fwd.clone()));
         }
     }
 }

@@ -2,7 +2,8 @@
 // bytes — and, in single-tab mode (`?sim=4`), the first lesson on screen within 500 ms of
 // navigation: measured in fresh browser contexts (nothing cached) and printed, not asserted (a
 // time on a shared 2-core machine is a figure, not a test). Also checks that the first lesson is
-// really shown (its title and step 0 on the page) and a link to a lesson step opens that step.
+// really shown (its title and step 0 on the page), a link to a lesson step opens that step, and
+// the page loads the shipped digits from its own files (`window.distgrad.digits()`).
 //
 //   node tests/browser/startup.mjs --bin target/debug/distgrad --dist dist [--runs 7]
 import { readdirSync, statSync } from 'node:fs';
@@ -57,6 +58,12 @@ try {
   await waitFor([page], (x) => x.lesson === 'reduce_scatter' && x.lesson_step === 3, 30000, 'a linked step');
   const s = await stateOf(page);
   if (s.lesson_runs !== 1) fail(`a linked lesson ran ${s.lesson_runs} times`);
+  // The shipped digits (www/data/digits.bin), fetched from the app's own files and checked.
+  const digits = JSON.parse(await page.evaluate(() => window.distgrad.digits()));
+  const want = { images: 1797, train: 1438, test: 359, per_digit: [178, 182, 177, 183, 181, 182, 181, 179, 174, 180] };
+  const same = Object.keys(want).every((k) => JSON.stringify(digits[k]) === JSON.stringify(want[k]));
+  if (!same) fail(`the page's digits: ${JSON.stringify(digits)}`);
+  else console.log(`[startup] the page loads the digits: ${digits.images} images (${digits.train} train, ${digits.test} test)`);
   await ctx.close();
 } finally {
   await browser.close();

@@ -144,6 +144,10 @@ pub(super) fn install_api() {
     install_program_api(&api);
     install_bench_api(&api);
     install_leave_api(&api);
+    // `digits`: the shipped digits, fetched from the app's files and checked (a summary).
+    let f = Closure::<dyn Fn() -> js_sys::Promise>::new(|| promise(super::data::digits_summary()));
+    set_fn(&api, "digits", f.as_ref());
+    f.forget();
     let _ = js_sys::Reflect::set(&w, &JsValue::from_str("distgrad"), &api);
     install_room_handlers();
     install_panel_handlers();

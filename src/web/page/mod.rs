@@ -41,6 +41,7 @@
 
 mod api;
 mod bus;
+mod data;
 mod diagram;
 mod dispatch;
 mod dom;
