@@ -364,35 +364,45 @@ impl Store {
     /// `secret` where the store has one.
     pub fn connect(addr: &str, timeout: Duration, secret: Option<&str>) -> Result<Store> {
         let deadline = Instant::now() + timeout;
-        let s = loop {
-            match TcpStream::connect(addr) {
-                Ok(s) => break s,
-                Err(e) if Instant::now() >= deadline => {
-                    return Err(err(format!(
-                        "cannot reach the store at {addr} within {timeout:?}: {e}"
-                    )));
+        loop {
+            let s = loop {
+                match TcpStream::connect(addr) {
+                    Ok(s) => break s,
+                    Err(e) if Instant::now() >= deadline => {
+                        return Err(err(format!(
+                            "cannot reach the store at {addr} within {timeout:?}: {e}"
+                        )));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(50)),
                 }
-                Err(_) => std::thread::sleep(Duration::from_millis(50)),
-            }
-        };
-        let _ = s.set_nodelay(true);
-        s.set_read_timeout(Some(timeout))
-            .map_err(|e| err(e.to_string()))?;
-        let w = s.try_clone().map_err(|e| err(e.to_string()))?;
-        let mut store = Store {
-            r: BufReader::new(s),
-            w,
-            timeout,
-        };
-        if let Some(secret) = secret {
+            };
+            let _ = s.set_nodelay(true);
+            s.set_read_timeout(Some(timeout))
+                .map_err(|e| err(e.to_string()))?;
+            let w = s.try_clone().map_err(|e| err(e.to_string()))?;
+            let mut store = Store {
+                r: BufReader::new(s),
+                w,
+                timeout,
+            };
+            let Some(secret) = secret else {
+                return Ok(store);
+            };
             store
                 .w
                 .write_all(format!("AUTH {secret}\n").as_bytes())
                 .map_err(|e| err(format!("sending the secret to {addr}: {e}")))?;
             let answer = store.answer_line().unwrap_or_default();
+            // Busy (its connections taken, by other ranks or by someone else on the host): try
+            // again until the deadline.
+            if answer == BUSY && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
             if answer == BUSY {
                 return Err(err(format!(
-                    "the store at {addr} is serving its most connections ({MAX_CONNS})"
+                    "the store at {addr} was serving its most connections ({MAX_CONNS}) for \
+                     {timeout:?}"
                 )));
             }
             if answer != "OK\n" {
@@ -401,8 +411,8 @@ impl Store {
                      on every rank)"
                 )));
             }
+            return Ok(store);
         }
-        Ok(store)
     }
 
     /// The store's next answer line (bounded like its requests).

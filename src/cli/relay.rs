@@ -182,9 +182,11 @@ pub fn run(a: RelayArgs) -> distgrad::Result<()> {
         idle_timeout: std::time::Duration::from_secs(a.idle_timeout_secs),
         join_timeout: std::time::Duration::from_secs(a.join_timeout_secs),
         max_conns_per_addr: a.max_conns_per_addr,
-        max_conns: a
-            .max_conns
-            .unwrap_or_else(distgrad::relay::default_max_conns),
+        max_conns: a.max_conns.unwrap_or_else(|| {
+            // The host's limit, not a low default soft limit, sets the default cap.
+            let _ = distgrad::relay::raise_file_limit();
+            distgrad::relay::default_max_conns()
+        }),
         max_rooms_per_addr: a.max_rooms_per_addr,
         room_fill_timeout: std::time::Duration::from_secs(a.room_fill_secs),
         client_tokens: a.client_tokens,

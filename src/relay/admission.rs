@@ -175,6 +175,41 @@ pub fn default_max_conns() -> usize {
     4096
 }
 
+/// Raise this process's soft limit on open files to its hard limit (Unix), so that the default
+/// connection cap ([`default_max_conns`]) is not held below what the host allows by a low
+/// default soft limit (1,024 on many systems). Returns the soft limit before and after, where it
+/// could be read.
+pub fn raise_file_limit() -> Option<(u64, u64)> {
+    #[cfg(unix)]
+    {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit and setrlimit read and write one rlimit through a valid pointer.
+        unsafe {
+            if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+                return None;
+            }
+            let before = lim.rlim_cur;
+            if lim.rlim_cur < lim.rlim_max {
+                let raised = libc::rlimit {
+                    rlim_cur: lim.rlim_max,
+                    rlim_max: lim.rlim_max,
+                };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                    lim.rlim_cur = lim.rlim_max;
+                }
+            }
+            // rlim_t is u64 here, another width elsewhere.
+            #[allow(clippy::unnecessary_cast)]
+            Some((before as u64, lim.rlim_cur as u64))
+        }
+    }
+    #[cfg(not(unix))]
+    None
+}
+
 /// The address `ip` is counted under: itself (IPv4-mapped IPv6 as IPv4), or for IPv6 its /64
 /// (the rest zero): one host or site is handed a whole /64, so per-address caps on single IPv6
 /// addresses would not hold.

@@ -60,7 +60,7 @@ mod turn;
 mod watch;
 
 use admission::{AddrSlot, ConnCount, forwarded_client, origin_allowed};
-pub use admission::{addr_bucket, default_max_conns, is_token_form};
+pub use admission::{addr_bucket, default_max_conns, is_token_form, raise_file_limit};
 use budget::{Charge, charge, memory_permits, queue_budget};
 pub use budget::{default_memory_budget, parse_bytes};
 pub use errors::{ConfigError, Refusal};
@@ -386,7 +386,11 @@ fn ready_check(r: &mut Room, cfg: &RelayConfig) -> bool {
         let text = control(&Control::Ready {
             members: members.clone(),
             link_keys,
-            ice_servers: turn::ice_servers_for(cfg, r.id, rank),
+            // Only where WebRTC links can form (a room of one has no peer): TURN credentials
+            // are not handed to whoever opens a room of one.
+            ice_servers: (r.world >= 2)
+                .then(|| turn::ice_servers_for(cfg, r.id, rank))
+                .flatten(),
         });
         let _ = m.link.tx.send(Out::Text(text));
     }

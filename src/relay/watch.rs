@@ -2,7 +2,9 @@
 //! arrive within the join timeout of its first byte (a client sending one byte at a time cannot
 //! hold a connection, the slowloris attack), and a connection that moves nothing in either
 //! direction for the idle timeout between requests is closed. A request that asks for an upgrade
-//! (the WebSocket handshake) ends the watch: the WebSocket's own idle check (pings) takes over.
+//! (the WebSocket handshake) ends the watch once the server answers it `101 Switching Protocols`:
+//! the WebSocket's own idle check (pings) takes over. Any other answer (a refused handshake, or an
+//! `Upgrade:` header on a plain request) leaves the connection watched like any other.
 //!
 //! The relay answers only `GET`s (the page's files, the WebSocket handshake), so a request is its
 //! header block: the watch follows the bytes read for the blank line that ends it.
@@ -26,9 +28,16 @@ enum Phase {
     /// Reading a request's header block (`seen`: its bytes so far): it must end by the deadline
     /// set at its first byte.
     Headers { seen: Vec<u8> },
-    /// Upgraded (or asked to be): the watch is off.
+    /// A request asked for an upgrade; waiting for the server's answer (its first bytes so far,
+    /// `answer`; bytes the client sent meanwhile, `early`): `101` turns the watch off, anything
+    /// else goes back to between requests.
+    Upgrading { answer: Vec<u8>, early: Vec<u8> },
+    /// Upgraded: the watch is off.
     Off,
 }
+
+/// The start of the answer that switches protocols.
+const SWITCHING: &[u8] = b"HTTP/1.1 101";
 
 /// `io` with the relay's HTTP time limits (see the module's documentation).
 pub(super) struct Watched<T> {
@@ -58,6 +67,13 @@ impl<T> Watched<T> {
         while !rest.is_empty() {
             match &mut self.phase {
                 Phase::Off => return None,
+                Phase::Upgrading { early, .. } => {
+                    if early.len() + rest.len() > MAX_HEADERS {
+                        return Some("request headers too large");
+                    }
+                    early.extend_from_slice(rest);
+                    return None;
+                }
                 Phase::Between => {
                     self.phase = Phase::Headers { seen: Vec::new() };
                     self.deadline.as_mut().reset(Instant::now() + self.headers);
@@ -69,8 +85,14 @@ impl<T> Watched<T> {
                     seen.push(rest[0]);
                     rest = &rest[1..];
                     if seen.ends_with(b"\r\n\r\n") {
-                        let upgrade = asks_upgrade(seen);
-                        self.phase = if upgrade { Phase::Off } else { Phase::Between };
+                        self.phase = if asks_upgrade(seen) {
+                            Phase::Upgrading {
+                                answer: Vec::new(),
+                                early: Vec::new(),
+                            }
+                        } else {
+                            Phase::Between
+                        };
                         self.deadline.as_mut().reset(Instant::now() + self.idle);
                     }
                 }
@@ -79,9 +101,30 @@ impl<T> Watched<T> {
         None
     }
 
+    /// Follow `bytes`, just written: the first bytes of the answer to an upgrade request say
+    /// whether the watch ends. Returns why the connection must end, if it must.
+    fn answered(&mut self, bytes: &[u8]) -> Option<&'static str> {
+        let Phase::Upgrading { answer, early } = &mut self.phase else {
+            return None;
+        };
+        let want = SWITCHING.len() - answer.len().min(SWITCHING.len());
+        answer.extend_from_slice(&bytes[..bytes.len().min(want)]);
+        if answer.len() < SWITCHING.len() {
+            return None;
+        }
+        if answer.as_slice() == SWITCHING {
+            self.phase = Phase::Off;
+            return None;
+        }
+        let early = std::mem::take(early);
+        self.phase = Phase::Between;
+        self.deadline.as_mut().reset(Instant::now() + self.idle);
+        self.follow(&early)
+    }
+
     /// Bytes moved: between requests, the idle clock starts again.
     fn moved(&mut self) {
-        if matches!(self.phase, Phase::Between) {
+        if matches!(self.phase, Phase::Between | Phase::Upgrading { .. }) {
             self.deadline.as_mut().reset(Instant::now() + self.idle);
         }
     }
@@ -92,7 +135,7 @@ impl<T> Watched<T> {
         match self.phase {
             Phase::Off => None,
             _ if self.deadline.as_mut().poll(cx).is_pending() => None,
-            Phase::Between => Some("idle between requests"),
+            Phase::Between | Phase::Upgrading { .. } => Some("idle between requests"),
             Phase::Headers { .. } => Some("request headers not complete in time"),
         }
     }
@@ -117,6 +160,9 @@ impl<T: AsyncRead + Unpin> AsyncRead for Watched<T> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let me = self.get_mut();
+        if matches!(me.phase, Phase::Off) {
+            return Pin::new(&mut me.io).poll_read(cx, buf);
+        }
         let before = buf.filled().len();
         match Pin::new(&mut me.io).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
@@ -146,9 +192,17 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let me = self.get_mut();
+        if matches!(me.phase, Phase::Off) {
+            return Pin::new(&mut me.io).poll_write(cx, buf);
+        }
         let r = Pin::new(&mut me.io).poll_write(cx, buf);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+        if let Poll::Ready(Ok(n)) = r
+            && n > 0
+        {
             me.moved();
+            if let Some(why) = me.answered(&buf[..n]) {
+                return Poll::Ready(Err(io::Error::new(io::ErrorKind::InvalidData, why)));
+            }
         }
         r
     }
@@ -159,9 +213,26 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let me = self.get_mut();
+        if matches!(me.phase, Phase::Off) {
+            return Pin::new(&mut me.io).poll_write_vectored(cx, bufs);
+        }
         let r = Pin::new(&mut me.io).poll_write_vectored(cx, bufs);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+        if let Poll::Ready(Ok(n)) = r
+            && n > 0
+        {
             me.moved();
+            // The written bytes, in order, as far as the answer's first bytes go.
+            let mut left = n.min(SWITCHING.len());
+            for b in bufs {
+                if left == 0 {
+                    break;
+                }
+                let take = b.len().min(left);
+                if let Some(why) = me.answered(&b[..take]) {
+                    return Poll::Ready(Err(io::Error::new(io::ErrorKind::InvalidData, why)));
+                }
+                left -= take;
+            }
         }
         r
     }
@@ -210,8 +281,19 @@ mod tests {
             let mut w = watched();
             w.follow(&upgrade[..split]);
             w.follow(&upgrade[split..]);
+            assert!(matches!(w.phase, Phase::Upgrading { .. }), "split {split}");
+            // The answer, in two writes: 101 ends the watch.
+            w.answered(b"HTTP/1.1 1");
+            w.answered(b"01 Switching Protocols\r\n");
             assert!(matches!(w.phase, Phase::Off), "split {split}");
         }
+        // Refused (or an Upgrade header on a plain request): watched again, and what the client
+        // sent meanwhile is the next request.
+        let mut w = watched();
+        w.follow(upgrade);
+        w.follow(b"GET /x");
+        assert_eq!(w.answered(b"HTTP/1.1 403 Forbidden\r\n"), None);
+        assert!(matches!(&w.phase, Phase::Headers { seen } if seen == b"GET /x"));
         // Two requests in one read (pipelined), then the start of a third.
         let mut w = watched();
         let mut two = plain.to_vec();
@@ -219,11 +301,11 @@ mod tests {
         two.extend_from_slice(b"GE");
         w.follow(&two);
         assert!(matches!(&w.phase, Phase::Headers { seen } if seen == b"GE"));
-        // Everything after the upgrade request is the WebSocket's: not followed.
+        // Everything after the switch is the WebSocket's: not followed.
         let mut w = watched();
-        let mut up = upgrade.to_vec();
-        up.extend_from_slice(&[0x81, 0x05, b'h', b'e', b'l', b'l', b'o']);
-        w.follow(&up);
+        w.follow(upgrade);
+        w.answered(b"HTTP/1.1 101 Switching Protocols\r\n");
+        w.follow(&[0x81, 0x05, b'h', b'e', b'l', b'l', b'o']);
         assert!(matches!(w.phase, Phase::Off));
         // A header block without end, beyond the bound, ends the connection.
         let mut w = watched();
