@@ -1,22 +1,16 @@
 //! The datasets the page fetches from the app's own files (`data/`, see `crate::data`).
 
-use wasm_bindgen::JsCast;
 use wasm_bindgen_futures::JsFuture;
 
 use crate::data::{DIGITS_CLASSES, Digits};
 use crate::error::{Error, Result};
 
+use super::lessons::fetch_ok;
+
 /// The bytes of the app's file at `path`.
 async fn fetch_bytes(path: &str) -> Result<Vec<u8>> {
-    let w = web_sys::window().ok_or_else(|| Error::Input("no window".into()))?;
     let fail = |what: &str| Error::Input(format!("fetching {path}: {what}"));
-    let resp = JsFuture::from(w.fetch_with_str(path))
-        .await
-        .map_err(|_| fail("network error"))?;
-    let resp: web_sys::Response = resp.dyn_into().map_err(|_| fail("not a response"))?;
-    if !resp.ok() {
-        return Err(fail(&format!("HTTP {}", resp.status())));
-    }
+    let resp = fetch_ok(path).await?;
     let buf = JsFuture::from(resp.array_buffer().map_err(|_| fail("no body"))?)
         .await
         .map_err(|_| fail("reading the body"))?;

@@ -25,7 +25,8 @@ use super::dom::{el, esc, now_ms, set_hidden, set_html, set_text, show_notice, s
 use super::params::{lesson_name_ok, projector_on, step_link};
 use super::{App, Bus, PLAY_EVERY, TRACE_GROUP, app, state, view};
 
-pub(super) async fn fetch_text(path: &str) -> Result<String> {
+/// The answer to a fetch of the app's file at `path`, when it is a success.
+pub(super) async fn fetch_ok(path: &str) -> Result<web_sys::Response> {
     let w = web_sys::window().ok_or_else(|| Error::Input("no window".into()))?;
     let fail = |what: &str| Error::Input(format!("fetching {path}: {what}"));
     let resp = JsFuture::from(w.fetch_with_str(path))
@@ -35,6 +36,12 @@ pub(super) async fn fetch_text(path: &str) -> Result<String> {
     if !resp.ok() {
         return Err(fail(&format!("HTTP {}", resp.status())));
     }
+    Ok(resp)
+}
+
+pub(super) async fn fetch_text(path: &str) -> Result<String> {
+    let fail = |what: &str| Error::Input(format!("fetching {path}: {what}"));
+    let resp = fetch_ok(path).await?;
     let text = JsFuture::from(resp.text().map_err(|_| fail("no body"))?)
         .await
         .map_err(|_| fail("reading the body"))?;
