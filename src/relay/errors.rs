@@ -189,7 +189,7 @@ pub enum ConfigError {
     /// A timeout of zero.
     #[error("idle_timeout, join_timeout and room_fill_timeout must be above zero")]
     ZeroTimeout,
-    /// No connection or no waiting room per address would be allowed.
+    /// No connection at all, or none or no room per address, would be allowed.
     #[error(
         "max_conns ({total}), max_conns_per_addr ({conns}) and max_rooms_per_addr ({rooms}) must be at least 1"
     )]

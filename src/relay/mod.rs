@@ -316,7 +316,8 @@ struct Room {
     /// Tells this room from a later one of the same name.
     id: u64,
     token: String,
-    /// The address it was created from (counted against that address's waiting rooms).
+    /// The address it was created from, bucketed ([`addr_bucket`]): the room counts against it
+    /// until it closes.
     creator: Option<IpAddr>,
     world: u32,
     members: HashMap<u32, Member>,
